@@ -1,0 +1,202 @@
+"""The backend template.
+
+A backend turns a cached artefact (an optimised ONNX model, a TensorRT engine) into something that
+runs tensors. It has two levels because TensorRT has two: the ``Backend`` is loaded once per model
+(the deserialised engine, the session's graph), and each ``Instance`` is one concurrent runner
+(an execution context with its own stream, or an ONNX Runtime session with its own thread pool).
+The public methods check state, names, dtypes and shapes; subclasses implement only the ``_impl``
+parts (the shape of Polygraphy's runners).
+
+Building is a class-level operation because it runs in a child process (edged.build.worker) that
+imports the backend by name, builds, and exits.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edged.errors import BackendError, InvalidInputError
+
+Progress = Callable[[str, float | None], None]
+"""Build progress callback: (phase, fraction done or None when unknown)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output: name, numpy dtype name and shape, ``-1`` for a dynamic dimension."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def np_dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.dtype)
+
+    def matches(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.shape) and all(
+            want < 0 or want == got for want, got in zip(self.shape, shape)
+        )
+
+    def describe(self) -> str:
+        dims = ",".join("?" if d < 0 else str(d) for d in self.shape)
+        return f"{self.dtype}[{dims}]"
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """Everything a backend needs to build an artefact; also what the cache key covers."""
+
+    source: str  # the ONNX model to build from (the Q/DQ model for int8)
+    precision: str
+    profiles: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(
+        default_factory=dict
+    )
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    threads: int = 0  # intra-op threads per instance; 0: the backend decides
+    instances: int = 1
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Instance(abc.ABC):
+    """One concurrent runner. Used by exactly one worker thread at a time."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.backend.check_inputs(inputs)
+        try:
+            return self._infer_impl(inputs)
+        except Exception as e:  # a backend failure is a request error, never a daemon crash
+            raise BackendError(f"{self.backend.name} failed to run: {e}") from e
+
+    def close(self) -> None:
+        self._close_impl()
+
+    @abc.abstractmethod
+    def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def _close_impl(self) -> None:
+        return None
+
+
+class Backend(abc.ABC):
+    """A model loaded by one backend. Subclasses set ``name`` and implement the ``_impl`` parts."""
+
+    name: ClassVar[str] = "base"
+    artifact_suffix: ClassVar[str] = ".bin"
+    # Precisions in the order a failed accuracy gate falls back through them.
+    precisions: ClassVar[tuple[str, ...]] = ("fp32",)
+
+    def __init__(self, artifact: Path, options: LoadOptions | None = None) -> None:
+        self.artifact = artifact
+        self.options = options or LoadOptions()
+        self._lock = threading.Lock()
+        self._loaded = False
+        self._inputs: tuple[TensorSpec, ...] = ()
+        self._outputs: tuple[TensorSpec, ...] = ()
+        self._input_map: dict[str, TensorSpec] = {}
+
+    # --- class level: availability, identity, building ------------------------------------------
+
+    @classmethod
+    @abc.abstractmethod
+    def available(cls) -> tuple[bool, str]:
+        """(usable here, why or why not); never raises."""
+
+    @classmethod
+    @abc.abstractmethod
+    def version(cls) -> str: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def fingerprint(cls) -> dict[str, str]:
+        """What an artefact is bound to besides the backend version (device, ISA, driver)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, spec: BuildSpec, dest: Path, progress: Progress) -> dict[str, Any]:
+        """Write the artefact to ``dest`` (a temporary path); return extra manifest fields."""
+
+    @classmethod
+    def effective_precision(cls, wanted: str) -> tuple[str, str]:
+        """(precision this backend will run, reason when it differs from ``wanted``)."""
+        if wanted in cls.precisions:
+            return wanted, ""
+        return "fp32", f"{cls.name} has no {wanted} path; running fp32"
+
+    # --- instance level ------------------------------------------------------------------------------
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self._outputs
+
+    def load(self) -> None:
+        with self._lock:
+            if self._loaded:
+                return
+            self._inputs, self._outputs = self._load_impl()
+            self._input_map = {s.name: s for s in self._inputs}
+            self._loaded = True
+
+    def instance(self) -> Instance:
+        if not self._loaded:
+            raise BackendError(f"{self.name}: create_instance before load")
+        return self._instance_impl()
+
+    def unload(self) -> None:
+        with self._lock:
+            if not self._loaded:
+                return
+            self._loaded = False
+            self._unload_impl()
+
+    def footprint(self) -> int:
+        """Bytes this model holds once loaded with its instances (weights, buffers)."""
+        return self._footprint_impl()
+
+    def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
+        if not self._loaded:
+            raise BackendError(f"{self.name}: model is not loaded")
+        if len(inputs) != len(self._input_map) or any(n not in self._input_map for n in inputs):
+            want = ", ".join(self._input_map)
+            raise InvalidInputError(f"expected inputs [{want}], got [{', '.join(inputs)}]")
+        for name, arr in inputs.items():
+            spec = self._input_map[name]
+            if arr.dtype != spec.np_dtype or not spec.matches(arr.shape):
+                raise InvalidInputError(
+                    f"input '{name}': expected {spec.describe()}, got "
+                    f"{arr.dtype}[{','.join(map(str, arr.shape))}]"
+                )
+
+    @abc.abstractmethod
+    def _load_impl(self) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]: ...
+
+    @abc.abstractmethod
+    def _instance_impl(self) -> Instance: ...
+
+    @abc.abstractmethod
+    def _unload_impl(self) -> None: ...
+
+    @abc.abstractmethod
+    def _footprint_impl(self) -> int: ...

@@ -1,0 +1,158 @@
+"""ONNX Runtime on the CPU: the backend every Linux machine has, and the accuracy reference.
+
+The cached artefact is the model as ONNX Runtime optimises it for this machine (level ALL, which
+may use kernels of this CPU's ISA: hence the CPU model and flags in the cache key). Loading it
+again skips the optimiser, which is most of a session's start-up time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from edged.backends.base import Backend, BuildSpec, Instance, Progress, TensorSpec
+
+# ONNX Runtime's own telemetry is off: the daemon writes nothing it was not asked to.
+ort.disable_telemetry_events()
+
+_ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+    "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(int16)": "int16",
+    "tensor(uint16)": "uint16", "tensor(int32)": "int32", "tensor(uint32)": "uint32",
+    "tensor(int64)": "int64", "tensor(uint64)": "uint64", "tensor(bool)": "bool",
+}
+
+
+def _cpu_info() -> dict[str, str]:
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "CPU part") and model in ("", platform.machine()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = value.strip()
+    except OSError:
+        pass
+    return {
+        "arch": platform.machine(),
+        "cpu": model,
+        "isa": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16],
+    }
+
+
+@cache
+def _fingerprint() -> dict[str, str]:
+    return _cpu_info()
+
+
+def _spec(node: Any) -> TensorSpec:
+    dtype = _ORT_TYPES.get(node.type)
+    if dtype is None:
+        raise TypeError(f"tensor {node.name!r} has unsupported type {node.type}")
+    shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in node.shape)
+    return TensorSpec(node.name, dtype, shape)
+
+
+class _OrtInstance(Instance):
+    def __init__(self, backend: OnnxRuntimeBackend, session: ort.InferenceSession) -> None:
+        super().__init__(backend)
+        self._session = session
+        self._names = [o.name for o in backend.outputs]
+
+    def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        results = self._session.run(self._names, dict(inputs))
+        return dict(zip(self._names, results))
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+    artifact_suffix = ".onnx"
+    precisions = ("int8", "fp32")
+
+    def __init__(self, artifact: Path, options: Any = None) -> None:
+        super().__init__(artifact, options)
+        self._first: ort.InferenceSession | None = None
+        self._first_taken = False
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return True, f"onnxruntime {ort.__version__} on the CPU"
+
+    @classmethod
+    def version(cls) -> str:
+        return str(ort.__version__)
+
+    @classmethod
+    def fingerprint(cls) -> dict[str, str]:
+        return dict(_fingerprint())
+
+    @classmethod
+    def effective_precision(cls, wanted: str) -> tuple[str, str]:
+        if wanted == "fp16":
+            return "fp32", "onnxruntime on the CPU has no fp16 kernels that pay; running fp32"
+        return super().effective_precision(wanted)
+
+    @classmethod
+    def build(cls, spec: BuildSpec, dest: Path, progress: Progress) -> dict[str, Any]:
+        progress("optimizing", None)
+        so = cls._options(threads=1)
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.optimized_model_filepath = str(dest)
+        ort.InferenceSession(spec.source, so, providers=["CPUExecutionProvider"])
+        progress("optimizing", 1.0)
+        return {}
+
+    @staticmethod
+    def _options(threads: int) -> ort.SessionOptions:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        return so
+
+    def _threads(self) -> int:
+        if self.options.threads:
+            return self.options.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        return max(1, cores // max(1, self.options.instances))
+
+    def _session(self) -> ort.InferenceSession:
+        so = self._options(self._threads())
+        # The artefact is already optimised for this CPU: running the optimiser again only
+        # lengthens the cold start.
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        return ort.InferenceSession(str(self.artifact), so, providers=["CPUExecutionProvider"])
+
+    def _load_impl(self) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        sess = self._session()
+        self._first, self._first_taken = sess, False
+        return (
+            tuple(_spec(i) for i in sess.get_inputs()),
+            tuple(_spec(o) for o in sess.get_outputs()),
+        )
+
+    def _instance_impl(self) -> Instance:
+        with self._lock:
+            if self._first is not None and not self._first_taken:
+                self._first_taken = True
+                return _OrtInstance(self, self._first)
+        return _OrtInstance(self, self._session())
+
+    def _unload_impl(self) -> None:
+        self._first = None
+
+    def _footprint_impl(self) -> int:
+        # ONNX Runtime does not report its arena; the registry measures resident memory instead.
+        return 0

@@ -1,0 +1,396 @@
+"""The configuration: a frozen tree loaded once from TOML and validated with key paths.
+
+msgspec does the structural validation (types, ranges, unknown keys) because its errors carry the
+exact key path and it imports in a few milliseconds, which matters for the cold start. What msgspec
+cannot express (sizes such as ``"6GiB"``, cross-field rules, paths relative to the config file)
+is checked here, and every error names the file and the key path: ``models.detector.precision``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from edged.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+DEFAULT_CONFIG = "/etc/edged/edged.toml"
+DEFAULT_SOCKET = "/run/edged/edged.sock"
+DEFAULT_CACHE = "/var/cache/edged/engines"
+
+Backend = Literal["auto", "onnxruntime", "tensorrt"]
+Precision = Literal["fp32", "fp16", "int8"]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class _Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every config table: immutable, and an unknown key is an error."""
+
+
+class ServerConfig(_Table):
+    socket: str = DEFAULT_SOCKET
+    # Group-writable, never world-writable: membership of the socket's group is the access list.
+    socket_mode: str = "0660"
+    socket_group: str = ""
+    max_body: str = "256MiB"
+    request_timeout_ms: PositiveInt = 10_000
+    # A model whose measured inference is below this runs on the event loop: handing it to a
+    # worker thread costs 40-95 us on a small board, more than the work itself.
+    inline_threshold_us: NonNegInt = 60
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class CacheConfig(_Table):
+    dir: str = DEFAULT_CACHE
+
+
+class MemoryConfig(_Table):
+    budget: str = "80%"
+    reserve: str = "512MiB"
+    probe: Literal["auto", "jtop", "nvml", "meminfo"] = "auto"
+
+
+class BuildConfig(_Table):
+    # A build does not start unless this much memory is free; on an 8 GB board an engine build
+    # can take several GB and the OOM killer would pick the daemon.
+    headroom: str = "1GiB"
+    wait_for_memory_s: NonNegInt = 60
+    timeout_s: PositiveInt = 3600
+
+
+class LifecycleConfig(_Table):
+    drain_timeout_s: PositiveFloat = 10.0
+    watch_files: bool = True
+    watch_interval_s: PositiveFloat = 2.0
+    # A worker that has held one request this long without finishing stops the watchdog pings.
+    stall_timeout_s: PositiveFloat = 30.0
+
+
+class TlsConfig(_Table):
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    insecure: bool = False
+
+
+class MqttConfig(_Table):
+    enabled: bool = False
+    host: str = "localhost"
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 1883
+    device_id: str = ""
+    topic_prefix: str = "edged"
+    qos: Literal[0, 1, 2] = 1
+    keepalive_s: PositiveInt = 30
+    username: str = ""
+    password: str = ""
+    tls: TlsConfig | None = None
+    protocol: Literal["5", "3.1.1"] = "5"
+    session_expiry_s: NonNegInt = 3600
+    fleet_group: str = ""
+    telemetry_interval_s: NonNegInt = 30
+    reconnect_min_s: PositiveFloat = 0.5
+    reconnect_max_s: PositiveFloat = 30.0
+
+
+class ShapeProfile(_Table):
+    """min/opt/max shapes of one input with dynamic dimensions (TensorRT optimisation profile)."""
+
+    min: list[PositiveInt]
+    opt: list[PositiveInt]
+    max: list[PositiveInt]
+
+
+class WarmupConfig(_Table):
+    iterations: NonNegInt = 3
+    # "random" (inputs drawn at the opt shape) or the path of a .npy/.npz sample file.
+    inputs: str = "random"
+
+
+class CalibrationConfig(_Table):
+    data: str
+    method: Literal["minmax", "entropy", "percentile"] = "minmax"
+    percentile: Annotated[float, msgspec.Meta(gt=90.0, le=100.0)] = 99.999
+    max_samples: PositiveInt = 256
+    # Images only: how to turn an image file into the model's input tensor.
+    resize: list[PositiveInt] = msgspec.field(default_factory=list)
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    color: Literal["RGB", "BGR"] = "RGB"
+    scale: float = 1.0 / 255.0
+    mean: list[float] = msgspec.field(default_factory=lambda: [0.0, 0.0, 0.0])
+    std: list[float] = msgspec.field(default_factory=lambda: [1.0, 1.0, 1.0])
+
+
+class GateConfig(_Table):
+    max_rel_l2: PositiveFloat = 0.05
+    min_cosine: Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)] = 0.99
+    min_top1: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.99
+    holdout: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
+
+
+class TensorRTConfig(_Table):
+    workspace: str = "1GiB"
+    dla_core: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    legacy_calibrator: bool = False
+    builder_optimization_level: Annotated[int, msgspec.Meta(ge=0, le=5)] = 3
+
+
+class ModelConfig(_Table):
+    path: str
+    backend: Backend = "auto"
+    precision: Precision = "fp32"
+    priority: Annotated[int, msgspec.Meta(ge=0, le=100)] = 50
+    preload: Literal["boot", "lazy"] = "boot"
+    instances: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    max_batch: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    max_queue_delay_us: NonNegInt = 0
+    queue_depth: PositiveInt = 64
+    timeout_ms: NonNegInt = 0  # 0: the server's request_timeout_ms
+    threads: NonNegInt = 0  # intra-op threads per instance; 0 = cores / instances
+    profiles: dict[str, ShapeProfile] = msgspec.field(default_factory=dict)
+    warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
+    calibration: CalibrationConfig | None = None
+    gate: GateConfig = msgspec.field(default_factory=GateConfig)
+    tensorrt: TensorRTConfig = msgspec.field(default_factory=TensorRTConfig)
+
+
+class Config(_Table):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
+    build: BuildConfig = msgspec.field(default_factory=BuildConfig)
+    lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
+    mqtt: MqttConfig = msgspec.field(default_factory=MqttConfig)
+    models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
+    # Where the config came from; set by load(), never read from the file.
+    source: str = ""
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``"6GiB"`` → bytes. Raises ValueError with a readable message."""
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"expected a size such as '512MiB' or '6GiB', got {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_budget(text: str, total: int) -> int:
+    """A budget is a share of total memory (``"80%"``) or an absolute size."""
+    stripped = text.strip()
+    if stripped.endswith("%"):
+        try:
+            pct = float(stripped[:-1])
+        except ValueError:
+            raise ValueError(f"expected a percentage such as '80%', got {text!r}") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"a percentage must be in (0, 100], got {text!r}")
+        return int(total * pct / 100)
+    return parse_size(stripped)
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+_PATH_RE = re.compile(r" - at `\$(.*)`$")
+_UNKNOWN_RE = re.compile(r"^Object contains unknown field `([^`]*)`")
+
+
+def _key_path(msgspec_path: str) -> str:
+    """``$.models.detector[...]`` → ``models.detector``; list indexes stay as ``[0]``."""
+    return re.sub(r"\['([^']*)'\]", r".\1", msgspec_path).lstrip(".")
+
+
+def _explain(err: msgspec.ValidationError, source: str) -> ConfigError:
+    text = str(err)
+    m = _PATH_RE.search(text)
+    path = _key_path(m.group(1)) if m else ""
+    msg = text[: m.start()] if m else text
+    unknown = _UNKNOWN_RE.match(msg)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        msg = "unknown key"
+    elif msg.startswith("Object missing required field"):
+        field = msg.split("`")[1]
+        path = f"{path}.{field}" if path else field
+        msg = "required key is missing"
+    return ConfigError(f"{source}: {path or '(top level)'}: {msg}")
+
+
+def _convert(raw: Any, typ: type[Any], source: str, prefix: str) -> Any:
+    try:
+        return msgspec.convert(raw, type=typ)
+    except msgspec.ValidationError as e:
+        err = _explain(e, source)
+        if prefix:
+            head, _, rest = err.message.partition(": ")
+            key, _, msg = rest.partition(": ")
+            key = prefix if key == "(top level)" else f"{prefix}.{key}"
+            err = ConfigError(f"{head}: {key}: {msg}")
+        raise err from None
+
+
+def _convert_model(raw: Any, source: str, prefix: str) -> ModelConfig:
+    """Models and their profiles are keyed by name; converting them one by one keeps the name
+    in the key path (msgspec reports dict keys as ``[...]``)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: {prefix}: expected a table")
+    profiles_raw = raw.get("profiles", {})
+    if not isinstance(profiles_raw, Mapping):
+        raise ConfigError(f"{source}: {prefix}.profiles: expected a table of input tables")
+    model: ModelConfig = _convert(dict(raw, profiles={}), ModelConfig, source, prefix)
+    profiles = {
+        inp: _convert(p, ShapeProfile, source, f"{prefix}.profiles.{inp}")
+        for inp, p in profiles_raw.items()
+    }
+    return msgspec.structs.replace(model, profiles=profiles)
+
+
+def _resolve(base: Path, value: str) -> str:
+    if not value:
+        return value
+    p = Path(os.path.expanduser(value))
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _check_sizes(cfg: Config, src: str) -> None:
+    sizes = {
+        "server.max_body": cfg.server.max_body,
+        "memory.reserve": cfg.memory.reserve,
+        "build.headroom": cfg.build.headroom,
+    }
+    for name, model in cfg.models.items():
+        sizes[f"models.{name}.tensorrt.workspace"] = model.tensorrt.workspace
+    for key, value in sizes.items():
+        try:
+            parse_size(value)
+        except ValueError as e:
+            raise ConfigError(f"{src}: {key}: {e}") from None
+    try:
+        parse_budget(cfg.memory.budget, 1 << 40)
+    except ValueError as e:
+        raise ConfigError(f"{src}: memory.budget: {e}") from None
+    try:
+        mode = int(cfg.server.socket_mode, 8)
+    except ValueError:
+        raise ConfigError(f"{src}: server.socket_mode: expected octal such as '0660'") from None
+    if mode & 0o002:
+        raise ConfigError(f"{src}: server.socket_mode: the socket must not be world-writable")
+
+
+def _check_model(name: str, model: ModelConfig, src: str) -> None:
+    where = f"{src}: models.{name}"
+    if not NAME_RE.match(name):
+        raise ConfigError(f"{where}: a model name is 1-64 of [A-Za-z0-9_.-], starting alnum")
+    if model.precision == "int8" and model.calibration is None:
+        raise ConfigError(
+            f"{where}.precision: int8 needs calibration data; add a table "
+            f'[models.{name}.calibration] with data = "folder of .npy/.npz samples or images"'
+        )
+    for inp, prof in model.profiles.items():
+        if not (len(prof.min) == len(prof.opt) == len(prof.max)):
+            raise ConfigError(f"{where}.profiles.{inp}: min, opt and max must have equal rank")
+        if any(a > b or b > c for a, b, c in zip(prof.min, prof.opt, prof.max)):
+            raise ConfigError(f"{where}.profiles.{inp}: needs min <= opt <= max in every dim")
+    if model.max_batch > 1 and model.max_batch > model.queue_depth:
+        raise ConfigError(f"{where}.max_batch: larger than queue_depth ({model.queue_depth})")
+
+
+def _with_paths(cfg: Config, base: Path, source: str) -> Config:
+    models = {}
+    for name, m in cfg.models.items():
+        cal = m.calibration
+        if cal is not None:
+            cal = msgspec.structs.replace(cal, data=_resolve(base, cal.data))
+        warm = m.warmup
+        if warm.inputs != "random":
+            warm = msgspec.structs.replace(warm, inputs=_resolve(base, warm.inputs))
+        models[name] = msgspec.structs.replace(
+            m, path=_resolve(base, m.path), calibration=cal, warmup=warm
+        )
+    mqtt = cfg.mqtt
+    if mqtt.tls is not None:
+        tls = mqtt.tls
+        mqtt = msgspec.structs.replace(
+            mqtt,
+            tls=msgspec.structs.replace(
+                tls, ca=_resolve(base, tls.ca), cert=_resolve(base, tls.cert),
+                key=_resolve(base, tls.key),
+            ),
+        )
+    return msgspec.structs.replace(
+        cfg,
+        server=msgspec.structs.replace(cfg.server, socket=_resolve(base, cfg.server.socket)),
+        cache=msgspec.structs.replace(cfg.cache, dir=_resolve(base, cfg.cache.dir)),
+        mqtt=mqtt,
+        models=models,
+        source=source,
+    )
+
+
+def from_mapping(raw: Mapping[str, Any], source: str = "<config>", base: Path | None = None) -> Config:
+    """Validate an already-parsed TOML document (tests and reload use this directly)."""
+    if "source" in raw:
+        raise ConfigError(f"{source}: source: unknown key")
+    cfg = _convert(dict(raw, models={}), Config, source, "")
+    models_raw = raw.get("models", {})
+    if not isinstance(models_raw, Mapping):
+        raise ConfigError(f"{source}: models: expected a table of [models.NAME] tables")
+    models = {name: _convert_model(m, source, f"models.{name}") for name, m in models_raw.items()}
+    cfg = msgspec.structs.replace(cfg, models=models)
+    _check_sizes(cfg, source)
+    for name, model in cfg.models.items():
+        _check_model(name, model, source)
+    return _with_paths(cfg, base or Path.cwd(), source)
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read and validate one config file; every failure is a ConfigError naming the file."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    return from_mapping(raw, str(p), p.resolve().parent)
+
+
+def default_config_path() -> str:
+    return os.environ.get("EDGED_CONFIG") or DEFAULT_CONFIG
+
+
+def max_body_bytes(cfg: Config) -> int:
+    return parse_size(cfg.server.max_body)

@@ -1,0 +1,140 @@
+"""The one exception tree of edged, with stable wire codes.
+
+Every error a client can see carries a machine-readable ``code`` that never changes between
+releases and the HTTP status the Open Inference Protocol prescribes. MQTT replies reuse the same
+code and message, so both transports report the same failure the same way. This module imports
+nothing from edged.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class EdgedError(Exception):
+    """Base of every error edged raises on purpose."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_dict(self) -> dict[str, str]:
+        return {"error": self.message, "code": self.code}
+
+
+# --- configuration and start-up -------------------------------------------------------------
+
+
+class ConfigError(EdgedError):
+    """A config file that cannot be used; the message names the file and the key path."""
+
+    code = "config_invalid"
+    http_status = 400
+
+
+class SocketInUseError(EdgedError):
+    code = "socket_in_use"
+
+
+# --- request errors (the client can fix them) ------------------------------------------------
+
+
+class BadRequestError(EdgedError):
+    """Malformed body: not JSON, wrong JSON shape, inconsistent binary sizes."""
+
+    code = "bad_request"
+    http_status = 400
+
+
+class InvalidInputError(BadRequestError):
+    """A well-formed request whose tensors do not match the model (name, dtype, shape)."""
+
+    code = "invalid_input"
+
+
+class PayloadTooLargeError(BadRequestError):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class NotFoundError(EdgedError):
+    code = "not_found"
+    http_status = 404
+
+
+class ModelNotFoundError(NotFoundError):
+    code = "model_not_found"
+
+
+class SharedMemoryError(BadRequestError):
+    """A shared memory region that does not exist, is too small, or cannot be mapped."""
+
+    code = "shm_invalid"
+
+
+class SharedMemoryNotFoundError(SharedMemoryError):
+    code = "shm_region_not_found"
+
+
+# --- availability (retry later) ---------------------------------------------------------------
+
+
+class UnavailableError(EdgedError):
+    code = "unavailable"
+    http_status = 503
+
+
+class ModelNotReadyError(UnavailableError):
+    """The model is known but deferred, failed, loading or unloaded; the message says why."""
+
+    code = "model_not_ready"
+
+
+class BusyError(UnavailableError):
+    """The model's queue is full: answered at once rather than piling requests up."""
+
+    code = "busy"
+
+
+class ShuttingDownError(UnavailableError):
+    code = "shutting_down"
+
+
+class DeadlineExceededError(EdgedError):
+    """The request's deadline passed before (or while) it ran."""
+
+    code = "deadline_exceeded"
+    http_status = 504
+
+
+# --- server-side failures ------------------------------------------------------------------------
+
+
+class BackendError(EdgedError):
+    """The backend failed to run a request; the daemon keeps serving."""
+
+    code = "backend_error"
+
+
+class BackendUnavailableError(EdgedError):
+    """The backend cannot be used on this machine (missing library, no GPU)."""
+
+    code = "backend_unavailable"
+
+
+class BuildError(EdgedError):
+    code = "build_failed"
+
+
+class CacheError(EdgedError):
+    code = "cache_error"
+
+
+class BudgetError(EdgedError):
+    """A model does not fit in the memory budget."""
+
+    code = "over_budget"
+    http_status = 507
