@@ -86,7 +86,7 @@ class EngineCache:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         self._remove_stale_temporaries()
 
-    # --- names ------------------------------------------------------------------------------------
+    # --- names ---
 
     def stem(self, model: str, key: str) -> str:
         return f"{model}-{key[:20]}"
@@ -97,7 +97,7 @@ class EngineCache:
     def manifest_path(self, model: str, key: str) -> Path:
         return self.dir / f"{self.stem(model, key)}.json"
 
-    # --- reading -----------------------------------------------------------------------------------
+    # --- reading ---
 
     def read_manifest(self, model: str, key: str) -> dict[str, Any] | None:
         path = self.manifest_path(model, key)
@@ -144,7 +144,7 @@ class EngineCache:
             return "artefact checksum does not match the manifest"
         return ""
 
-    # --- writing ------------------------------------------------------------------------------------
+    # --- writing ---
 
     @contextlib.contextmanager
     def lock(self, model: str, key: str, timeout: float | None = None) -> Iterator[None]:

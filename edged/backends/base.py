@@ -109,7 +109,7 @@ class Backend(abc.ABC):
         self._outputs: tuple[TensorSpec, ...] = ()
         self._input_map: dict[str, TensorSpec] = {}
 
-    # --- class level: availability, identity, building ------------------------------------------
+    # --- class level: availability, identity, building ---
 
     @classmethod
     @abc.abstractmethod
@@ -137,7 +137,7 @@ class Backend(abc.ABC):
             return wanted, ""
         return "fp32", f"{cls.name} has no {wanted} path; running fp32"
 
-    # --- instance level ------------------------------------------------------------------------------
+    # --- instance level ---
 
     @property
     def loaded(self) -> bool:

@@ -1,0 +1,5 @@
+import sys
+
+from edged.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Building cache entries: the child process that calibrates, quantizes, builds and gates."""

@@ -1,0 +1,281 @@
+"""The lifecycle and composition root: the fixed start order, signals, drain and stop.
+
+Start: config → memory probe and budget → cache → socket bound (requests wait for readiness) →
+resolve every model → plan → build what is missing → load and warm the admitted boot models →
+warm the request path → READY=1. Stop: STOPPING=1 → stop accepting → drain → unload → remove
+the socket. A second SIGTERM forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import uvicorn
+
+from edged import systemd
+from edged.build.runner import BuildRunner
+from edged.cache import EngineCache
+from edged.config import Config, format_size, max_body_bytes
+from edged.errors import EdgedError, SocketInUseError
+from edged.memory import MemoryInfo, budget_bytes, plan, probe
+from edged.metrics import Metrics
+from edged.registry import DEFERRED, FAILED, LAZY, READY, ModelRuntime, Registry
+from edged.service import Service
+from edged.transports.http import App
+from edged.transports.shm import SharedMemoryRegistry
+from edged.warmpath import warm_request_path
+
+log = logging.getLogger(__name__)
+
+EXTEND_USEC = 90_000_000  # each progress event buys a slow build another 90 s of start timeout
+
+
+def isolate_library_files(cfg: Config) -> None:
+    """ONNX Runtime writes a device id and an events database under $XDG_CACHE_HOME on import:
+    keep those under the daemon's own cache directory instead of a home directory."""
+    os.environ["XDG_CACHE_HOME"] = str(Path(cfg.cache.dir) / ".lib")
+
+
+def bind_socket(path: str, mode: int, group: str = "") -> socket.socket:
+    """Bind the Unix socket: replace a stale file from a crashed run, never steal a live one."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists() or p.is_symlink():
+        probe_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe_sock.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("removing stale socket %s", path)
+            p.unlink(missing_ok=True)
+        except OSError as e:
+            raise SocketInUseError(f"{path} exists and is not a usable socket: {e}") from None
+        else:
+            raise SocketInUseError(f"another edged is already serving on {path}; refusing to start")
+        finally:
+            probe_sock.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o777 & ~mode)  # the file is never visible with looser permissions
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    if group:
+        import grp
+
+        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    sock.listen(256)
+    sock.setblocking(False)
+    return sock
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.cache = EngineCache(cfg.cache.dir)
+        self.stop_event = asyncio.Event()
+        self.exit_code = 0
+        self._signals = 0
+        self._owned_socket: str | None = None
+        self.server: uvicorn.Server | None = None
+        self.service: Service | None = None
+        self.registry: Registry | None = None
+        self.shm = SharedMemoryRegistry()
+        self.memory: MemoryInfo | None = None
+
+    # --- start ---
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._install_signals(loop)
+        try:
+            await self._start(loop)
+        except EdgedError as e:
+            log.error("cannot start: %s", e.message)
+            systemd.status(f"failed: {e.message}")
+            await self._stop()
+            return 1
+        await self.stop_event.wait()
+        await self._stop()
+        return self.exit_code
+
+    async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        cfg = self.cfg
+        self.memory = probe(cfg.memory.probe)
+        budget = budget_bytes(cfg.memory, self.memory)
+        log.info("memory from %s: %s total, %s available, budget %s%s", self.memory.source,
+                 format_size(self.memory.total), format_size(self.memory.available),
+                 format_size(budget), f" ({self.memory.detail})" if self.memory.detail else "")
+        self.metrics.budget.set(budget)
+        self.cache.prepare()
+        runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
+        self.registry = Registry(cfg, self.cache, runner, self.metrics, budget)
+        self.service = Service(self.registry, self.metrics, loop, self.memory, plan([], budget))
+        app = App(self.service, self.shm, max_body_bytes(cfg))
+        await self._serve(app)
+        await self._boot_models(loop)
+        await warm_request_path(app, self.registry)
+        self.service.status_line = self._summary()
+        self.service.ready.set()
+        systemd.ready(self.service.status_line)
+        log.info("ready: %s", self.service.status_line)
+        loop.create_task(self._watchdog())
+
+    async def _serve(self, app: App) -> None:
+        fds = systemd.listen_fds()
+        if fds:
+            sock = socket.socket(fileno=fds[0])
+            sock.setblocking(False)
+            log.info("serving on the socket systemd passed (fd %d)", fds[0])
+        else:
+            sock = bind_socket(self.cfg.server.socket, int(self.cfg.server.socket_mode, 8),
+                               self.cfg.server.socket_group)
+            self._owned_socket = self.cfg.server.socket
+            log.info("serving on %s", self.cfg.server.socket)
+        config = uvicorn.Config(
+            app, http="httptools", loop="none", lifespan="off", access_log=False, log_config=None,
+            server_header=False, date_header=False, interface="asgi3",
+            timeout_graceful_shutdown=int(self.cfg.lifecycle.drain_timeout_s),
+        )
+        config.load()
+        self.server = uvicorn.Server(config)
+        # What Server.serve() would do; edged drives startup and shutdown itself so that the
+        # lifecycle (and its signal handling) stays in one place.
+        self.server.lifespan = config.lifespan_class(config)
+        self.app = app
+        await self.server.startup(sockets=[sock])
+
+    async def _boot_models(self, loop: asyncio.AbstractEventLoop) -> None:
+        reg = self.registry
+        assert reg is not None and self.service is not None
+        for rt in reg.models.values():
+            try:
+                reg.resolve(rt)
+            except EdgedError as e:
+                reg.set_state(rt, FAILED, e.message)
+        candidates = [rt for rt in reg.models.values() if rt.state != FAILED]
+        self.service.plan = the_plan = plan([rt.plan_item() for rt in candidates], reg.budget)
+        for name, why in the_plan.deferred.items():
+            reg.set_state(reg.models[name], DEFERRED, why)
+        missing = [rt for rt in candidates if rt.entry is None]
+        for i, rt in enumerate(missing, 1):
+            await self._build(rt, i, len(missing))
+        for name in the_plan.admitted:
+            rt = reg.models[name]
+            if rt.entry is None:
+                continue
+            systemd.status(f"loading {name}")
+            try:
+                await reg.load(rt, loop)
+            except EdgedError as e:
+                reg.set_state(rt, FAILED, e.message)
+        for name in the_plan.lazy:
+            if reg.models[name].entry is not None:
+                reg.set_state(reg.models[name], LAZY, "loads on first request")
+        reg.digests.save()
+
+    async def _build(self, rt: ModelRuntime, index: int, total: int) -> None:
+        assert self.registry is not None
+        label = f"building {rt.name} {rt.precision} ({index}/{total})"
+        systemd.status(label)
+        systemd.extend_timeout(EXTEND_USEC)
+
+        def progress(phase: str, fraction: float | None) -> None:
+            pct = f" {fraction * 100:.0f}%" if fraction is not None else ""
+            systemd.status(f"{label}: {phase}{pct}")
+            systemd.extend_timeout(EXTEND_USEC)
+
+        try:
+            await self.registry.build(rt, progress)
+        except EdgedError as e:
+            self.registry.set_state(rt, FAILED, e.message)
+            log.error("%s: %s", rt.name, e.message, extra={"model": rt.name})
+        else:
+            if rt.state not in (DEFERRED, FAILED):
+                self.registry.set_state(rt, "built")
+
+    def _summary(self) -> str:
+        assert self.registry is not None
+        states = [rt.state for rt in self.registry.models.values()]
+        parts = [f"{states.count(READY)} models ready"]
+        for state in (LAZY, DEFERRED, FAILED):
+            n = states.count(state)
+            if n:
+                reasons = {rt.reason.split(":")[0] for rt in self.registry.models.values() if rt.state == state}
+                parts.append(f"{n} {state}" + (f": {', '.join(sorted(reasons))}" if state != LAZY else ""))
+        return ", ".join(parts)
+
+    # --- watchdog ---
+
+    async def _watchdog(self) -> None:
+        interval = systemd.watchdog_interval()
+        if not interval:
+            return
+        stall = self.cfg.lifecycle.stall_timeout_s
+        while not self.stop_event.is_set():
+            if self._healthy(stall):
+                systemd.watchdog_ping()
+            else:
+                log.error("an inference worker is stuck for over %.0f s; withholding watchdog pings", stall)
+            await asyncio.sleep(interval / 2)
+
+    def _healthy(self, stall: float) -> bool:
+        assert self.registry is not None
+        return all(rt.queue is None or rt.queue.healthy(stall) for rt in self.registry.models.values())
+
+    # --- signals and stop ---
+
+    def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+
+    def _on_stop_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second %s: exiting now", signal.Signals(sig).name)
+            if self._owned_socket:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._owned_socket)
+            os._exit(1)
+        log.info("%s: stopping", signal.Signals(sig).name)
+        self.stop_event.set()
+
+    async def _stop(self) -> None:
+        systemd.stopping("draining requests")
+        started = time.monotonic()
+        if self.service is not None:
+            self.service.stopping = True
+        if self.registry is not None:
+            self.registry.runner.kill_all()
+        if self.server is not None:
+            self.server.should_exit = True
+            await self.server.shutdown()
+        if self.registry is not None:
+            for rt in self.registry.models.values():
+                if rt.backend is not None:
+                    await self.registry.unload(rt, "unloaded", "daemon stopping")
+        self.shm.unregister()
+        if self._owned_socket:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._owned_socket)
+        log.info("stopped in %.2f s", time.monotonic() - started)
+
+
+def serve(cfg: Config) -> int:
+    isolate_library_files(cfg)
+    systemd.setup_logging(cfg.server.log_level)
+    daemon = Daemon(cfg)
+    try:
+        import uvloop
+
+        return uvloop.run(daemon.run())
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(daemon.run())

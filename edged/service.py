@@ -1,0 +1,196 @@
+"""The operations both transports call: validate, infer, metadata, status, load and unload.
+
+This is the one place where a request is checked against a model and turned into a scheduler
+call, so the socket and MQTT answer the same input with the same result or the same error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from edged import __version__
+from edged.errors import (
+    EdgedError,
+    InvalidInputError,
+    ModelNotFoundError,
+    ModelNotReadyError,
+    ShuttingDownError,
+)
+from edged.memory import MemoryInfo, Plan
+from edged.metrics import Metrics
+from edged.protocol import v2_datatype
+from edged.registry import FAILED, LAZY, READY, UNLOADED, ModelRuntime, Registry
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = ["binary_tensor_data", "model_repository", "system_shared_memory", "edged"]
+
+
+class Service:
+    def __init__(self, registry: Registry, metrics: Metrics, loop: asyncio.AbstractEventLoop,
+                 memory: MemoryInfo, plan: Plan) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.loop = loop
+        self.memory = memory
+        self.plan = plan
+        self.ready = asyncio.Event()
+        self.stopping = False
+        self.started = time.time()
+        self.status_line = "starting"
+
+    # --- health and metadata ---
+
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and not self.stopping
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "edged", "version": __version__, "extensions": EXTENSIONS}
+
+    def model(self, name: str) -> ModelRuntime:
+        rt = self.registry.models.get(name)
+        if rt is None:
+            raise ModelNotFoundError(f"unknown model '{name}'")
+        return rt
+
+    def model_ready(self, name: str) -> bool:
+        return self.model(name).state == READY
+
+    def model_metadata(self, name: str) -> dict[str, Any]:
+        rt = self.model(name)
+        if rt.backend is None:
+            raise ModelNotReadyError(f"model '{name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
+        return {
+            "name": name,
+            "versions": ["1"],
+            "platform": f"{rt.backend_cls.name if rt.backend_cls else ''}_{rt.precision}",
+            "inputs": [_tensor_meta(s.name, s.dtype, s.shape) for s in rt.inputs],
+            "outputs": [_tensor_meta(s.name, s.dtype, s.shape) for s in rt.outputs],
+        }
+
+    # --- inference ---
+
+    async def infer(self, name: str, inputs: Mapping[str, np.ndarray], request_id: str = "",
+                    transport: str = "http") -> dict[str, np.ndarray]:
+        started = time.perf_counter()
+        rt = self.registry.models.get(name)
+        if rt is None:
+            raise ModelNotFoundError(f"unknown model '{name}'")
+        try:
+            queue = rt.queue if rt.state == READY else None
+            if queue is None:
+                queue = await self._await_model(rt)
+            check_inputs(rt, inputs)
+            timeout = (rt.cfg.timeout_ms or self.registry.cfg.server.request_timeout_ms) / 1000
+            rt.last_used = time.monotonic()
+            out = await queue.submit(inputs, timeout, request_id)
+        except EdgedError as e:
+            self.metrics.observe(name, transport, e.code, time.perf_counter() - started)
+            log.debug("%s: request %s failed: %s", name, request_id, e.message,
+                      extra={"model": name, "request_id": request_id})
+            raise
+        self.metrics.observe(name, transport, "ok", time.perf_counter() - started)
+        return out
+
+    async def _await_model(self, rt: ModelRuntime) -> Any:
+        if self.stopping:
+            raise ShuttingDownError("edged is shutting down")
+        if not self.ready.is_set():
+            # A request that arrives while the daemon warms up (socket activation queues it in
+            # the kernel) waits for readiness rather than failing.
+            timeout = self.registry.cfg.server.request_timeout_ms / 1000
+            try:
+                await asyncio.wait_for(self.ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise ModelNotReadyError("edged is still starting") from None
+        if rt.state in (LAZY, UNLOADED) and rt.entry is not None:
+            await self.registry.ensure_loaded(rt, self.loop)
+        if rt.state != READY or rt.queue is None:
+            raise ModelNotReadyError(f"model '{rt.name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
+        return rt.queue
+
+    # --- repository ---
+
+    def repository_index(self) -> list[dict[str, Any]]:
+        return [{"name": rt.name, "version": "1", "state": rt.state.upper(), "reason": rt.reason}
+                for rt in self.registry.models.values()]
+
+    async def load(self, name: str) -> None:
+        rt = self.model(name)
+        if rt.state == READY:
+            return
+        if rt.entry is None:
+            raise ModelNotReadyError(f"model '{name}' cannot load: {rt.reason or 'it has no built engine'}")
+        await self.registry.ensure_loaded(rt, self.loop)
+
+    async def unload(self, name: str) -> None:
+        rt = self.model(name)
+        if rt.state in (FAILED,) or rt.backend is None:
+            return
+        await self.registry.unload(rt, UNLOADED, "unloaded through the repository API")
+
+    # --- status ---
+
+    def status(self) -> dict[str, Any]:
+        reg = self.registry
+        return {
+            "version": __version__,
+            "ready": self.is_ready(),
+            "status": self.status_line,
+            "uptime_s": round(time.time() - self.started, 1),
+            "memory": {
+                "source": self.memory.source, "total_bytes": self.memory.total,
+                "available_at_start_bytes": self.memory.available, "detail": self.memory.detail,
+                "budget_bytes": reg.budget, "used_bytes": reg.used(),
+            },
+            "plan": self.plan.to_dict(),
+            "builds": [b.to_dict() for b in reg.runner.active.values()],
+            "models": {
+                name: dict(rt.to_dict(), **self.metrics.model(name).percentiles(),
+                           requests=self.metrics.model(name).requests)
+                for name, rt in reg.models.items()
+            },
+        }
+
+
+def _tensor_meta(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    return {"name": name, "datatype": v2_datatype(dtype), "shape": list(shape)}
+
+
+def check_inputs(rt: ModelRuntime, inputs: Mapping[str, np.ndarray]) -> None:
+    """Names, dtypes and shapes against the model, with an error that says what was expected."""
+    specs = rt.inputs
+    if len(inputs) != len(specs) or any(s.name not in inputs for s in specs):
+        want = ", ".join(s.name for s in specs)
+        raise InvalidInputError(f"model '{rt.name}' takes inputs [{want}], got [{', '.join(inputs)}]")
+    for spec in specs:
+        arr = inputs[spec.name]
+        if arr.dtype != spec.np_dtype:
+            raise InvalidInputError(
+                f"input '{spec.name}': expected datatype {v2_datatype(spec.dtype)}, "
+                f"got {v2_datatype(arr.dtype.name)}"
+            )
+        if not spec.matches(arr.shape):
+            raise InvalidInputError(
+                f"input '{spec.name}': expected shape {_dims(spec.shape)}, got {list(arr.shape)}"
+            )
+        profile = rt.cfg.profiles.get(spec.name)
+        if profile is not None and any(
+            s < lo or s > hi for s, lo, hi in zip(arr.shape, profile.min, profile.max)
+        ):
+            raise InvalidInputError(
+                f"input '{spec.name}': shape {list(arr.shape)} is outside the profile "
+                f"{profile.min}..{profile.max}"
+            )
+        if arr.shape and rt.cfg.max_batch > 1 and arr.shape[0] > rt.cfg.max_batch:
+            raise InvalidInputError(f"input '{spec.name}': batch {arr.shape[0]} > max_batch {rt.cfg.max_batch}")
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join("-1" if d < 0 else str(d) for d in shape) + "]"
