@@ -111,7 +111,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     with Client(_socket(args)) as c:
         outputs = c.infer(args.model, inputs) if not args.shm else c.infer_shm(args.model, inputs)
     if args.output:
-        np.savez(args.output, **outputs)
+        np.savez(args.output, **outputs)  # type: ignore[arg-type]
         print(f"saved {', '.join(outputs)} to {args.output}")
     else:
         for name, arr in outputs.items():
@@ -136,7 +136,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_selftest(args: argparse.Namespace) -> int:
     from edged.selftest import run_selftest
 
-    return run_selftest(args.config, sys.stdout)
+    return int(run_selftest(args.config, sys.stdout))
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -187,7 +187,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return int(args.fn(args))
+        code = args.fn(args)
+        return int(code)
     except EdgedError as e:
         print(f"edged {args.command}: {e.message}", file=sys.stderr)
         return 2

@@ -72,7 +72,7 @@ def encode_request(
         arr = np.ascontiguousarray(value)
         metas.append({"name": name, "datatype": v2_datatype(arr.dtype.name), "shape": list(arr.shape),
                       "parameters": {"binary_data_size": arr.nbytes}})
-        chunks.append(memoryview(arr).cast("B"))
+        chunks.append(arr.reshape(-1).view(np.uint8).data)
     doc: dict[str, Any] = {"inputs": metas, "parameters": {"binary_data_output": binary_outputs}}
     if request_id:
         doc["id"] = request_id
@@ -144,7 +144,8 @@ class ShmRegion:
     def read(self, dtype: np.dtype[Any] | str, shape: Sequence[int], offset: int = 0) -> np.ndarray:
         dt = np.dtype(dtype)
         n = math.prod(shape) * dt.itemsize
-        return self.array_view[offset:offset + n].view(dt).reshape(tuple(shape)).copy()
+        out: np.ndarray = self.array_view[offset:offset + n].view(dt).reshape(tuple(shape)).copy()
+        return out
 
     def close(self) -> None:
         del self.array_view

@@ -41,7 +41,7 @@ class _Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Every config table: immutable, and an unknown key is an error."""
 
 
-class ServerConfig(_Table):
+class ServerConfig(_Table, frozen=True):
     socket: str = DEFAULT_SOCKET
     # Group-writable, never world-writable: membership of the socket's group is the access list.
     socket_mode: str = "0660"
@@ -54,17 +54,17 @@ class ServerConfig(_Table):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
-class CacheConfig(_Table):
+class CacheConfig(_Table, frozen=True):
     dir: str = DEFAULT_CACHE
 
 
-class MemoryConfig(_Table):
+class MemoryConfig(_Table, frozen=True):
     budget: str = "80%"
     reserve: str = "512MiB"
     probe: Literal["auto", "jtop", "nvml", "meminfo"] = "auto"
 
 
-class BuildConfig(_Table):
+class BuildConfig(_Table, frozen=True):
     # A build does not start unless this much memory is free; on an 8 GB board an engine build
     # can take several GB and the OOM killer would pick the daemon.
     headroom: str = "1GiB"
@@ -72,7 +72,7 @@ class BuildConfig(_Table):
     timeout_s: PositiveInt = 3600
 
 
-class LifecycleConfig(_Table):
+class LifecycleConfig(_Table, frozen=True):
     drain_timeout_s: PositiveFloat = 10.0
     watch_files: bool = True
     watch_interval_s: PositiveFloat = 2.0
@@ -80,14 +80,14 @@ class LifecycleConfig(_Table):
     stall_timeout_s: PositiveFloat = 30.0
 
 
-class TlsConfig(_Table):
+class TlsConfig(_Table, frozen=True):
     ca: str = ""
     cert: str = ""
     key: str = ""
     insecure: bool = False
 
 
-class MqttConfig(_Table):
+class MqttConfig(_Table, frozen=True):
     enabled: bool = False
     host: str = "localhost"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 1883
@@ -106,7 +106,7 @@ class MqttConfig(_Table):
     reconnect_max_s: PositiveFloat = 30.0
 
 
-class ShapeProfile(_Table):
+class ShapeProfile(_Table, frozen=True):
     """min/opt/max shapes of one input with dynamic dimensions (TensorRT optimisation profile)."""
 
     min: list[PositiveInt]
@@ -114,13 +114,13 @@ class ShapeProfile(_Table):
     max: list[PositiveInt]
 
 
-class WarmupConfig(_Table):
+class WarmupConfig(_Table, frozen=True):
     iterations: NonNegInt = 3
     # "random" (inputs drawn at the opt shape) or the path of a .npy/.npz sample file.
     inputs: str = "random"
 
 
-class CalibrationConfig(_Table):
+class CalibrationConfig(_Table, frozen=True):
     data: str
     method: Literal["minmax", "entropy", "percentile"] = "minmax"
     percentile: Annotated[float, msgspec.Meta(gt=90.0, le=100.0)] = 99.999
@@ -134,21 +134,21 @@ class CalibrationConfig(_Table):
     std: list[float] = msgspec.field(default_factory=lambda: [1.0, 1.0, 1.0])
 
 
-class GateConfig(_Table):
+class GateConfig(_Table, frozen=True):
     max_rel_l2: PositiveFloat = 0.05
     min_cosine: Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)] = 0.99
     min_top1: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.99
     holdout: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
 
 
-class TensorRTConfig(_Table):
+class TensorRTConfig(_Table, frozen=True):
     workspace: str = "1GiB"
     dla_core: Annotated[int, msgspec.Meta(ge=-1)] = -1
     legacy_calibrator: bool = False
     builder_optimization_level: Annotated[int, msgspec.Meta(ge=0, le=5)] = 3
 
 
-class ModelConfig(_Table):
+class ModelConfig(_Table, frozen=True):
     path: str
     backend: Backend = "auto"
     precision: Precision = "fp32"
@@ -167,7 +167,7 @@ class ModelConfig(_Table):
     tensorrt: TensorRTConfig = msgspec.field(default_factory=TensorRTConfig)
 
 
-class Config(_Table):
+class Config(_Table, frozen=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)

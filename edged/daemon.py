@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -90,6 +91,7 @@ class Daemon:
         self.registry: Registry | None = None
         self.shm = SharedMemoryRegistry()
         self.memory: MemoryInfo | None = None
+        self.mqtt: Any = None  # edged.transports.mqtt.MqttTransport when [mqtt] enabled
 
     # --- start ---
 
@@ -117,10 +119,16 @@ class Daemon:
         self.metrics.budget.set(budget)
         self.cache.prepare()
         runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
-        self.registry = Registry(cfg, self.cache, runner, self.metrics, budget)
+        self.registry = Registry(cfg, self.cache, runner, self.metrics, budget, self._on_state)
         self.service = Service(self.registry, self.metrics, loop, self.memory, plan([], budget))
         app = App(self.service, self.shm, max_body_bytes(cfg))
         await self._serve(app)
+        if cfg.mqtt.enabled:
+            # Imported only when enabled: transports never load what the config does not use.
+            from edged.transports.mqtt import MqttTransport
+
+            self.mqtt = MqttTransport(cfg.mqtt, self.service, loop)
+            await self.mqtt.start()
         await self._boot_models(loop)
         await warm_request_path(app, self.registry)
         self.service.status_line = self._summary()
@@ -142,7 +150,7 @@ class Daemon:
             log.info("serving on %s", self.cfg.server.socket)
         config = uvicorn.Config(
             app, http="httptools", loop="none", lifespan="off", access_log=False, log_config=None,
-            server_header=False, date_header=False, interface="asgi3",
+            server_header=False, date_header=False, interface="asgi3", proxy_headers=False,
             timeout_graceful_shutdown=int(self.cfg.lifecycle.drain_timeout_s),
         )
         config.load()
@@ -213,6 +221,10 @@ class Daemon:
                 parts.append(f"{n} {state}" + (f": {', '.join(sorted(reasons))}" if state != LAZY else ""))
         return ", ".join(parts)
 
+    def _on_state(self, rt: ModelRuntime) -> None:
+        if self.mqtt is not None:
+            self.mqtt.model_state(rt)
+
     # --- watchdog ---
 
     async def _watchdog(self) -> None:
@@ -258,6 +270,8 @@ class Daemon:
         if self.server is not None:
             self.server.should_exit = True
             await self.server.shutdown()
+        if self.mqtt is not None:
+            await self.mqtt.stop()
         if self.registry is not None:
             for rt in self.registry.models.values():
                 if rt.backend is not None:

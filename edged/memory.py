@@ -46,7 +46,7 @@ def probe_meminfo(path: str = "/proc/meminfo") -> MemoryInfo:
 
 def probe_jtop() -> MemoryInfo:
     """Through the jtop service (jetson-stats). Raises when jtop or its service is missing."""
-    from jtop import jtop  # type: ignore[import-not-found]  # optional, Jetson only
+    from jtop import jtop  # optional, Jetson only
 
     with jtop() as jetson:
         ram = jetson.memory["RAM"]

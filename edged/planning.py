@@ -7,6 +7,7 @@ and a device provisioned with ``edged build`` boots on cache hits only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from edged.build.runner import BuildRunner
@@ -63,6 +64,10 @@ def offline_plan(cfg: Config) -> dict[str, Any]:
     return {"memory": mem, "plan": the_plan.to_dict(), "models": models}
 
 
+def _progress_bar(out: TextIO, name: str) -> Callable[[str, float | None], None]:
+    return lambda phase, fraction: _bar(out, name, phase, fraction)
+
+
 def _bar(out: TextIO, name: str, phase: str, fraction: float | None) -> None:
     if fraction is None:
         out.write(f"\r  {name}: {phase:<40}")
@@ -88,7 +93,7 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
         started = time.monotonic()
         if rt.state != FAILED and rt.entry is None:
             try:
-                await reg.build(rt, lambda p, f, n=rt.name: _bar(out, n, p, f))
+                await reg.build(rt, _progress_bar(out, rt.name))
                 out.write("\n")
             except EdgedError as e:
                 reg.set_state(rt, FAILED, e.message)

@@ -216,7 +216,8 @@ def encode_infer(
                     f"output '{out.name}' needs {data.nbytes} bytes, region "
                     f"'{out.shm_region}' was given {out.shm_size}"
                 )
-            shm(out.shm_region, out.shm_offset, data.nbytes)[:] = data.reshape(-1).view(np.uint8)
+            dest = np.frombuffer(shm(out.shm_region, out.shm_offset, data.nbytes), dtype=np.uint8)
+            dest[:] = data.reshape(-1).view(np.uint8)
             entry["parameters"] = {
                 "shared_memory_region": out.shm_region, "shared_memory_byte_size": data.nbytes,
             }

@@ -197,7 +197,9 @@ class Registry:
         rt.footprint = backend.footprint() or max(delta, 1)
         rt.measured = True
         self.metrics.footprint.labels(rt.name).set(rt.footprint)
-        if rt.entry.manifest.get("footprint") != rt.footprint:
+        stored = rt.entry.manifest.get("footprint") or 0
+        if abs(rt.footprint - stored) > 0.25 * max(stored, 1):
+            # Remembered for the next boot's plan; small drifts do not rewrite the cache.
             rt.entry = self.cache.update_manifest(rt.entry, footprint=rt.footprint)
         self.set_state(rt, WARMING)
         rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances)

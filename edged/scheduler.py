@@ -123,7 +123,7 @@ class ModelQueue:
             raise BusyError(f"model '{self.model}' queue is full ({self.depth} requests)")
         if self._inline_instance is not None:
             # Synchronous on the loop: nothing else runs meanwhile, so it never overlaps itself.
-            return self._inline_instance.infer(inputs)
+            return self._inline_instance.infer(inputs, checked=True)
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
         work = _Work(inputs, time.monotonic() + timeout, fut, request_id)
         if self.max_batch > 1:
@@ -203,11 +203,11 @@ class ModelQueue:
     def _run(self, inst: Instance, batch: list[_Work]) -> None:
         try:
             if len(batch) == 1:
-                self._resolve(batch[0], inst.infer(batch[0].inputs), None)
+                self._resolve(batch[0], inst.infer(batch[0].inputs, checked=True), None)
                 return
             names = list(batch[0].inputs)
             joined = {n: np.concatenate([w.inputs[n] for w in batch]) for n in names}
-            out = inst.infer(joined)
+            out = inst.infer(joined, checked=True)
             start = 0
             for w in batch:
                 end = start + w.rows

@@ -31,7 +31,7 @@ def _bodies(inputs: dict[str, np.ndarray]) -> list[tuple[bytes, int | None]]:
     binary_meta = [dict(m, parameters={"binary_data_size": a.nbytes}) for m, a in zip(meta, inputs.values())]
     header = orjson.dumps({"id": "warmup", "inputs": binary_meta,
                            "parameters": {"binary_data_output": True}})
-    bodies = [(header + b"".join(a.tobytes() for a in inputs.values()), len(header))]
+    bodies: list[tuple[bytes, int | None]] = [(header + b"".join(a.tobytes() for a in inputs.values()), len(header))]
     if all(a.size <= _JSON_LIMIT for a in inputs.values()):
         doc = {"id": "warmup", "inputs": [dict(m, data=a.reshape(-1)) for m, a in zip(meta, inputs.values())]}
         bodies.append((orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), None))

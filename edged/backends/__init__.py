@@ -41,11 +41,18 @@ def backend_class(name: str) -> type[Backend]:
     return cls
 
 
+def _available(cls: type[Backend]) -> tuple[bool, str]:
+    try:
+        return cls.available()
+    except Exception as e:  # a half-installed library must not take the daemon down
+        return False, f"availability check failed: {e.__class__.__name__}: {e}"
+
+
 def resolve(name: str) -> tuple[type[Backend], str]:
     """(backend class, why it was chosen) for a config's ``backend`` value."""
     if name != "auto":
         cls = backend_class(name)
-        ok, why = cls.available()
+        ok, why = _available(cls)
         if not ok:
             raise BackendUnavailableError(f"backend {name!r} is not usable here: {why}")
         return cls, "configured"
@@ -56,7 +63,7 @@ def resolve(name: str) -> tuple[type[Backend], str]:
         except BackendUnavailableError as e:
             reasons.append(str(e))
             continue
-        ok, why = cls.available()
+        ok, why = _available(cls)
         if ok:
             return cls, f"auto: {candidate} ({why})" + (
                 f"; skipped: {'; '.join(reasons)}" if reasons else ""

@@ -75,8 +75,11 @@ class Instance(abc.ABC):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.backend.check_inputs(inputs)
+    def infer(self, inputs: Mapping[str, np.ndarray], checked: bool = False) -> dict[str, np.ndarray]:
+        """Run one request. ``checked``: the caller (the service) has already validated the
+        inputs against this model, so the second check on the hot path is skipped."""
+        if not checked:
+            self.backend.check_inputs(inputs)
         try:
             return self._infer_impl(inputs)
         except Exception as e:  # a backend failure is a request error, never a daemon crash

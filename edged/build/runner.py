@@ -99,7 +99,7 @@ class BuildRunner:
             self._procs.discard(proc)
         result, error = events.get("done"), events.get("error", "")
         tail = (await stderr_task).decode(errors="replace").strip().splitlines()[-5:]
-        if rc == 0 and result is not None:
+        if rc == 0 and isinstance(result, dict):
             return result
         raise BuildError(self._explain(job.model, rc, error, tail))
 

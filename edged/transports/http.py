@@ -67,7 +67,7 @@ class App:
             if key == b"content-length" and int(value) > self.max_body:
                 raise PayloadTooLargeError(f"body of {int(value)} bytes exceeds the limit of {self.max_body}")
         message = await receive()
-        body = message.get("body", b"")
+        body: bytes = message.get("body", b"")
         if not message.get("more_body"):
             return body  # the common case: one message, no copy
         parts = [body]
@@ -114,6 +114,7 @@ class App:
     async def _infer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         if not self.accepting:
             raise ShuttingDownError("edged is shutting down")
+        self.service.model(name)  # an unknown model is a 404 whatever the body holds
         body = await self._read_body(scope, receive)
         header_len = None
         for key, value in scope["headers"]:

@@ -1,0 +1,225 @@
+"""MQTT payloads: topics, requests (the HTTP infer JSON or one raw tensor) and replies.
+
+Pure functions of bytes and properties, no client and no loop, so the wire format can be read
+(and tested) in one place. docs/mqtt.md describes the same format for users.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from edged.errors import BadRequestError, EdgedError
+from edged.protocol import NUMPY_TO_V2, V2_TO_NUMPY, InferRequest, decode_infer, encode_infer, v2_datatype
+
+JSON = "application/json"
+OCTET = "application/octet-stream"
+# The HTTP header of the binary tensor data extension, reused as a user property so a JSON
+# request may carry tensors as raw bytes after its JSON header, exactly as on the socket.
+HEADER_LENGTH = "inference-header-content-length"
+
+_JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
+
+
+@dataclass
+class Incoming:
+    """What edged keeps of a PUBLISH; copied in the paho thread, used on the loop."""
+
+    topic: str
+    payload: bytes
+    qos: int = 0
+    received: float = field(default_factory=time.monotonic)
+    response_topic: str = ""
+    correlation: bytes | None = None
+    content_type: str = ""
+    user: dict[str, str] = field(default_factory=dict)
+    expiry_s: int | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        """Monotonic time after which the sender no longer wants an answer."""
+        return None if self.expiry_s is None else self.received + self.expiry_s
+
+    def expired(self, now: float | None = None) -> bool:
+        deadline = self.deadline
+        return deadline is not None and (now if now is not None else time.monotonic()) > deadline
+
+    @property
+    def raw(self) -> bool:
+        """One raw tensor. application/octet-stream with the header-length property is the
+        binary tensor data extension instead, as on the socket."""
+        return (self.content_type.split(";")[0].strip().lower() == OCTET
+                and HEADER_LENGTH not in self.user)
+
+
+@dataclass
+class Decoded:
+    """A request made ready for the service: ``input_name`` is None when a raw tensor leaves
+    the name to the model (single-input models)."""
+
+    request: InferRequest
+    reply_to: str = ""
+    raw: bool = False
+    input_name: str | None = None
+    raw_tensor: np.ndarray | None = None
+    raw_output: str | None = None
+
+
+@dataclass
+class Reply:
+    payload: bytes
+    content_type: str = JSON
+    user: list[tuple[str, str]] = field(default_factory=list)
+
+
+def model_from_topic(topic: str, prefix: str, device: str) -> str | None:
+    """``{prefix}/{device}/models/{model}/infer`` or ``{prefix}/fleet/models/{model}/infer``."""
+    if not topic.startswith(prefix + "/"):
+        return None
+    parts = topic[len(prefix) + 1:].split("/")
+    if len(parts) != 4 or parts[1] != "models" or parts[3] != "infer" or not parts[2]:
+        return None
+    return parts[2] if parts[0] in (device, "fleet") else None
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+def parse_dtype(text: str) -> np.dtype[Any]:
+    """``FP32`` (the protocol's name) or ``float32`` (numpy's), any case."""
+    t = text.strip()
+    name = V2_TO_NUMPY.get(t.upper()) or (t.lower() if t.lower() in NUMPY_TO_V2 else None)
+    if name is None:
+        raise BadRequestError(
+            f"user property 'dtype': unsupported {text!r}; one of {', '.join(V2_TO_NUMPY)}"
+        )
+    return np.dtype(name)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``1,16``, ``1x16`` or the JSON list ``[1, 16]``."""
+    t = text.strip()
+    try:
+        dims = orjson.loads(t) if t.startswith("[") else [
+            int(d) for d in t.replace("x", ",").split(",") if d.strip()
+        ]
+    except (ValueError, orjson.JSONDecodeError):
+        dims = None
+    if not isinstance(dims, list) or not dims or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
+    ):
+        raise BadRequestError(
+            f"user property 'shape': expected non-negative integers such as '1,16', got {text!r}"
+        )
+    return tuple(dims)
+
+
+def decode_raw(msg: Incoming) -> Decoded:
+    """One tensor as raw bytes in the device's byte order (little-endian on every Jetson and
+    x86 machine), described by the user properties."""
+    if "dtype" not in msg.user or "shape" not in msg.user:
+        raise BadRequestError("a raw tensor needs the user properties 'dtype' and 'shape'")
+    dtype = parse_dtype(msg.user["dtype"])
+    shape = parse_shape(msg.user["shape"])
+    need = math.prod(shape) * dtype.itemsize
+    if len(msg.payload) != need:
+        raise BadRequestError(
+            f"shape {list(shape)} of {v2_datatype(dtype.name)} needs {need} bytes, got {len(msg.payload)}"
+        )
+    arr = np.frombuffer(msg.payload, dtype=dtype).reshape(shape)
+    req = InferRequest(id=msg.user.get("id", ""))
+    return Decoded(req, msg.response_topic, True, msg.user.get("input") or None, arr,
+                   msg.user.get("output") or None)
+
+
+def reply_to_of(payload: bytes) -> tuple[str, str]:
+    """The ``reply_to`` and ``id`` an MQTT 3.1.1 client puts in its JSON, even from a body that
+    fails validation later, so the error still reaches it. ('', '') when unreadable."""
+    try:
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return "", ""
+    if not isinstance(doc, dict):
+        return "", ""
+    reply_to, rid = doc.get("reply_to"), doc.get("id")
+    return (reply_to if isinstance(reply_to, str) else "",
+            "" if rid is None else str(rid))
+
+
+def decode_json(msg: Incoming) -> Decoded:
+    """The HTTP infer body, optionally with the binary tensor data extension."""
+    header_length = None
+    if HEADER_LENGTH in msg.user:
+        try:
+            header_length = int(msg.user[HEADER_LENGTH])
+        except ValueError:
+            raise BadRequestError(f"user property '{HEADER_LENGTH}' must be an integer") from None
+    req = decode_infer(msg.payload, header_length)
+    reply_to = msg.response_topic
+    if not reply_to:
+        reply_to = reply_to_of(msg.payload[:header_length] if header_length else msg.payload)[0]
+    return Decoded(req, reply_to)
+
+
+def decode(msg: Incoming) -> Decoded:
+    return decode_raw(msg) if msg.raw else decode_json(msg)
+
+
+def request_id(msg: Incoming) -> str:
+    """For logs and the error reply before the body is parsed."""
+    if "id" in msg.user:
+        return msg.user["id"]
+    if msg.correlation is not None:
+        return msg.correlation.hex()[:32]
+    return ""
+
+
+# --- replies ------------------------------------------------------------------------------------
+
+
+def ok_reply(model: str, dec: Decoded, results: dict[str, np.ndarray]) -> Reply:
+    if dec.raw:
+        return raw_reply(model, results, dec.raw_output)
+    body, header_length = encode_infer(model, dec.request, results)
+    if header_length is None:
+        return Reply(body)
+    return Reply(body, OCTET, [(HEADER_LENGTH, str(header_length))])
+
+
+def raw_reply(model: str, results: dict[str, np.ndarray], wanted: str | None) -> Reply:
+    """A raw request gets raw bytes back: what a sensor can use without a JSON parser. A model
+    with several outputs answers with the one named by the 'output' user property, or with all
+    of them in the binary tensor data format when none is named."""
+    if wanted is None and len(results) > 1:
+        body, header_length = encode_infer(model, InferRequest(binary_all=True), results)
+        return Reply(body, OCTET, [(HEADER_LENGTH, str(header_length))])
+    name = wanted if wanted is not None else next(iter(results))
+    arr = results.get(name)
+    if arr is None:
+        raise BadRequestError(f"requested output '{name}' is not an output of '{model}'")
+    data = np.ascontiguousarray(arr)
+    return Reply(data.tobytes(), OCTET, [
+        ("name", name), ("dtype", v2_datatype(arr.dtype.name)),
+        ("shape", ",".join(str(d) for d in arr.shape)),
+    ])
+
+
+def error_reply(err: EdgedError, rid: str = "") -> Reply:
+    doc: dict[str, Any] = err.to_dict()
+    if rid:
+        doc["id"] = rid  # an MQTT 3.1.1 client has nothing else to match the error with
+    return Reply(orjson.dumps(doc), JSON, [("code", err.code)])
+
+
+def model_state_doc(name: str, state: str, reason: str) -> bytes:
+    return orjson.dumps({"model": name, "state": state, "reason": reason,
+                         "ts": round(time.time(), 3)})
+
+
+def dumps(doc: Any) -> bytes:
+    return orjson.dumps(doc, option=_JSON_OPTS)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Everything the tests need, from a fresh Debian/Ubuntu machine, then lint, types and the tests.
+#   scripts/test.sh [pytest args...]
+# CI runs exactly this (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc systemd)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+# The TensorRT type stubs name `tensorrt` as a dependency, which only NVIDIA's index serves:
+# install the stubs alone so mypy can check the TensorRT backend against the real API.
+.venv/bin/python -m pip install -q --no-deps tensorrt-stubs
+
+.venv/bin/ruff check edged tests scripts
+.venv/bin/mypy
+exec .venv/bin/python -m pytest -ra "$@"

@@ -1,0 +1,121 @@
+"""Shared test helpers: a real edged daemon as a subprocess, and waiting on conditions.
+
+Nothing here fakes the daemon: it is started as ``python -m edged serve`` on a temporary socket
+and cache, exactly as a user starts it, and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from edged.client import Client
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02,
+             what: str = "condition") -> Any:
+    """Poll ``cond`` until it returns a truthy value; fail the test with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = cond()
+            if value:
+                return value
+        except AssertionError:
+            raise
+        except Exception as e:  # the condition may raise until it holds (socket not there yet)
+            last_exc = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc!r})")
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_config(path: Path, tables: dict[str, dict[str, Any]]) -> Path:
+    """Write a TOML file from {"server": {...}, "models.tiny": {...}, ...}."""
+    lines = []
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+class DaemonProcess:
+    def __init__(self, config: Path, socket: Path, log: Path, env: dict[str, str] | None = None) -> None:
+        self.config, self.socket, self.log_path = config, socket, log
+        self.env = dict(os.environ, **(env or {}))
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait_ready: bool = True, timeout: float = 60.0) -> DaemonProcess:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "edged", "serve", "--config", str(self.config)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            )
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        def ready() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"edged exited with {self.proc.returncode}:\n{self.log()}")
+            with Client(str(self.socket), timeout=2) as c:
+                return c.ready()
+
+        try:
+            wait_for(ready, timeout, what="edged ready")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- daemon log ---\n{self.log()}") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def client(self, timeout: float = 30.0) -> Client:
+        return Client(str(self.socket), timeout=timeout)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def running(config: Path, socket: Path, log: Path, **kw: Any) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(config, socket, log, **kw).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+        d.kill()

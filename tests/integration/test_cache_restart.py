@@ -1,0 +1,88 @@
+"""The engine cache across restarts: a second start builds nothing; a corrupted or mismatched
+entry is moved aside and rebuilt while the daemon keeps going."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import DaemonProcess
+
+pytestmark = pytest.mark.integration
+
+
+def manifests(cache: Path) -> dict[str, dict[str, object]]:
+    return {p.name: json.loads(p.read_text()) for p in cache.glob("*.json") if p.name != "digests.json"}
+
+
+def test_second_start_is_a_cache_hit(daemon_factory: Callable[..., DaemonProcess], model_dir: Path,
+                                     tmp_path: Path) -> None:
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
+    d.start()
+    assert "tiny: building" in d.log()
+    assert d.stop() == 0
+    first = manifests(tmp_path / "cache")
+    assert len(first) == 1
+    (entry,) = first.values()
+    assert entry["footprint"] and entry["build_seconds"] is not None
+
+    d.log_path.write_text("")
+    d.start()
+    assert "building" not in d.log(), d.log()
+    again = manifests(tmp_path / "cache")
+    assert again.keys() == first.keys()
+    for name, doc in again.items():  # the same entry: not rebuilt
+        for field in ("key", "created", "build_seconds", "artifact_sha256"):
+            assert doc[field] == first[name][field]
+    with d.client() as c:
+        st = c.status()
+        assert st["models"]["tiny"]["footprint_measured"] is True
+        assert st["models"]["tiny"]["cache_key"] == entry["key"]
+    assert d.stop() == 0
+    assert not d.socket.exists()  # removed on a clean stop
+
+
+def test_corrupt_artifact_is_quarantined_and_rebuilt(daemon_factory: Callable[..., DaemonProcess],
+                                                     model_dir: Path, tmp_path: Path) -> None:
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
+    d.start()
+    assert d.stop() == 0
+    cache = tmp_path / "cache"
+    (artifact,) = cache.glob("tiny-*.onnx")
+    artifact.write_bytes(b"\x00garbage" + artifact.read_bytes()[8:])
+    d.log_path.write_text("")
+    d.start()
+    assert "artefact checksum does not match" in d.log()
+    assert "tiny: building" in d.log()
+    quarantined = list((cache / "quarantine").glob("tiny-*.onnx.*"))
+    assert quarantined and not quarantined[0].name.endswith(".why")
+    with d.client() as c:
+        assert c.infer("tiny", {"x": np.zeros((1, 16), np.float32)})["probs"].shape == (1, 4)
+
+
+def test_changed_model_rebuilds_and_manifest_mismatch(daemon_factory: Callable[..., DaemonProcess],
+                                                      tmp_path: Path) -> None:
+    from edged.demo import make_tiny_mlp
+
+    model = make_tiny_mlp(tmp_path / "m.onnx")
+    d = daemon_factory({"m": {"path": str(model)}})
+    d.start()
+    assert d.stop() == 0
+    cache = tmp_path / "cache"
+    (mpath,) = cache.glob("m-*.json")
+    doc = json.loads(mpath.read_text())
+    doc["key"] = "0" * 64  # a manifest that does not belong to its entry is never used
+    mpath.write_text(json.dumps(doc))
+    d.log_path.write_text("")
+    d.start()
+    assert "manifest key does not match" in d.log()
+    assert d.stop() == 0
+    make_tiny_mlp(model, hidden=8)  # new model bytes: a new key, a new entry
+    d.log_path.write_text("")
+    d.start()
+    assert "m: building" in d.log()
+    assert len(list(cache.glob("m-*.onnx"))) == 2

@@ -1,0 +1,122 @@
+"""The scheduler's logic with a fake instance (pure logic: batching, deadlines, busy, close)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from edged.backends.base import Instance
+from edged.errors import BusyError, DeadlineExceededError, ShuttingDownError
+from edged.scheduler import ModelQueue
+
+
+class FakeInstance(Instance):
+    """Doubles its input; records the batch sizes it ran; can be held by a gate."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def infer(self, inputs: Mapping[str, np.ndarray], checked: bool = False) -> dict[str, np.ndarray]:
+        return self._infer_impl(inputs)
+
+    def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        assert self.gate.wait(30)
+        self.batches.append(len(inputs["x"]))
+        return {"y": inputs["x"] * 2}
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_batches_concurrent_requests_and_splits_results() -> None:
+    inst = FakeInstance()
+
+    async def main() -> list[np.ndarray]:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=64, max_batch=8,
+                       max_queue_delay_us=200_000, batchable=True)
+        inst.gate.clear()  # hold the worker so requests pile up
+        q.start()
+        tasks = [asyncio.ensure_future(q.submit({"x": np.full((1, 2), i, np.float32)}, 10)) for i in range(9)]
+        while q.pending < 9:
+            await asyncio.sleep(0)
+        inst.gate.set()
+        out = [r["y"] for r in await asyncio.gather(*tasks)]
+        q.close()
+        return out
+
+    outs = run(main())
+    assert [float(o[0, 0]) for o in outs] == [2.0 * i for i in range(9)]
+    assert sum(inst.batches) == 9 and max(inst.batches) <= 8 and len(inst.batches) < 9
+
+
+def test_different_shapes_are_not_mixed() -> None:
+    inst = FakeInstance()
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=64, max_batch=8,
+                       max_queue_delay_us=50_000, batchable=True)
+        inst.gate.clear()
+        q.start()
+        a = asyncio.ensure_future(q.submit({"x": np.ones((1, 2), np.float32)}, 10))
+        b = asyncio.ensure_future(q.submit({"x": np.ones((1, 3), np.float32)}, 10))
+        while q.pending < 2:
+            await asyncio.sleep(0)
+        inst.gate.set()
+        ra, rb = await asyncio.gather(a, b)
+        assert ra["y"].shape == (1, 2) and rb["y"].shape == (1, 3)
+        q.close()
+
+    run(main())
+    assert inst.batches == [1, 1]
+
+
+def test_full_queue_is_busy_at_once_and_deadline_is_honoured() -> None:
+    inst = FakeInstance()
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=2)
+        inst.gate.clear()
+        q.start()
+        first = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 10))
+        queued = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 0.05))
+        while q.pending < 2:
+            await asyncio.sleep(0)
+        with pytest.raises(BusyError, match="queue is full"):
+            await q.submit({"x": np.ones((1, 1))}, 10)
+        with pytest.raises(DeadlineExceededError):
+            await queued
+        inst.gate.set()
+        assert (await first)["y"][0, 0] == 2
+        q.close()
+        with pytest.raises(ShuttingDownError):
+            await q.submit({"x": np.ones((1, 1))}, 10)
+
+    run(main())
+    assert inst.batches == [1]  # the expired request never ran
+
+
+def test_wedged_worker_is_unhealthy() -> None:
+    inst = FakeInstance()
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=4)
+        q.start()
+        q.fault_wedge.set()
+        task = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 10))
+        while all(w.busy_since is None for w in q.workers):
+            await asyncio.sleep(0.001)
+        assert q.healthy(60)
+        assert not q.healthy(0.0)
+        q.fault_wedge.clear()
+        await task
+        assert q.healthy(0.0)
+        q.close()
+
+    run(main())
