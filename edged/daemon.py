@@ -28,6 +28,7 @@ from edged.errors import EdgedError, SocketInUseError
 from edged.memory import MemoryInfo, budget_bytes, plan, probe
 from edged.metrics import Metrics
 from edged.registry import DEFERRED, FAILED, LAZY, READY, ModelRuntime, Registry
+from edged.reload import Reloader
 from edged.service import Service
 from edged.transports.http import App
 from edged.transports.shm import SharedMemoryRegistry
@@ -92,6 +93,8 @@ class Daemon:
         self.shm = SharedMemoryRegistry()
         self.memory: MemoryInfo | None = None
         self.mqtt: Any = None  # edged.transports.mqtt.MqttTransport when [mqtt] enabled
+        self.reloader: Reloader | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- start ---
 
@@ -135,7 +138,25 @@ class Daemon:
         self.service.ready.set()
         systemd.ready(self.service.status_line)
         log.info("ready: %s", self.service.status_line)
-        loop.create_task(self._watchdog())
+        self.reloader = Reloader(self.registry, loop, self._summary, self._set_status)
+        self._spawn(self._watchdog())
+        if cfg.lifecycle.watch_files:
+            self._spawn(self.reloader.watch(self.stop_event))
+        loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _set_status(self, text: str) -> None:
+        if self.service is not None:
+            self.service.status_line = text
+        systemd.status(text)
+
+    def _on_reload_signal(self) -> None:
+        if self.reloader is not None and not self.stop_event.is_set():
+            self._spawn(self.reloader.reload())
 
     async def _serve(self, app: App) -> None:
         fds = systemd.listen_fds()
@@ -263,8 +284,12 @@ class Daemon:
     async def _stop(self) -> None:
         systemd.stopping("draining requests")
         started = time.monotonic()
+        for task in list(self._tasks):
+            task.cancel()
         if self.service is not None:
             self.service.stopping = True
+        if self.server is not None:
+            self.app.accepting = False
         if self.registry is not None:
             self.registry.runner.kill_all()
         if self.server is not None:

@@ -99,15 +99,19 @@ class Registry:
         self.budget = budget
         self._on_state = on_state
         self.models: dict[str, ModelRuntime] = {n: ModelRuntime(n, m) for n, m in cfg.models.items()}
+        # Models whose requests wait (rather than fail) while a reload swaps them.
+        self.holds: dict[str, asyncio.Event] = {}
 
     # --- state ---
 
-    def set_state(self, rt: ModelRuntime, state: str, reason: str = "") -> None:
+    def set_state(self, rt: ModelRuntime, state: str, reason: str = "", notify: bool = True) -> None:
         rt.state, rt.reason = state, reason
+        if not notify:  # a retired copy of a model that a reload replaced: nobody watches it
+            return
         self.metrics.state.labels(rt.name).set(1 if state == READY else 0)
         log.info("%s: %s%s", rt.name, state, f" ({reason})" if reason else "",
                  extra={"model": rt.name, "phase": state})
-        if self._on_state:
+        if self._on_state and self.models.get(rt.name) is rt:
             self._on_state(rt)
 
     def used(self) -> int:
@@ -243,10 +247,20 @@ class Registry:
                 times.append((time.perf_counter() - t0) * 1e6)
         return float(np.median(times))
 
-    async def unload(self, rt: ModelRuntime, state: str = UNLOADED, reason: str = "") -> None:
+    def hold(self, name: str) -> asyncio.Event:
+        gate = self.holds[name] = asyncio.Event()
+        return gate
+
+    def release(self, name: str, gate: asyncio.Event) -> None:
+        if self.holds.get(name) is gate:
+            del self.holds[name]
+        gate.set()
+
+    async def unload(self, rt: ModelRuntime, state: str = UNLOADED, reason: str = "",
+                     notify: bool = True) -> None:
         queue, backend = rt.queue, rt.backend
         rt.queue, rt.backend = None, None
-        self.set_state(rt, state, reason)
+        self.set_state(rt, state, reason, notify)
         if queue is not None:
             queue.close()
             await asyncio.to_thread(queue.join, self.cfg.lifecycle.drain_timeout_s)

@@ -85,7 +85,7 @@ class Service:
         try:
             queue = rt.queue if rt.state == READY else None
             if queue is None:
-                queue = await self._await_model(rt)
+                rt, queue = await self._await_model(rt)
             check_inputs(rt, inputs)
             timeout = (rt.cfg.timeout_ms or self.registry.cfg.server.request_timeout_ms) / 1000
             rt.last_used = time.monotonic()
@@ -98,13 +98,21 @@ class Service:
         self.metrics.observe(name, transport, "ok", time.perf_counter() - started)
         return out
 
-    async def _await_model(self, rt: ModelRuntime) -> Any:
+    async def _await_model(self, rt: ModelRuntime) -> tuple[ModelRuntime, Any]:
         if self.stopping:
             raise ShuttingDownError("edged is shutting down")
+        timeout = self.registry.cfg.server.request_timeout_ms / 1000
+        gate = self.registry.holds.get(rt.name)
+        if gate is not None:
+            # A reload is swapping this model and old and new do not fit together: wait for it.
+            try:
+                await asyncio.wait_for(gate.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise ModelNotReadyError(f"model '{rt.name}' is being swapped by a reload") from None
+            rt = self.registry.models.get(rt.name, rt)
         if not self.ready.is_set():
             # A request that arrives while the daemon warms up (socket activation queues it in
             # the kernel) waits for readiness rather than failing.
-            timeout = self.registry.cfg.server.request_timeout_ms / 1000
             try:
                 await asyncio.wait_for(self.ready.wait(), timeout)
             except asyncio.TimeoutError:
@@ -113,7 +121,7 @@ class Service:
             await self.registry.ensure_loaded(rt, self.loop)
         if rt.state != READY or rt.queue is None:
             raise ModelNotReadyError(f"model '{rt.name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
-        return rt.queue
+        return rt, rt.queue
 
     # --- repository ---
 

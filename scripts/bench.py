@@ -22,7 +22,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
