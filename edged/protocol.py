@@ -8,6 +8,7 @@ self-consistent; whether its tensors fit the model is the service's job.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -103,9 +104,21 @@ def _int_param(params: Mapping[str, Any], key: str, where: str, default: int | N
     return value
 
 
-def _decode_input(
-    raw: Any, binary: memoryview, offset: int, shm: ShmResolver | None, idx: int
-) -> tuple[str, np.ndarray, int]:
+@dataclass(frozen=True)
+class _InputPlan:
+    """One input as its header describes it; the tensor bytes are found per request."""
+
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    kind: str  # "json" | "binary" | "shm"
+    size: int = 0
+    region: str = ""
+    offset: int = 0
+    data: Any = None
+
+
+def _plan_input(raw: Any, idx: int) -> _InputPlan:
     inp = _obj(raw, f"inputs[{idx}]")
     name = inp.get("name")
     if not isinstance(name, str) or not name:
@@ -115,24 +128,29 @@ def _decode_input(
     dtype = _dtype(inp.get("datatype"), where)
     params = _obj(inp.get("parameters") or {}, f"{where}: 'parameters'")
     if "shared_memory_region" in params:
-        if shm is None:
-            raise BadRequestError(f"{where}: shared memory is not available on this transport")
         region = params["shared_memory_region"]
         if not isinstance(region, str):
             raise BadRequestError(f"{where}: 'shared_memory_region' must be a string")
-        size = _int_param(params, "shared_memory_byte_size", where)
-        view = shm(region, _int_param(params, "shared_memory_offset", where, 0), size)
-        return name, _from_bytes(view, dtype, shape, where), offset
+        return _InputPlan(name, dtype, shape, "shm", _int_param(params, "shared_memory_byte_size", where),
+                          region, _int_param(params, "shared_memory_offset", where, 0))
     if "binary_data_size" in params:
-        size = _int_param(params, "binary_data_size", where)
-        if offset + size > len(binary):
-            raise BadRequestError(
-                f"{where}: 'binary_data_size' {size} runs past the end of the binary data"
-            )
-        return name, _from_bytes(binary[offset:offset + size], dtype, shape, where), offset + size
+        return _InputPlan(name, dtype, shape, "binary", _int_param(params, "binary_data_size", where))
     if "data" not in inp:
         raise BadRequestError(f"{where}: needs 'data', binary data or a shared memory region")
-    return name, _from_json_data(inp["data"], dtype, shape, where), offset
+    return _InputPlan(name, dtype, shape, "json", data=inp["data"])
+
+
+def _materialize(p: _InputPlan, binary: memoryview, offset: int, shm: ShmResolver | None) -> tuple[np.ndarray, int]:
+    where = f"input '{p.name}'"
+    if p.kind == "shm":
+        if shm is None:
+            raise BadRequestError(f"{where}: shared memory is not available on this transport")
+        return _from_bytes(shm(p.region, p.offset, p.size), p.dtype, p.shape, where), offset
+    if p.kind == "binary":
+        if offset + p.size > len(binary):
+            raise BadRequestError(f"{where}: 'binary_data_size' {p.size} runs past the end of the binary data")
+        return _from_bytes(binary[offset:offset + p.size], p.dtype, p.shape, where), offset + p.size
+    return _from_json_data(p.data, p.dtype, p.shape, where), offset
 
 
 def _decode_output(raw: Any, binary_all: bool, idx: int) -> OutputRequest:
@@ -152,20 +170,24 @@ def _decode_output(raw: Any, binary_all: bool, idx: int) -> OutputRequest:
     return req
 
 
-def decode_infer(
-    body: bytes | memoryview, header_length: int | None = None, shm: ShmResolver | None = None
-) -> InferRequest:
-    """Parse an infer body: JSON alone, or (binary extension) JSON of ``header_length`` bytes
-    followed by the tensors' raw bytes in the order of the inputs that declare them."""
-    view = memoryview(body)
-    if header_length is None:
-        header_length = len(view)
-    elif header_length > len(view):
-        raise BadRequestError(
-            f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)"
-        )
+@dataclass(frozen=True)
+class _RequestPlan:
+    id: str
+    binary_all: bool
+    parameters: dict[str, Any]
+    inputs: tuple[_InputPlan, ...]
+    outputs: tuple[OutputRequest, ...] | None
+
+
+# Clients send the same header for every frame of a stream (only the bytes after it change), so
+# a header without inline JSON data is parsed once and its plan reused.
+_PLANS: dict[bytes, _RequestPlan] = {}
+_PLAN_CACHE_SIZE = 256
+
+
+def _plan(header: memoryview) -> _RequestPlan:
     try:
-        doc = orjson.loads(view[:header_length])
+        doc = orjson.loads(header)
     except orjson.JSONDecodeError as e:
         raise BadRequestError(f"malformed JSON: {e}") from None
     doc = _obj(doc, "request body")
@@ -174,22 +196,56 @@ def decode_infer(
         raise BadRequestError("'inputs' must be a non-empty list")
     params = _obj(doc.get("parameters") or {}, "'parameters'")
     binary_all = bool(params.get("binary_data_output", False))
-    binary = view[header_length:]
-    req = InferRequest(id=str(doc.get("id", "")), binary_all=binary_all, parameters=params)
-    offset = 0
-    for idx, raw in enumerate(inputs_raw):
-        name, arr, offset = _decode_input(raw, binary, offset, shm, idx)
-        if name in req.inputs:
-            raise BadRequestError(f"input '{name}' is given twice")
-        req.inputs[name] = arr
-    if offset != len(binary):
-        raise BadRequestError(f"{len(binary) - offset} bytes of binary data belong to no input")
+    inputs = tuple(_plan_input(raw, idx) for idx, raw in enumerate(inputs_raw))
+    names = [p.name for p in inputs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise BadRequestError(f"input '{dup}' is given twice")
     outputs_raw = doc.get("outputs")
+    outputs = None
     if outputs_raw is not None:
         if not isinstance(outputs_raw, list):
             raise BadRequestError("'outputs' must be a list")
-        req.outputs = [_decode_output(o, binary_all, i) for i, o in enumerate(outputs_raw)]
-    return req
+        outputs = tuple(_decode_output(o, binary_all, i) for i, o in enumerate(outputs_raw))
+    return _RequestPlan(str(doc.get("id", "")), binary_all, params, inputs, outputs)
+
+
+def _cached_plan(header: memoryview) -> _RequestPlan:
+    key = header.tobytes()
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(header)
+        if all(p.kind != "json" for p in plan.inputs):
+            if len(_PLANS) >= _PLAN_CACHE_SIZE:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def decode_infer(
+    body: bytes | memoryview, header_length: int | None = None, shm: ShmResolver | None = None
+) -> InferRequest:
+    """Parse an infer body: JSON alone, or (binary extension) JSON of ``header_length`` bytes
+    followed by the tensors' raw bytes in the order of the inputs that declare them."""
+    view = memoryview(body)
+    if header_length is None:
+        header_length = len(view)
+        plan = _plan(view)  # plain JSON carries its data inline: nothing to reuse
+    elif header_length > len(view):
+        raise BadRequestError(
+            f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)"
+        )
+    else:
+        plan = _cached_plan(view[:header_length])
+    binary = view[header_length:]
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for p in plan.inputs:
+        inputs[p.name], offset = _materialize(p, binary, offset, shm)
+    if offset != len(binary):
+        raise BadRequestError(f"{len(binary) - offset} bytes of binary data belong to no input")
+    outputs = [dataclasses.replace(o) for o in plan.outputs] if plan.outputs is not None else None
+    return InferRequest(plan.id, inputs, outputs, plan.binary_all, plan.parameters)
 
 
 def encode_infer(
