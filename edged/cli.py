@@ -111,7 +111,8 @@ def cmd_infer(args: argparse.Namespace) -> int:
     with Client(_socket(args)) as c:
         outputs = c.infer(args.model, inputs) if not args.shm else c.infer_shm(args.model, inputs)
     if args.output:
-        np.savez(args.output, **outputs)  # type: ignore[arg-type]
+        savez: Any = np.savez  # numpy's stub types the keyword arrays as its own flags
+        savez(args.output, **outputs)
         print(f"saved {', '.join(outputs)} to {args.output}")
     else:
         for name, arr in outputs.items():

@@ -24,7 +24,7 @@ from edged import systemd
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache
 from edged.config import Config, format_size, max_body_bytes
-from edged.errors import EdgedError, SocketInUseError
+from edged.errors import CacheError, EdgedError, SocketInUseError
 from edged.memory import MemoryInfo, budget_bytes, plan, probe
 from edged.metrics import Metrics
 from edged.registry import DEFERRED, FAILED, LAZY, READY, ModelRuntime, Registry
@@ -202,14 +202,31 @@ class Daemon:
             if rt.entry is None:
                 continue
             systemd.status(f"loading {name}")
-            try:
-                await reg.load(rt, loop)
-            except EdgedError as e:
-                reg.set_state(rt, FAILED, e.message)
+            await self._load_or_rebuild(rt, loop)
         for name in the_plan.lazy:
             if reg.models[name].entry is not None:
                 reg.set_state(reg.models[name], LAZY, "loads on first request")
         reg.digests.save()
+
+    async def _load_or_rebuild(self, rt: ModelRuntime, loop: asyncio.AbstractEventLoop) -> None:
+        """An engine that checked out but will not load (another TensorRT, a corrupt plan) has
+        been moved aside by the registry: build it again once, then load that."""
+        assert self.registry is not None
+        try:
+            await self.registry.load(rt, loop)
+            return
+        except CacheError as e:
+            log.warning("%s: %s; rebuilding", rt.name, e.message, extra={"model": rt.name})
+        except EdgedError as e:
+            self.registry.set_state(rt, FAILED, e.message)
+            return
+        await self._build(rt, 1, 1)
+        if rt.entry is None:
+            return
+        try:
+            await self.registry.load(rt, loop)
+        except EdgedError as e:
+            self.registry.set_state(rt, FAILED, e.message)
 
     async def _build(self, rt: ModelRuntime, index: int, total: int) -> None:
         assert self.registry is not None

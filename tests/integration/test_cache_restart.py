@@ -86,3 +86,27 @@ def test_changed_model_rebuilds_and_manifest_mismatch(daemon_factory: Callable[.
     d.start()
     assert "m: building" in d.log()
     assert len(list(cache.glob("m-*.onnx"))) == 2
+
+
+def test_artifact_that_does_not_load_is_rebuilt(daemon_factory: Callable[..., DaemonProcess],
+                                                model_dir: Path, tmp_path: Path) -> None:
+    """An entry whose checksum matches but which the backend cannot load (a plan from another
+    TensorRT, say) is moved aside and rebuilt at once; the daemon comes up ready."""
+    from edged.cache import file_digest
+
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
+    d.start()
+    assert d.stop() == 0
+    cache = tmp_path / "cache"
+    (artifact,) = cache.glob("tiny-*.onnx")
+    (mpath,) = cache.glob("tiny-*.json")
+    artifact.write_bytes(b"not an onnx model at all")
+    doc = json.loads(mpath.read_text())
+    doc.update(artifact_size=artifact.stat().st_size, artifact_sha256=file_digest(artifact))
+    mpath.write_text(json.dumps(doc))
+    d.log_path.write_text("")
+    d.start()
+    assert "does not load" in d.log() and "rebuilding" in d.log()
+    assert list((cache / "quarantine").glob("tiny-*.onnx.*"))
+    with d.client() as c:
+        assert c.infer("tiny", {"x": np.zeros((1, 16), np.float32)})["probs"].shape == (1, 4)

@@ -1,0 +1,18 @@
+"""The TensorRT backend (TensorRT 8.5 through 11, on Jetson and NVIDIA GPUs).
+
+This package is the only part of edged that imports ``tensorrt`` or ``pycuda``, and it imports
+them only when used: the daemon starts without them, and ``available()`` says why they are not
+usable instead of failing. Its parts:
+
+- ``versions``: what differs between TensorRT versions (pure; the build plan);
+- ``shapes``: profiles, dtypes and buffer sizes (pure);
+- ``cuda``: the primary context, streams and page-locked/device buffers (pycuda, no TensorRT);
+- ``fingerprint``: what an engine is bound to, for the cache key;
+- ``trtlog``: TensorRT's logger bridged into ``logging``;
+- ``build`` and ``calibrator``: engine building (the build child process);
+- ``backend``: loading, instances, inference.
+"""
+
+from edged.backends.tensorrt.backend import TensorRTBackend
+
+__all__ = ["TensorRTBackend"]

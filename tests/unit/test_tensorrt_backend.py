@@ -1,0 +1,243 @@
+"""The TensorRT backend's parts that run without TensorRT: availability, import isolation,
+model inspection, calibration samples, timing cache naming, and the type check against the
+official stubs (which is what stands in for running it here)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edged.backends import resolve
+from edged.backends.tensorrt import TensorRTBackend
+from edged.backends.tensorrt.build import timing_cache_path
+from edged.backends.tensorrt.calibrator import load_samples
+from edged.backends.tensorrt.versions import BuildOptions, read_model_traits
+from edged.errors import BuildError
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "edged" / "backends" / "tensorrt"
+
+
+def _tensorrt_runs() -> bool:
+    try:
+        import tensorrt
+
+        return bool(tensorrt.__version__)
+    except Exception:
+        return False
+
+
+needs_no_tensorrt = pytest.mark.skipif(_tensorrt_runs(), reason="TensorRT is installed here")
+
+
+@needs_no_tensorrt
+def test_available_says_why_not_instead_of_raising() -> None:
+    ok, why = TensorRTBackend.available()
+    assert ok is False
+    assert "tensorrt" in why
+
+
+@needs_no_tensorrt
+def test_auto_falls_back_to_onnxruntime_and_says_why() -> None:
+    cls, why = resolve("auto")
+    assert cls.name == "onnxruntime"
+    assert "skipped" in why and "tensorrt" in why
+
+
+def _imported_roots(tree: ast.AST) -> set[str]:
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                roots.add(arg.value.split(".")[0])
+    return roots
+
+
+def test_only_the_tensorrt_package_imports_tensorrt_or_pycuda() -> None:
+    offenders = []
+    for path in (REPO / "edged").rglob("*.py"):
+        if PACKAGE in path.parents:
+            continue
+        roots = _imported_roots(ast.parse(path.read_text(), str(path)))
+        offenders += [f"{path.relative_to(REPO)}: {r}" for r in roots & {"tensorrt", "pycuda"}]
+    assert offenders == []
+    # ...and the package itself does import them, so the scan above is looking at real imports.
+    inside = set().union(*(_imported_roots(ast.parse(p.read_text())) for p in PACKAGE.glob("*.py")))
+    assert {"tensorrt", "pycuda"} <= inside
+
+
+def test_importing_the_backend_loads_neither_library() -> None:
+    code = ("import sys, edged.backends.tensorrt as m; "
+            "bad = [k for k in sys.modules if k == 'tensorrt' or k.split('.')[0] == 'pycuda']; "
+            "print(m.TensorRTBackend.name, bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout
+    assert out.strip() == "tensorrt []"
+
+
+def _model(path: Path, nodes: list[str]) -> str:
+    import onnx
+    from onnx import TensorProto, helper
+
+    scale = helper.make_tensor("s", TensorProto.FLOAT, [], [0.05])
+    zero = helper.make_tensor("z", TensorProto.INT8, [], [0])
+    made = {
+        "relu": [helper.make_node("Relu", ["x"], ["y"])],
+        "qdq": [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+                helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+        "fp16": [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+                 helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT)],
+    }
+    graph = helper.make_graph(
+        [n for kind in nodes for n in made[kind]], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [scale, zero])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+def test_model_traits_see_qdq_nodes_and_fp16(tmp_path: Path) -> None:
+    plain = read_model_traits(_model(tmp_path / "plain.onnx", ["relu"]))
+    qdq = read_model_traits(_model(tmp_path / "qdq.onnx", ["qdq"]))
+    half = read_model_traits(_model(tmp_path / "half.onnx", ["fp16"]))
+    assert (plain.qdq, plain.fp16) == (False, False)
+    assert (qdq.qdq, qdq.fp16) == (True, False)
+    assert (half.qdq, half.fp16) == (False, True)
+
+
+def test_calibration_samples_from_npz_and_npy(tmp_path: Path) -> None:
+    npz = tmp_path / "npz"
+    npz.mkdir()
+    for i in range(3):
+        np.savez(npz / f"{i}.npz", image=np.full((3, 8, 8), i, np.float64), extra=np.ones(2))
+    samples = load_samples(str(npz), {"image": ("float32", 4)}, max_samples=2)
+    assert len(samples) == 2
+    assert samples[1]["image"].shape == (1, 3, 8, 8)  # the batch dimension added
+    assert samples[1]["image"].dtype == np.float32 and samples[1]["image"][0, 0, 0, 0] == 1
+    npy = tmp_path / "npy"
+    npy.mkdir()
+    np.save(npy / "a.npy", np.zeros((2, 16), np.float32))
+    assert load_samples(str(npy), {"x": ("float32", 2)}, 10)[0]["x"].shape == (2, 16)
+
+
+@pytest.mark.parametrize("inputs, match", [
+    ({"image": ("float32", 4), "mask": ("float32", 4)}, "mask"),
+    ({"image": ("float32", 2)}, "rank"),
+])
+def test_calibration_samples_that_do_not_fit_name_the_file(
+    tmp_path: Path, inputs: dict[str, tuple[str, int]], match: str,
+) -> None:
+    np.savez(tmp_path / "bad.npz", image=np.zeros((1, 3, 8, 8), np.float32))
+    with pytest.raises(BuildError, match=match):
+        load_samples(str(tmp_path), inputs, 10)
+
+
+def test_npy_samples_need_a_single_input_model(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.zeros((1, 4), np.float32))
+    with pytest.raises(BuildError, match="npz"):
+        load_samples(str(tmp_path), {"a": ("float32", 2), "b": ("float32", 2)}, 10)
+    with pytest.raises(BuildError, match="No such file"):
+        load_samples(str(tmp_path / "missing"), {"a": ("float32", 2)}, 10)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BuildError, match=r"no \.npy"):
+        load_samples(str(tmp_path / "empty"), {"a": ("float32", 2)}, 10)
+
+
+def test_timing_cache_is_kept_per_device_fingerprint(tmp_path: Path) -> None:
+    dest = tmp_path / ".tmp-1-x.engine"
+    orin = {"tensorrt": "10.3.0.30", "gpu": "Orin", "l4t": "36.4.3"}
+    a = timing_cache_path(BuildOptions(), dest, orin)
+    assert a.parent == tmp_path / "timing"
+    assert a == timing_cache_path(BuildOptions(), dest, dict(orin))
+    assert a != timing_cache_path(BuildOptions(), dest, dict(orin, tensorrt="10.3.0.31"))
+    explicit = BuildOptions(timing_cache=str(tmp_path / "t.cache"))
+    assert timing_cache_path(explicit, dest, orin) == tmp_path / "t.cache"
+
+
+# --- the type check against the official stubs --------------------------------------------------
+
+_MYPY_INI = """\
+[mypy]
+python_version = 3.10
+mypy_path = {stubs}
+ignore_missing_imports = True
+warn_unused_ignores = True
+cache_dir = {cache}
+
+[mypy-edged.backends.tensorrt,edged.backends.tensorrt.*,trt_misuse]
+strict = True
+ignore_missing_imports = False
+# numpy < 2 makes a bare ndarray an error under strict; the check is about TensorRT's API.
+disallow_any_generics = False
+
+[mypy-tensorrt,tensorrt.*,tensorrt_bindings,tensorrt_bindings.*]
+ignore_errors = True
+"""
+
+
+def _stubs(dest: Path) -> Path:
+    """A copy of the ``tensorrt-stubs`` package mypy can read: the package lacks the PEP 561
+    marker, and five generated signatures are not valid Python (a parameter named ``in``, a
+    required parameter after defaults), in plugin APIs edged does not use."""
+    try:
+        dist = importlib.metadata.distribution("tensorrt-stubs")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the tensorrt-stubs package is not installed")
+    for rel in ("tensorrt/__init__.pyi", "tensorrt_bindings/__init__.pyi",
+                "tensorrt_bindings/tensorrt.pyi"):
+        text = Path(str(dist.locate_file(rel))).read_text()
+        text = re.sub(r"([(,] ?)in: ", r"\1in_: ", text)
+        text = re.sub(r"(= None, channel_axis: int)\)", r"\1 = ...)", text)
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(text)
+    return dest
+
+
+def _mypy(tmp_path: Path, *targets: str) -> subprocess.CompletedProcess[str]:
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed")
+    ini = tmp_path / "mypy.ini"
+    ini.write_text(_MYPY_INI.format(stubs=_stubs(tmp_path / "stubs"), cache=tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ini), *targets],
+                          capture_output=True, text=True, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_the_package_type_checks_strictly_against_the_tensorrt_stubs(tmp_path: Path) -> None:
+    run = _mypy(tmp_path, "-p", "edged.backends.tensorrt")
+    mine = [line for line in run.stdout.splitlines() if "edged/backends/tensorrt" in line]
+    assert mine == [], run.stdout
+    assert "checked" in run.stdout or "Success" in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_the_stub_check_catches_removed_apis(tmp_path: Path) -> None:
+    """The control: code using the pre-8.5 bindings API and build_engine fails the same check,
+    so a passing check above means the stubs were read, not silently skipped."""
+    misuse = tmp_path / "trt_misuse.py"
+    misuse.write_text(textwrap.dedent("""\
+        import tensorrt as trt
+
+        def old(builder: trt.Builder, network: trt.INetworkDefinition,
+                config: trt.IBuilderConfig, engine: trt.ICudaEngine) -> None:
+            builder.build_engine(network, config)
+            engine.get_binding_shape(0)
+            engine.max_batch_size
+    """))
+    run = _mypy(tmp_path, str(misuse))
+    for api in ("build_engine", "get_binding_shape", "max_batch_size"):
+        assert f'has no attribute "{api}"' in run.stdout, run.stdout + run.stderr

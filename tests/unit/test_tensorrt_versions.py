@@ -1,0 +1,182 @@
+"""The TensorRT version layer, decided for every supported version without TensorRT."""
+
+from __future__ import annotations
+
+import pytest
+
+from edged.backends.tensorrt.versions import (
+    BuildOptions,
+    ModelTraits,
+    parse_version,
+    plan_build,
+    unsupported_reason,
+    uses_device_memory_v2,
+)
+from edged.errors import BuildError
+
+TRT_8_5 = (8, 5, 2)  # JetPack 5.1
+TRT_8_6 = (8, 6, 2)  # JetPack 6.0
+TRT_10_3 = (10, 3, 0)  # JetPack 6.1/6.2
+TRT_10_13 = (10, 13, 3)  # JetPack 7
+TRT_11 = (11, 4, 0)
+
+QDQ = ModelTraits(qdq=True, fp16=False)
+FP32_MODEL = ModelTraits(qdq=False, fp16=False)
+FP16_MODEL = ModelTraits(qdq=False, fp16=True)
+DEFAULT = BuildOptions()
+
+
+def test_parse_version_takes_the_first_three_numbers() -> None:
+    assert parse_version("10.3.0.30") == (10, 3, 0)
+    assert parse_version("8.6.2") == (8, 6, 2)
+    assert parse_version("11.0") == (11, 0, 0)
+    with pytest.raises(ValueError):
+        parse_version("unknown")
+
+
+def test_versions_before_8_5_are_refused_with_the_reason() -> None:
+    assert "8.5" in unsupported_reason((8, 4, 3))
+    for ok in (TRT_8_5, TRT_8_6, TRT_10_3, TRT_11):
+        assert unsupported_reason(ok) == ""
+    with pytest.raises(BuildError, match=r"older than 8\.5"):
+        plan_build((8, 2, 1), "fp32", DEFAULT, FP32_MODEL)
+
+
+def test_device_memory_v2_from_10_1() -> None:
+    assert not uses_device_memory_v2(TRT_8_6)
+    assert not uses_device_memory_v2((10, 0, 1))
+    assert uses_device_memory_v2(TRT_10_3)
+    assert uses_device_memory_v2(TRT_11)
+
+
+@pytest.mark.parametrize("version", [TRT_8_5, TRT_8_6])
+def test_int8_on_8x_is_explicit_batch_with_int8_and_fp16_flags(version: tuple[int, int, int]) -> None:
+    plan = plan_build(version, "int8", DEFAULT, QDQ)
+    assert plan.network_flags == ("EXPLICIT_BATCH",)
+    assert not plan.strongly_typed
+    assert plan.builder_flags == ("INT8", "FP16")
+    assert not plan.calibrator
+
+
+@pytest.mark.parametrize("version", [TRT_10_3, TRT_10_13])
+def test_int8_on_10_is_a_strongly_typed_network_without_precision_flags(
+    version: tuple[int, int, int],
+) -> None:
+    plan = plan_build(version, "int8", DEFAULT, QDQ)
+    assert plan.network_flags == ("STRONGLY_TYPED",)
+    assert plan.strongly_typed
+    assert plan.builder_flags == ()
+
+
+def test_int8_on_11_is_strongly_typed_without_the_deprecated_flag() -> None:
+    plan = plan_build(TRT_11, "int8", DEFAULT, QDQ)
+    assert plan.strongly_typed
+    assert plan.network_flags == ()  # 11 ignores STRONGLY_TYPED: every network is typed
+    assert plan.builder_flags == ()
+
+
+@pytest.mark.parametrize("version", [TRT_8_5, TRT_10_3, TRT_11])
+def test_int8_without_qdq_nodes_is_refused(version: tuple[int, int, int]) -> None:
+    with pytest.raises(BuildError, match="Q/DQ model"):
+        plan_build(version, "int8", DEFAULT, FP32_MODEL, "m.onnx")
+
+
+def test_fp16_uses_the_builder_flag_up_to_10_and_a_typed_model_from_10() -> None:
+    assert plan_build(TRT_8_6, "fp16", DEFAULT, FP32_MODEL).builder_flags == ("FP16",)
+    weak = plan_build(TRT_10_3, "fp16", DEFAULT, FP32_MODEL)
+    assert (weak.strongly_typed, weak.builder_flags, weak.network_flags) == (False, ("FP16",), ())
+    typed = plan_build(TRT_10_3, "fp16", DEFAULT, FP16_MODEL)
+    assert (typed.strongly_typed, typed.builder_flags) == (True, ())
+    on_11 = plan_build(TRT_11, "fp16", DEFAULT, FP16_MODEL)
+    assert (on_11.strongly_typed, on_11.builder_flags) == (True, ())
+
+
+def test_fp16_on_11_from_an_fp32_model_says_how_to_convert_it() -> None:
+    with pytest.raises(BuildError, match="AutoCast"):
+        plan_build(TRT_11, "fp16", DEFAULT, FP32_MODEL)
+
+
+def test_fp32_is_strongly_typed_from_10() -> None:
+    assert not plan_build(TRT_8_5, "fp32", DEFAULT, FP32_MODEL).strongly_typed
+    assert plan_build(TRT_10_3, "fp32", DEFAULT, FP32_MODEL).strongly_typed
+    assert plan_build(TRT_11, "fp32", DEFAULT, FP32_MODEL).builder_flags == ()
+
+
+LEGACY = BuildOptions(legacy_calibrator=True, calibration_data="/data/cal")
+
+
+@pytest.mark.parametrize("version", [TRT_8_5, TRT_8_6, TRT_10_3, TRT_10_13])
+def test_legacy_calibrator_up_to_10_is_weakly_typed_int8(version: tuple[int, int, int]) -> None:
+    plan = plan_build(version, "int8", LEGACY, FP32_MODEL)
+    assert plan.calibrator
+    assert not plan.strongly_typed
+    assert "INT8" in plan.builder_flags
+    assert ("STRONGLY_TYPED" not in plan.network_flags)
+    assert any("deprecated" in n for n in plan.notes) == (version[0] == 10)
+
+
+def test_legacy_calibrator_is_refused_on_11_with_a_clear_message() -> None:
+    with pytest.raises(BuildError, match=r"removed in TensorRT 11.*legacy_calibrator = false"):
+        plan_build(TRT_11, "int8", LEGACY, FP32_MODEL)
+
+
+def test_legacy_calibrator_needs_the_fp32_model_and_data() -> None:
+    with pytest.raises(BuildError, match="FP32 model"):
+        plan_build(TRT_8_6, "int8", LEGACY, QDQ)
+    with pytest.raises(BuildError, match="calibration_data"):
+        plan_build(TRT_8_6, "int8", BuildOptions(legacy_calibrator=True), FP32_MODEL)
+
+
+def test_legacy_calibrator_is_ignored_with_a_note_for_other_precisions() -> None:
+    plan = plan_build(TRT_10_3, "fp16", LEGACY, FP32_MODEL)
+    assert not plan.calibrator
+    assert any("int8 only" in n for n in plan.notes)
+
+
+def test_dla_adds_gpu_fallback_and_warns_about_fp32() -> None:
+    dla = BuildOptions(dla_core=1)
+    plan = plan_build(TRT_8_6, "fp16", dla, FP32_MODEL)
+    assert plan.dla_core == 1
+    assert plan.builder_flags == ("FP16", "GPU_FALLBACK")
+    fp32 = plan_build(TRT_10_3, "fp32", dla, FP32_MODEL)
+    assert "GPU_FALLBACK" in fp32.builder_flags
+    assert any("falls back to the GPU" in n for n in fp32.notes)
+    assert plan_build(TRT_10_3, "fp32", DEFAULT, FP32_MODEL).dla_core == -1
+
+
+def test_optimisation_level_is_skipped_on_8_5() -> None:
+    opts = BuildOptions(builder_optimization_level=5)
+    assert plan_build(TRT_8_6, "fp32", opts, FP32_MODEL).optimization_level == 5
+    plan = plan_build(TRT_8_5, "fp32", opts, FP32_MODEL)
+    assert plan.optimization_level is None
+    assert any("8.6" in n for n in plan.notes)
+
+
+def test_unknown_precision_is_refused() -> None:
+    with pytest.raises(BuildError, match="bf16"):
+        plan_build(TRT_10_3, "bf16", DEFAULT, FP32_MODEL)
+
+
+def test_newer_major_builds_as_11_with_a_note() -> None:
+    plan = plan_build((12, 0, 0), "int8", DEFAULT, QDQ)
+    assert plan.strongly_typed and plan.builder_flags == ()
+    assert any("newer" in n for n in plan.notes)
+
+
+def test_build_options_from_the_config_table() -> None:
+    opts = BuildOptions.from_mapping({
+        "workspace": "512MiB", "dla_core": 0, "legacy_calibrator": False,
+        "builder_optimization_level": 4, "unrelated": 1,
+    })
+    assert opts.workspace == 512 * 1024**2
+    assert (opts.dla_core, opts.builder_optimization_level) == (0, 4)
+    assert BuildOptions.from_mapping({"workspace": 1 << 20}).workspace == 1 << 20
+
+
+@pytest.mark.parametrize("bad", [
+    {"workspace": "lots"}, {"workspace": True}, {"dla_core": "0"}, {"dla_core": -2},
+    {"builder_optimization_level": 9}, {"legacy_calibrator": 1}, {"max_samples": 0},
+])
+def test_build_options_reject_bad_values(bad: dict[str, object]) -> None:
+    with pytest.raises(BuildError, match="tensorrt option"):
+        BuildOptions.from_mapping(bad)
