@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -213,14 +214,17 @@ class EngineCache:
 
     def _remove_stale_temporaries(self) -> None:
         """Temporaries of a build that died (its pid is gone) never become entries."""
-        for tmp in self.dir.glob(".tmp-*"):
+        for tmp in [*self.dir.glob(".tmp-*"), *self.dir.glob("qdq/.tmp-*")]:
             try:
                 pid = int(tmp.name.split("-")[1])
             except (IndexError, ValueError):
                 continue
             if pid != os.getpid() and not _pid_alive(pid):
                 with contextlib.suppress(OSError):
-                    tmp.unlink()
+                    if tmp.is_dir():
+                        shutil.rmtree(tmp)  # a quantizer's work folder
+                    else:
+                        tmp.unlink()
                     log.info("removed %s left by a build that died", tmp.name)
 
 

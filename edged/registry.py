@@ -145,13 +145,15 @@ class Registry:
             if entry is None or entry.manifest.get("artifact") is not None:
                 if entry is not None:
                     rt.precision = job.precision
-                    rt.gate = entry.manifest.get("gate")
+                    # An fp32 fallback has no gate of its own: keep the rejected one's figures.
+                    rt.gate = entry.manifest.get("gate") or rt.gate
                 return entry
             fallback = entry.manifest.get("fallback")
             rt.gate = entry.manifest.get("gate")
             rt.precision_reason = entry.manifest.get("reason", "")
             if not fallback:
                 return None
+            log.warning("%s: %s", rt.name, rt.precision_reason, extra={"model": rt.name})
             job = job.at_precision(fallback)
         return None
 

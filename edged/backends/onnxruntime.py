@@ -64,6 +64,14 @@ def _spec(node: Any) -> TensorSpec:
     return TensorSpec(node.name, dtype, shape)
 
 
+def ort_session(path: str, threads: int = 0) -> ort.InferenceSession:
+    """A plain CPU session (the reference for accuracy gates and calibration)."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
 class _OrtInstance(Instance):
     def __init__(self, backend: OnnxRuntimeBackend, session: ort.InferenceSession) -> None:
         super().__init__(backend)
@@ -84,6 +92,10 @@ class OnnxRuntimeBackend(Backend):
         super().__init__(artifact, options)
         self._first: ort.InferenceSession | None = None
         self._first_taken = False
+
+    @staticmethod
+    def specs_of(sess: ort.InferenceSession) -> tuple[TensorSpec, ...]:
+        return tuple(_spec(i) for i in sess.get_inputs())
 
     @classmethod
     def available(cls) -> tuple[bool, str]:

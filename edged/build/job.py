@@ -45,9 +45,14 @@ class BuildJob:
 
 def backend_options(model: ModelConfig, backend: str) -> dict[str, Any]:
     """Options that change the artefact a backend builds (and so belong in the key)."""
-    if backend == "tensorrt":
-        return dict(msgspec.structs.asdict(model.tensorrt))
-    return {}
+    if backend != "tensorrt":
+        return {}
+    options = dict(msgspec.structs.asdict(model.tensorrt))
+    if model.tensorrt.legacy_calibrator and model.calibration is not None:
+        # TensorRT <= 10's implicit calibrator reads the samples itself.
+        options["calibration_data"] = model.calibration.data
+        options["max_samples"] = model.calibration.max_samples
+    return options
 
 
 def key_fields(job: BuildJob, cls: type[Backend]) -> dict[str, Any]:
@@ -66,6 +71,9 @@ def key_fields(job: BuildJob, cls: type[Backend]) -> dict[str, Any]:
             "method": job.calibration.get("method"),
             "percentile": job.calibration.get("percentile"),
         }
+    if job.precision != "fp32" and job.calibration is not None:
+        # The held-out share decides which samples calibrate, the thresholds decide the verdict.
+        fields["gate"] = job.gate
     return fields
 
 

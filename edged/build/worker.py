@@ -11,12 +11,11 @@ import json
 import logging
 import os
 import sys
-import time
 from typing import IO, Any
 
 from edged.backends import backend_class
-from edged.backends.base import Backend, BuildSpec
-from edged.build.job import BuildJob, job_key, key_fields
+from edged.build.job import BuildJob
+from edged.build.pipeline import build_precision
 from edged.cache import EngineCache, Entry
 
 log = logging.getLogger("edged.build")
@@ -37,38 +36,11 @@ class Events:
         self.emit("progress", phase=phase, fraction=fraction)
 
 
-def build_entry(job: BuildJob, cls: type[Backend], cache: EngineCache, events: Events) -> Entry:
-    """Build one entry at the job's precision, unless another process already did."""
-    key = job_key(job, cls)
-    with cache.lock(job.model, key):
-        existing = cache.lookup(job.model, key, cls.artifact_suffix)
-        if existing is not None:
-            return existing
-        started = time.monotonic()
-        tmp = cache.temp_path(cls.artifact_suffix)
-        try:
-            spec = BuildSpec(
-                source=job.source, precision=job.precision,
-                profiles={k: (tuple(v[0]), tuple(v[1]), tuple(v[2])) for k, v in job.profiles.items()},
-                options=job.options,
-            )
-            extra = cls.build(spec, tmp, events.progress)
-            manifest = dict(
-                extra, key_fields=key_fields(job, cls), backend=cls.name, precision=job.precision,
-                source=job.source, build_seconds=round(time.monotonic() - started, 3),
-                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            )
-            return cache.commit(job.model, key, cls.artifact_suffix, tmp, manifest)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-
-
 def run(job: BuildJob, events: Events) -> Entry:
     cls = backend_class(job.backend)
     cache = EngineCache(job.cache_dir)
     cache.prepare()
-    return build_entry(job, cls, cache, events)
+    return build_precision(job, cls, cache, events.progress)
 
 
 def main() -> int:
