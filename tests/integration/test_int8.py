@@ -154,3 +154,14 @@ def _build_child(parent: int) -> int | None:
         if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"edged.build.worker" in cmdline:
             return int(pid)
     return None
+
+
+def test_build_waits_for_memory_headroom_then_fails_with_what_it_needs(
+        daemon_factory: Callable[..., DaemonProcess], model_dir: Path) -> None:
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}},
+                       extra={"build": {"headroom": "100TiB", "wait_for_memory_s": 0}})
+    d.start()
+    with d.client() as c:
+        st = c.status()["models"]["tiny"]
+    assert st["state"] == "failed"
+    assert "needs 100" in st["reason"] and "build.headroom" in st["reason"]
