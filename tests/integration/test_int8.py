@@ -164,4 +164,4 @@ def test_build_waits_for_memory_headroom_then_fails_with_what_it_needs(
     with d.client() as c:
         st = c.status()["models"]["tiny"]
     assert st["state"] == "failed"
-    assert "needs 100" in st["reason"] and "build.headroom" in st["reason"]
+    assert "needs 102400.0 GiB free (build.headroom)" in st["reason"] and "available" in st["reason"]
