@@ -13,7 +13,7 @@ from typing import Any
 
 from edged import __version__
 from edged.config import Config, default_config_path, format_size, load
-from edged.errors import EdgedError
+from edged.errors import ConfigError, EdgedError
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -37,10 +37,22 @@ def _socket(args: argparse.Namespace) -> str:
     return DEFAULT_SOCKET
 
 
+EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus= stops a restart loop on it
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import faulthandler
+
     from edged.daemon import serve
 
-    return serve(_config(args))
+    # A watchdog abort (SIGABRT) then prints every thread's stack to the journal.
+    faulthandler.enable()
+    try:
+        cfg = _config(args)
+    except ConfigError as e:
+        print(f"edged serve: {e.message}", file=sys.stderr)
+        return EX_CONFIG
+    return serve(cfg)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

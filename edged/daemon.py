@@ -271,11 +271,23 @@ class Daemon:
             return
         stall = self.cfg.lifecycle.stall_timeout_s
         while not self.stop_event.is_set():
+            self._apply_test_faults()
             if self._healthy(stall):
                 systemd.watchdog_ping()
             else:
                 log.error("an inference worker is stuck for over %.0f s; withholding watchdog pings", stall)
             await asyncio.sleep(interval / 2)
+
+    def _apply_test_faults(self) -> None:
+        """Test-only fault switch: while the file named by $EDGED_TEST_WEDGE exists, every worker
+        that takes a request hangs on it, as a wedged GPU call would."""
+        path = os.environ.get("EDGED_TEST_WEDGE")
+        if not path or self.registry is None:
+            return
+        wedge = os.path.exists(path)
+        for rt in self.registry.models.values():
+            if rt.queue is not None:
+                (rt.queue.fault_wedge.set if wedge else rt.queue.fault_wedge.clear)()
 
     def _healthy(self, stall: float) -> bool:
         assert self.registry is not None
