@@ -73,7 +73,7 @@ class Metrics:
         self.footprint = Gauge("edged_model_footprint_bytes", "Memory a loaded model holds",
                                ["model"], registry=r)
         self.budget = Gauge("edged_memory_budget_bytes", "Memory budget for models", registry=r)
-        self.dropped = Counter("edged_dropped", "Requests dropped before running (expired, busy)",
+        self.dropped = Counter("edged_dropped", "Requests dropped before running (expired, busy, no_reply_to)",
                                ["model", "reason"], registry=r)
         self.builds = Counter("edged_builds", "Engine builds by outcome", ["model", "outcome"], registry=r)
         self.stats: dict[str, ModelStats] = {}

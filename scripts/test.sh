@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc systemd)
+APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc systemd openssl)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

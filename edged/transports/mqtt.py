@@ -1,10 +1,9 @@
 """MQTT: the same models, validation and errors as the socket, for sensors and apps that only
 speak MQTT (design section 4; topics and payloads in docs/mqtt.md).
 
-paho-mqtt runs its network thread; its callbacks only copy what they need and hand it to the
-event loop with ``call_soon_threadsafe``, where requests go through ``service.infer`` like socket
-requests do. Replies, retained states and telemetry are published from the loop (paho's publish
-is thread-safe and wakes its thread). The transport knows nothing of backends.
+paho-mqtt is driven by the event loop (mqtt_link.py says why): a request is read, handed to
+``service.infer`` like a socket request, and its reply written, all on the loop; paho's
+callbacks never block, they start a task. The transport knows nothing of backends.
 
 Reliability: with MQTT 5 the session is persistent (clean start off, a session expiry), so QoS 1
 requests sent while edged was briefly away are delivered when it reconnects. Messages are
@@ -21,8 +20,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
 from edged.config import MqttConfig
 from edged.errors import BusyError, ConfigError, EdgedError, InvalidInputError, ModelNotReadyError
@@ -40,8 +37,9 @@ log = logging.getLogger(__name__)
 SERVING = frozenset({"ready", "lazy"})
 NOT_SERVING = frozenset({"failed", "deferred"})
 
-# start() waits this long for the broker so the retained states of the boot go out in order; a
-# broker that is down never stops edged from starting, paho keeps reconnecting.
+# start() waits for the first connect attempt's outcome, at most this long, so that the retained
+# states of the boot go out as they happen. A broker that refuses or is down costs nothing more;
+# edged never fails to start for want of a broker, it keeps reconnecting in the background.
 FIRST_CONNECT_WAIT_S = 2.0
 OFFLINE_FLUSH_S = 2.0
 
@@ -52,7 +50,7 @@ def _check_topic_part(value: str, key: str) -> None:
 
 
 def incoming(msg: mqtt.MQTTMessage) -> codec.Incoming:
-    """Copy what the loop needs out of paho's message (runs on paho's thread)."""
+    """What the request's task needs of paho's message."""
     payload = msg.payload if isinstance(msg.payload, bytes) else bytes(msg.payload)
     inc = codec.Incoming(msg.topic, payload, msg.qos, time.monotonic())
     props = msg.properties
@@ -87,7 +85,7 @@ class MqttTransport:
         self.status_topic = f"{self.base}/status"
         self.telemetry_topic = f"{self.base}/telemetry"
         self.v5 = cfg.protocol == "5"
-        self.closing = False  # read by paho's threads: from then on nothing more is acknowledged
+        self.closing = False  # from then on nothing more is acknowledged
         self._stopped = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._fleet: set[str] = set()
@@ -110,8 +108,10 @@ class MqttTransport:
         if self.fleet_link is not None:
             self.fleet_link.start()
         try:
-            await asyncio.wait_for(self.connected.wait(), FIRST_CONNECT_WAIT_S)
+            await asyncio.wait_for(self.link.attempted.wait(), FIRST_CONNECT_WAIT_S)
         except asyncio.TimeoutError:
+            pass
+        if not self.connected.is_set():
             log.warning("MQTT broker %s:%d is not reachable yet; retrying in the background",
                         self.cfg.host, self.cfg.port)
         if self.cfg.telemetry_interval_s:
@@ -131,9 +131,10 @@ class MqttTransport:
             await asyncio.wait(set(self._tasks),
                                timeout=self.service.registry.cfg.lifecycle.drain_timeout_s)
         if self.connected.is_set():
-            info = self.client.publish(self.status_topic, "offline", qos=max(1, self.cfg.qos), retain=True)
+            info = self.link.publish(self.status_topic, b"offline", qos=max(1, self.cfg.qos), retain=True)
             try:
-                await asyncio.to_thread(info.wait_for_publish, OFFLINE_FLUSH_S)
+                if info is not None:  # the loop keeps running paho while a thread waits
+                    await asyncio.to_thread(info.wait_for_publish, OFFLINE_FLUSH_S)
             except (RuntimeError, ValueError) as e:
                 log.warning("MQTT: could not publish 'offline': %s", e)
         await self.link.stop()
@@ -143,7 +144,7 @@ class MqttTransport:
         """Subscribe, then announce: the broker handles a client's packets in order, so whoever
         sees 'online' can send a request at once."""
         self.client.subscribe(f"{self.base}/models/+/infer", self.cfg.qos)
-        self.client.publish(self.status_topic, "online", qos=self.cfg.qos, retain=True)
+        self.link.publish(self.status_topic, b"online", qos=self.cfg.qos, retain=True)
         for rt in self.service.registry.models.values():
             self._publish_state(rt.name, rt.state, rt.reason)
         log.info("MQTT connected to %s:%d as device %s (%s)", self.cfg.host, self.cfg.port,
@@ -166,8 +167,8 @@ class MqttTransport:
             self._publish_state(rt.name, rt.state, rt.reason)
 
     def _publish_state(self, name: str, state: str, reason: str) -> None:
-        self.client.publish(f"{self.base}/models/{name}/state", codec.model_state_doc(name, state, reason),
-                            qos=self.cfg.qos, retain=True)
+        self.link.publish(f"{self.base}/models/{name}/state", codec.model_state_doc(name, state, reason),
+                          qos=self.cfg.qos, retain=True)
 
     def _fleet_topic(self, model: str) -> str:
         return f"$share/{self.cfg.fleet_group}/{self.prefix}/fleet/models/{model}/infer"
@@ -192,14 +193,26 @@ class MqttTransport:
     # --- requests -------------------------------------------------------------------------------
 
     def _on_message(self, client: mqtt.Client, msg: mqtt.MQTTMessage) -> None:
-        """On paho's thread: acknowledge in arrival order and hand the message to the loop."""
+        """Acknowledge in arrival order and start the request's task."""
         if self.closing:
             return  # left unacknowledged: the persistent session hands it to the next start
         client.ack(msg.mid, msg.qos)
         try:
-            self.loop.call_soon_threadsafe(self._accept, incoming(msg))
-        except RuntimeError:  # the loop is closed: the daemon is exiting
-            pass
+            self._start_request(msg)
+        except Exception:  # a message edged cannot even read must not stop the next one
+            log.exception("MQTT: cannot handle message %d", msg.mid)
+
+    def _start_request(self, msg: mqtt.MQTTMessage) -> None:
+        if msg.retain or not msg.payload:
+            # The broker replays a retained request at every (re)subscription: running it at
+            # each reconnect would answer the same request again and again. An empty payload is
+            # how a client clears such a message.
+            if msg.payload:
+                model = codec.model_from_topic(msg.topic, self.prefix, self.device) or ""
+                log.warning("retained request on %s ignored", msg.topic,
+                            extra={"model": model, "request_id": ""})
+            return
+        self._accept(incoming(msg))
 
     def _accept(self, inc: codec.Incoming) -> None:
         task = self.loop.create_task(self._handle(inc))
@@ -285,13 +298,10 @@ class MqttTransport:
     def _publish_reply(self, inc: codec.Incoming, topic: str, reply: codec.Reply, extra: dict[str, str]) -> None:
         props = None
         if self.v5:
-            props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-            if inc.correlation is not None:
-                props.CorrelationData = inc.correlation
-            props.ContentType = reply.content_type
-            props.UserProperty = [("device", self.device), *reply.user]
+            props = codec.PackedProperties(codec.pack_properties(
+                reply.content_type, inc.correlation, [("device", self.device), *reply.user]))
         try:
-            self.client.publish(topic, reply.payload, qos=inc.qos, properties=props)
+            self.link.publish(topic, reply.payload, qos=inc.qos, properties=props)
         except ValueError as e:  # a response topic with wildcards, or empty
             log.warning("cannot reply on %r: %s", topic, e, extra=extra)
 
@@ -314,5 +324,5 @@ class MqttTransport:
             except Exception:  # telemetry must never take the transport down
                 log.exception("MQTT: telemetry failed")
                 continue
-            self.client.publish(self.telemetry_topic, codec.dumps(doc), qos=0)
+            self.link.publish(self.telemetry_topic, codec.dumps(doc), qos=0)
 
