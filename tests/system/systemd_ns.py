@@ -134,14 +134,17 @@ mount -n -t tmpfs -o mode=0755 tmpfs /run
 mount -n -t cgroup2 cgroup2 /sys/fs/cgroup
 mount -n --bind /proc/sys /proc/sys
 mount -n -o remount,bind,ro /proc/sys
-mkdir /run/edged-test-keep
-mount -n --bind "$KEEP" /run/edged-test-keep
+i=0
+for keep in $KEEP; do
+  mkdir "/run/edged-test-keep$i"; mount -n --bind "$keep" "/run/edged-test-keep$i"; i=$((i + 1))
+done
 if [ "$PRIVATE_ETC" = 1 ]; then cp -a /etc "$WORK/etc"; mount -n --bind "$WORK/etc" /etc; fi
 for dir in $TMPFS; do [ -d "$dir" ] && mount -n -t tmpfs -o mode=1777 tmpfs "$dir"; done
-mkdir -p "$KEEP"
-mount -n --bind /run/edged-test-keep "$KEEP"
-umount -n /run/edged-test-keep
-rmdir /run/edged-test-keep
+i=0
+for keep in $KEEP; do
+  mkdir -p "$keep"; mount -n --bind "/run/edged-test-keep$i" "$keep"
+  umount -n "/run/edged-test-keep$i"; rmdir "/run/edged-test-keep$i"; i=$((i + 1))
+done
 mount -n --bind "$CONSOLE" /dev/console
 exec env -i container=edged-test SYSTEMD_UNIT_PATH="$WORK/units$UNIT_PATH_EXTRA" \
     "$SYSTEMD" --system --unit=edged-test.target --log-target=console --show-status=no
@@ -186,8 +189,9 @@ class SystemdNamespace:
 
     work: Path
     units: dict[str, str]
-    # Stays visible in the namespace when its /tmp is a tmpfs: pytest's base temp directory, so
-    # files a test makes in tmp_path (FIFOs, configs) are where its units expect them.
+    # Stay visible in the namespace when its /tmp is a tmpfs: pytest's base temp directory, so
+    # files a test makes in tmp_path (FIFOs, configs) are where its units expect them, and the
+    # checkout itself (CI may clone it under /tmp), whose venv and units the tests run.
     keep: Path
     options: BootOptions = field(default_factory=BootOptions)
     init_pid: int = 0
@@ -216,7 +220,7 @@ class SystemdNamespace:
         self._cgroup = own_cgroup2_dir() / f"edged-test-{uuid.uuid4().hex[:12]}"
         self._cgroup.mkdir()
         env = dict(
-            os.environ, WORK=str(self.work), KEEP=str(self.keep), CONSOLE=console.tty,
+            os.environ, WORK=str(self.work), KEEP=" ".join(self._keep()), CONSOLE=console.tty,
             SYSTEMD=str(SYSTEMD), TMPFS=" ".join(self._tmpfs()),
             PRIVATE_ETC="1" if self.options.private_etc else "0",
             UNIT_PATH_EXTRA="".join(f":{p}" for p in self.options.extra_unit_paths),
@@ -232,6 +236,14 @@ class SystemdNamespace:
             )  # fmt: skip
         self.init_pid = wait_until(self._find_init, BOOT_TIMEOUT, "systemd to exec as PID 1")
         wait_until(self._manager_up, BOOT_TIMEOUT, "systemd's manager to answer systemctl")
+
+    def _keep(self) -> list[str]:
+        repo = Path(__file__).resolve().parents[2]
+        hidden = [Path(d) for d in self._tmpfs()]
+        keep = [str(self.keep)]
+        if any(repo.is_relative_to(d) for d in hidden) and not repo.is_relative_to(self.keep):
+            keep.append(str(repo))
+        return keep
 
     def _tmpfs(self) -> list[str]:
         dirs = list(self.options.tmpfs)

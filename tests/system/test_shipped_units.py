@@ -28,6 +28,9 @@ def standin_drop_in() -> str:
 ExecStart=
 ExecStart={python} {REPO}/tests/system/standin_daemon.py
 Environment=PYTHONPATH={pythonpath} STANDIN_RELOAD_FIFO={RELOAD_FIFO}
+# The checkout may live where the hardened unit hides things (CI can clone it under /tmp, which
+# PrivateTmp= replaces): make it visible, read-only, as an installed venv would be.
+BindReadOnlyPaths={REPO}
 """
 
 
