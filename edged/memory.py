@@ -53,7 +53,14 @@ def probe_jtop() -> MemoryInfo:
     total = int(ram["tot"]) * 1024
     used = int(ram["used"]) * 1024
     shared = int(ram.get("shared", 0)) * 1024
-    return MemoryInfo(total, max(0, total - used), "jtop", f"GPU share {format_size(shared)}")
+    available = max(0, total - used)
+    try:
+        # jtop's "used" leaves out reclaimable caches but counts /dev/shm (where clients put
+        # frames) as free; the kernel's MemAvailable is the stricter figure when it is readable.
+        available = min(available, probe_meminfo().available)
+    except (OSError, KeyError, ValueError):
+        pass
+    return MemoryInfo(total, available, "jtop", f"GPU share {format_size(shared)}")
 
 
 def probe_nvml() -> MemoryInfo:
