@@ -78,3 +78,18 @@ def test_config_error_exits_78_and_names_the_key(tmp_path: Path) -> None:
     out = cli("serve", "--config", str(cfg))
     assert out.returncode == 78
     assert "bad.toml: server.sockett: unknown key" in out.stderr
+
+
+def test_stale_socket_from_a_crashed_run_is_replaced(daemon_factory: Callable[..., DaemonProcess],
+                                                     model_dir: Path) -> None:
+    import socket
+
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(d.socket))  # a socket file nobody listens on, as a killed daemon leaves it
+    stale.close()
+    assert d.socket.exists()
+    d.start()
+    assert "removing stale socket" in d.log()
+    with d.client() as c:
+        assert c.ready()
