@@ -114,6 +114,7 @@ class Daemon:
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         cfg = self.cfg
+        systemd.status("starting: probing memory")
         self.memory = probe(cfg.memory.probe)
         budget = budget_bytes(cfg.memory, self.memory)
         log.info("memory from %s: %s total, %s available, budget %s%s", self.memory.source,

@@ -83,7 +83,8 @@ class Service:
         if rt is None:
             raise ModelNotFoundError(f"unknown model '{name}'")
         try:
-            queue = rt.queue if rt.state == READY else None
+            # Until READY=1 every request waits for readiness, even one for a model already warm.
+            queue = rt.queue if rt.state == READY and self.ready.is_set() else None
             if queue is None:
                 rt, queue = await self._await_model(rt)
             check_inputs(rt, inputs)
