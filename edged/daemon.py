@@ -134,7 +134,11 @@ class Daemon:
             self.mqtt = MqttTransport(cfg.mqtt, self.service, loop)
             await self.mqtt.start()
         await self._boot_models(loop)
-        await warm_request_path(app, self.registry)
+        self.service.warming = True
+        try:
+            await warm_request_path(app, self.registry)
+        finally:
+            self.service.warming = False
         self.service.status_line = self._summary()
         self.service.ready.set()
         systemd.ready(self.service.status_line)

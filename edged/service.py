@@ -42,6 +42,7 @@ class Service:
         self.plan = plan
         self.ready = asyncio.Event()
         self.stopping = False
+        self.warming = False
         self.started = time.time()
         self.status_line = "starting"
 
@@ -83,8 +84,9 @@ class Service:
         if rt is None:
             raise ModelNotFoundError(f"unknown model '{name}'")
         try:
-            # Until READY=1 every request waits for readiness, even one for a model already warm.
-            queue = rt.queue if rt.state == READY and self.ready.is_set() else None
+            # Until READY=1 every request waits for readiness, even one for a model already warm
+            # (except the daemon's own warm-up requests, which are what readiness waits for).
+            queue = rt.queue if rt.state == READY and (self.ready.is_set() or self.warming) else None
             if queue is None:
                 rt, queue = await self._await_model(rt)
             check_inputs(rt, inputs)

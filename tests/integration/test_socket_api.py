@@ -71,6 +71,8 @@ def test_health_and_metadata(served: DaemonProcess) -> None:
     assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 16]}]
     assert model["outputs"][0]["name"] == "probs"
     assert raw(served.socket, "GET", "/v2/models/tiny/ready")[0] == 200
+    # The daemon warmed the whole request path before READY, and every warm-up request succeeded.
+    assert "warm-up request answered" not in served.log()
 
 
 def test_json_infer_matches_onnxruntime(served: DaemonProcess, model_dir: Path) -> None:
