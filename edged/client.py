@@ -179,13 +179,17 @@ class Client:
     def request(self, method: str, path: str, body: bytes | None = None,
                 headers: Mapping[str, str] | None = None) -> tuple[int, bytes, http.client.HTTPResponse]:
         try:
-            self._conn.request(method, path, body=body, headers=dict(headers or {}))
-            resp = self._conn.getresponse()
-        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
-            self._conn.close()  # the daemon closed an idle keep-alive connection: retry once
-            self._conn.request(method, path, body=body, headers=dict(headers or {}))
-            resp = self._conn.getresponse()
-        return resp.status, resp.read(), resp
+            try:
+                self._conn.request(method, path, body=body, headers=dict(headers or {}))
+                resp = self._conn.getresponse()
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                self._conn.close()  # the daemon closed an idle keep-alive connection: retry once
+                self._conn.request(method, path, body=body, headers=dict(headers or {}))
+                resp = self._conn.getresponse()
+            return resp.status, resp.read(), resp
+        except BaseException:
+            self._conn.close()  # a failed exchange leaves the connection unusable: start afresh
+            raise
 
     def _json(self, method: str, path: str, doc: Any = None) -> Any:
         body = orjson.dumps(doc) if doc is not None else (b"" if method == "POST" else None)

@@ -48,6 +48,9 @@ class ServerConfig(_Table, frozen=True):
     socket_group: str = ""
     max_body: str = "256MiB"
     request_timeout_ms: PositiveInt = 10_000
+    # Idle keep-alive connections are closed after this long (uvicorn's default is 5 s; local
+    # clients such as camera pipelines keep one connection for hours).
+    keepalive_s: PositiveInt = 300
     # A model whose measured inference is below this runs on the event loop: handing it to a
     # worker thread costs 40-95 us on a small board, more than the work itself.
     inline_threshold_us: NonNegInt = 60

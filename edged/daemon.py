@@ -101,14 +101,24 @@ class Daemon:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._install_signals(loop)
+        start = loop.create_task(self._start(loop))
+        stop = loop.create_task(self.stop_event.wait())
+        # A stop asked for while models build or warm interrupts the start-up.
+        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():
+            log.info("stopping during start-up")
+            start.cancel()
         try:
-            await self._start(loop)
+            await start
+        except asyncio.CancelledError:
+            pass
         except EdgedError as e:
             log.error("cannot start: %s", e.message)
             systemd.status(f"failed: {e.message}")
+            stop.cancel()
             await self._stop()
             return 1
-        await self.stop_event.wait()
+        await stop
         await self._stop()
         return self.exit_code
 
@@ -178,6 +188,7 @@ class Daemon:
             app, http="httptools", loop="none", lifespan="off", access_log=False, log_config=None,
             server_header=False, date_header=False, interface="asgi3", proxy_headers=False,
             timeout_graceful_shutdown=int(self.cfg.lifecycle.drain_timeout_s),
+            timeout_keep_alive=self.cfg.server.keepalive_s,
         )
         config.load()
         self.server = uvicorn.Server(config)

@@ -84,6 +84,7 @@ class ModelRuntime:
             "inline": bool(self.queue and self.queue.inline),
             "infer_us": None if self.infer_us is None else round(self.infer_us, 1),
             "queue": self.queue.pending if self.queue else 0,
+            **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0}),
             "cache_key": self.entry.key if self.entry else None, "gate": self.gate,
         }
 

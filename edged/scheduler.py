@@ -47,6 +47,7 @@ class WorkerState:
     name: str
     busy_since: float | None = None
     batches: int = 0
+    rows: int = 0
 
 
 class ModelQueue:
@@ -162,17 +163,23 @@ class ModelQueue:
         configured delay for company, never past ``max_batch`` rows."""
         first = batch[0]
         rows = first.rows
-        until = time.monotonic() + self.max_delay
+        # Never hold a request past its own deadline waiting for company.
+        until = min(time.monotonic() + self.max_delay, first.deadline)
         while rows < self.max_batch:
+            blocked = False
             for w in list(self._queue):
-                if w.signature == first.signature and rows + w.rows <= self.max_batch:
-                    self._queue.remove(w)
-                    batch.append(w)
-                    rows += w.rows
-                    if rows >= self.max_batch:
-                        return
+                if w.signature != first.signature:
+                    continue
+                if rows + w.rows > self.max_batch:
+                    blocked = True  # the next compatible request does not fit: run what we have
+                    continue
+                self._queue.remove(w)
+                batch.append(w)
+                rows += w.rows
+                if rows >= self.max_batch:
+                    return
             left = until - time.monotonic()
-            if left <= 0 or self._closed:
+            if blocked or left <= 0 or self._closed:
                 return
             self._cond.wait(left)
 
@@ -199,6 +206,7 @@ class ModelQueue:
             finally:
                 state.busy_since = None
                 state.batches += 1
+                state.rows += sum(w.rows for w in live)
 
     def _run(self, inst: Instance, batch: list[_Work]) -> None:
         try:
@@ -208,27 +216,35 @@ class ModelQueue:
             names = list(batch[0].inputs)
             joined = {n: np.concatenate([w.inputs[n] for w in batch]) for n in names}
             out = inst.infer(joined, checked=True)
-            start = 0
+            results, start = [], 0
             for w in batch:
                 end = start + w.rows
-                self._resolve(w, {k: v[start:end] for k, v in out.items()}, None)
+                results.append((w, {k: v[start:end] for k, v in out.items()}, None))
                 start = end
+            self._resolve_all(results)
         except EdgedError as e:
-            for w in batch:
-                self._resolve(w, None, e)
+            self._resolve_all([(w, None, e) for w in batch])
         except Exception as e:  # never let one request kill a worker
             log.exception("worker failed", extra={"model": self.model})
-            for w in batch:
-                self._resolve(w, None, e)
+            self._resolve_all([(w, None, e) for w in batch])
 
     def _resolve(self, w: _Work, result: dict[str, np.ndarray] | None, err: BaseException | None) -> None:
-        def done() -> None:
-            if w.future.done():
-                return
-            if err is not None:
-                w.future.set_exception(err)
-            else:
-                assert result is not None
-                w.future.set_result(result)
+        self._resolve_all([(w, result, err)])
 
-        self._loop.call_soon_threadsafe(done)
+    def _resolve_all(self, done: Sequence[tuple[_Work, dict[str, np.ndarray] | None, BaseException | None]]) -> None:
+        """Hand results to the loop: one wake-up per batch, not one per request."""
+
+        def settle() -> None:
+            for w, result, err in done:
+                if w.future.done():
+                    continue
+                if err is not None:
+                    w.future.set_exception(err)
+                else:
+                    assert result is not None
+                    w.future.set_result(result)
+
+        self._loop.call_soon_threadsafe(settle)
+
+    def batch_stats(self) -> dict[str, int]:
+        return {"batches": sum(w.batches for w in self.workers), "rows": sum(w.rows for w in self.workers)}

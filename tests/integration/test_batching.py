@@ -1,0 +1,172 @@
+"""Dynamic batching end to end: a real daemon, real ONNX Runtime, concurrent clients on the socket.
+
+The model under test reports the batch it ran in: besides ``y = 2x + 1`` per row, its output
+``rows`` holds, on every row, the number of rows of the batch the scheduler handed to ONNX
+Runtime. So each answer says both whether it is this request's own result (``y``) and whether it
+was batched with others (``rows``), without any timing assumption.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edged import errors
+from edged.client import AsyncClient, Client
+from tests.helpers import DaemonProcess
+
+pytestmark = pytest.mark.integration
+
+FEATURES = 4
+MAX_BATCH = 8
+
+
+def make_probe(path: Path) -> Path:
+    """x [N, 4] → y = 2x + 1 [N, 4], rows [N, 1] (every row holds N)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    consts = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
+              (("two", 2.0), ("one", 1.0), ("zero", 0.0))]
+    consts.append(numpy_helper.from_array(np.array([0, 1], np.int64), "first_col"))
+    nodes = [
+        helper.make_node("Mul", ["x", "two"], ["x2"]),
+        helper.make_node("Add", ["x2", "one"], ["y"]),
+        # ones [N, 1] from the input itself, summed over the batch axis: N, broadcast back per row
+        helper.make_node("Slice", ["x", "slice_start", "slice_end", "slice_axis"], ["col"]),
+        helper.make_node("Mul", ["col", "zero"], ["zeros"]),
+        helper.make_node("Add", ["zeros", "one"], ["ones"]),
+        helper.make_node("ReduceSum", ["ones", "axis0"], ["n"], keepdims=1),
+        helper.make_node("Mul", ["ones", "n"], ["rows"]),
+    ]
+    consts += [numpy_helper.from_array(np.array([0], np.int64), "slice_start"),
+               numpy_helper.from_array(np.array([1], np.int64), "slice_end"),
+               numpy_helper.from_array(np.array([1], np.int64), "slice_axis"),
+               numpy_helper.from_array(np.array([0], np.int64), "axis0")]
+    graph = helper.make_graph(
+        nodes, "batch_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", FEATURES])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", FEATURES]),
+         helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["N", 1])],
+        consts,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_probe(tmp_path_factory.mktemp("probe") / "probe.onnx")
+
+
+async def _fire(socket: str, model: str, payloads: list[np.ndarray]) -> list[dict[str, np.ndarray] | BaseException]:
+    """Every payload at once, each on its own connection."""
+    clients = [AsyncClient(socket, timeout=30) for _ in payloads]
+    try:
+        return await asyncio.gather(*(c.infer(model, {"x": x}) for c, x in zip(clients, payloads)),
+                                    return_exceptions=True)
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def _payloads(count: int, rows: Callable[[int], int]) -> list[np.ndarray]:
+    """Request i carries rows(i) rows, every value unique to the request."""
+    return [np.full((rows(i), FEATURES), i, np.float32) + np.arange(rows(i) * FEATURES, dtype=np.float32)
+            .reshape(rows(i), FEATURES) / 1000 for i in range(count)]
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(
+        daemon_factory: Callable[..., DaemonProcess], probe: Path) -> None:
+    d = daemon_factory({"probe": {"path": str(probe), "backend": "onnxruntime", "max_batch": MAX_BATCH,
+                                  # generous: the batcher waits for company rather than timing
+                                  "max_queue_delay_us": 50_000, "queue_depth": 128}}).start()
+    payloads = _payloads(48, lambda i: 1 + i % 3)  # 1, 2 or 3 rows each
+    before = _requests(d, "probe")  # the daemon's own warm-up requests count too
+    results = asyncio.run(_fire(str(d.socket), "probe", payloads))
+
+    sizes: collections.Counter[int] = collections.Counter()
+    for x, out in zip(payloads, results):
+        assert not isinstance(out, BaseException), out
+        np.testing.assert_allclose(out["y"], 2 * x + 1, rtol=0, atol=1e-5)  # its own rows, in order
+        batch = {int(v) for v in out["rows"].ravel()}
+        assert len(batch) == 1, batch
+        (n,) = batch
+        assert len(x) <= n <= MAX_BATCH
+        sizes[n] += len(x)
+    # A batch of n rows is made of whole requests: the rows reported as "in a batch of n" add up
+    # to a multiple of n; and with 48 requests in flight at once, some batches held several.
+    assert all(total % n == 0 for n, total in sizes.items()), sizes
+    assert max(sizes) > 3, f"no batch ever held more than one request: {sizes}"
+
+    with Client(str(d.socket)) as c:
+        model = c.status()["models"]["probe"]
+    assert model["requests"] - before == len(payloads)
+    assert not model["inline"]
+
+
+def test_a_request_alone_is_not_held_past_its_deadline(
+        daemon_factory: Callable[..., DaemonProcess], probe: Path, model_dir: Path) -> None:
+    """The batcher waits for company for up to max_queue_delay_us, but the request's deadline
+    (the model's timeout_ms) still holds: the client hears 504 at its deadline, and the daemon
+    keeps serving."""
+    d = daemon_factory({
+        "probe": {"path": str(probe), "backend": "onnxruntime", "max_batch": MAX_BATCH,
+                  "max_queue_delay_us": 3_000_000, "timeout_ms": 100},
+        "tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"},
+    }).start()
+    x = np.ones((1, FEATURES), np.float32)
+    with Client(str(d.socket)) as c:
+        t0 = time.monotonic()
+        with pytest.raises(errors.DeadlineExceededError):
+            c.infer("probe", {"x": x})
+        assert time.monotonic() - t0 < 2.5, "answered only after the whole batching delay"
+        out = c.infer("tiny", {"x": np.ones((1, 16), np.float32)})
+        assert out["probs"].shape == (1, 4)
+    assert "deadline_exceeded" in _metrics(d)
+
+
+def test_requests_that_cannot_share_a_batch_do_not_wait_for_company(
+        daemon_factory: Callable[..., DaemonProcess], probe: Path) -> None:
+    """Requests of 5 rows with max_batch 8: no two fit one batch. A worker that sees the next
+    compatible request cannot fit runs what it has instead of waiting out the 100 ms queue delay
+    for each one (which would push 20 such requests far past their 250 ms deadline)."""
+    d = daemon_factory({"probe": {"path": str(probe), "backend": "onnxruntime", "max_batch": MAX_BATCH,
+                                  "max_queue_delay_us": 100_000, "timeout_ms": 250, "queue_depth": 128}}).start()
+    payloads = _payloads(20, lambda i: 5)
+    before = _requests(d, "probe")
+    results = asyncio.run(_fire(str(d.socket), "probe", payloads))
+    ok = late = 0
+    for x, out in zip(payloads, results):
+        if isinstance(out, errors.DeadlineExceededError):
+            late += 1
+            continue
+        assert not isinstance(out, BaseException), out
+        np.testing.assert_allclose(out["y"], 2 * x + 1, rtol=0, atol=1e-5)
+        ok += 1
+    assert ok + late == len(payloads)
+    assert late == 0, f"{late} requests waited for company that could not join their batch"
+    with Client(str(d.socket)) as c:
+        out = c.status()["models"]["probe"]
+    assert out["state"] == "ready" and out["requests"] - before == len(payloads)
+
+
+def _metrics(d: DaemonProcess) -> str:
+    with Client(str(d.socket)) as c:
+        status, body, _ = c.request("GET", "/metrics")
+    assert status == 200
+    return body.decode()
+
+
+def _requests(d: DaemonProcess, model: str) -> int:
+    with Client(str(d.socket)) as c:
+        return int(c.status()["models"][model]["requests"])
