@@ -332,7 +332,7 @@ def cold_start(engine: str, feed_npz: str) -> dict[str, float]:
     marks.append(time.perf_counter())
     inst = backend.instance()
     marks.append(time.perf_counter())
-    with np.load(feed_npz) as z:
+    with np.load(feed_npz, allow_pickle=False) as z:
         feed = {k: z[k] for k in z.files}
     marks.append(time.perf_counter())
     inst.infer(feed)
