@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from edged.demo import save_graph
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -45,7 +47,6 @@ class ModelSpec:
 
 def make_conv640(path: Path) -> Path:
     """Conv(3→8, s2) → Conv(8→16, s2) → Conv(16→32, s2) → GlobalAveragePool → Gemm(32→10)."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(640)
@@ -68,18 +69,12 @@ def make_conv640(path: Path) -> Path:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_graph(graph, path)
 
 
 def make_wide_mlp(path: Path, d_in: int = 256, hidden: int = 2048, d_out: int = 16) -> Path:
     """256→2048→2048→16 (17 MB of weights): at batch 1 ONNX Runtime streams every weight for one
     row (memory-bound GEMV); a batch shares that read. The scheduler phase's batchable model."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(2048)
@@ -99,12 +94,7 @@ def make_wide_mlp(path: Path, d_in: int = 256, hidden: int = 2048, d_out: int = 
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d_out])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_graph(graph, path)
 
 
 def batchable(bench_models: Path) -> ModelSpec:

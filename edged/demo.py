@@ -16,6 +16,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,6 @@ DETECTOR_MEMBER = "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
 
 def make_tiny_mlp(path: Path, in_dim: int = 16, hidden: int = 32, out_dim: int = 4,
                   dynamic_batch: bool = True) -> Path:
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(7)
@@ -44,7 +44,16 @@ def make_tiny_mlp(path: Path, in_dim: int = 16, hidden: int = 32, out_dim: int =
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [batch, out_dim])],
         [w1, b1, w2, b2],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return save_graph(graph, path)
+
+
+def save_graph(graph: Any, path: Path, opset: int = 17) -> Path:
+    """Wrap a graph built with onnx.helper into a checked model (IR 8, which every supported
+    ONNX Runtime and TensorRT reads) and save it; the demo, the tests and the benchmarks use it."""
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -132,9 +132,17 @@ class Registry:
         if not os.path.exists(rt.cfg.path):
             raise EdgedError(f"model file {rt.cfg.path} does not exist")
         rt.job = make_job(rt.name, rt.cfg, cls, rt.precision, str(self.cache.dir),
-                          self.digests.digest, _calibration_digest)
+                          self.digests.digest, self._calibration_digest)
         rt.entry = self._lookup(rt)
         self._estimate(rt)
+
+    def _calibration_digest(self, model: ModelConfig) -> str:
+        """The calibration folder's digest; file hashes come from the remembered digests, so a
+        warm boot does not re-read every sample."""
+        from edged.build.calibrate import data_digest  # only int8 models need it
+
+        assert model.calibration is not None
+        return data_digest(model.calibration.data, model.calibration, self.digests.digest)
 
     def _lookup(self, rt: ModelRuntime) -> Entry | None:
         assert rt.job is not None and rt.backend_cls is not None
@@ -307,8 +315,3 @@ def _batchable(backend: Backend) -> bool:
     return bool(backend.inputs) and all(s.shape and s.shape[0] < 0 for s in backend.inputs)
 
 
-def _calibration_digest(model: ModelConfig) -> str:
-    from edged.build.calibrate import data_digest  # only int8 models need it
-
-    assert model.calibration is not None
-    return data_digest(model.calibration.data, model.calibration)

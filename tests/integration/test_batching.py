@@ -19,6 +19,7 @@ import pytest
 
 from edged import errors
 from edged.client import AsyncClient, Client
+from edged.demo import save_graph
 from tests.helpers import DaemonProcess
 
 pytestmark = pytest.mark.integration
@@ -29,7 +30,6 @@ MAX_BATCH = 8
 
 def make_probe(path: Path) -> Path:
     """x [N, 4] → y = 2x + 1 [N, 4], rows [N, 1] (every row holds N)."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     consts = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
@@ -56,10 +56,7 @@ def make_probe(path: Path) -> Path:
          helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["N", 1])],
         consts,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
+    save_graph(graph, path)
     return path
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edged import errors
-from edged.demo import make_tiny_mlp
+from edged.demo import make_tiny_mlp, save_graph
 from tests.helpers import DaemonProcess, wait_for, write_config
 from tests.integration.mosquitto import Broker, Peer, Received, module_broker
 
@@ -31,7 +31,6 @@ __all__ = ["module_broker"]  # a fixture: imported so that pytest finds it
 def make_slow_model(path: Path, size: int = 384, rounds: int = 40) -> Path:
     """Input 'x' FP32 [1,16], output 'probs' [1,4], tens of milliseconds of MatMuls on one
     thread: long enough to fill a queue or outlive a message expiry, from 600 KB of weights."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(3)
@@ -48,10 +47,7 @@ def make_slow_model(path: Path, size: int = 384, rounds: int = 40) -> Path:
     graph = helper.make_graph(
         nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 4])], [a, b, reps])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
+    save_graph(graph, path, opset=13)
     return path
 
 
