@@ -83,11 +83,11 @@ def _qdq_model(job: BuildJob, cache: EngineCache, calib: Any, progress: Progress
     return out, dict(summary, qdq_model=out.name)
 
 
-def _gate(job: BuildJob, cls: type[Backend], artifact: Path, held: Any, progress: Progress) -> dict[str, Any]:
+def _gate(job: BuildJob, cls: type[Backend], artifact: Path, held: Any, reference: RunFn,
+          progress: Progress) -> dict[str, Any]:
     from edged.build.gate import evaluate
 
     progress("accuracy gate", None)
-    reference, _ = _reference(job.source)
     candidate, backend = _candidate(cls, artifact, job.options)
     try:
         gate_cfg = GateConfig(**job.gate)
@@ -122,10 +122,10 @@ def build_precision(job: BuildJob, cls: type[Backend], cache: EngineCache, progr
 def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: str, progress: Progress) -> Entry:
     started = time.monotonic()
     reduced = job.precision != "fp32" and job.calibration is not None
-    source, held = job.source, None
+    source, held, reference = job.source, None, None
     extra: dict[str, Any] = {}
     if reduced:
-        _, specs = _reference(job.source)
+        reference, specs = _reference(job.source)  # one FP32 session: input specs, then the gate
         calib, held = _samples(job, specs)
         if job.precision == "int8":
             progress("calibrating", None)
@@ -139,8 +139,8 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
             extra, key_fields=key_fields(job, cls), backend=cls.name, precision=job.precision,
             source=job.source, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
-        if held is not None:
-            gate = _gate(job, cls, tmp, held, progress)
+        if held is not None and reference is not None:
+            gate = _gate(job, cls, tmp, held, reference, progress)
             manifest["gate"] = gate
             if not gate["passed"]:
                 return _reject(job, cls, cache, key, manifest, gate)
