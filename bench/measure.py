@@ -91,14 +91,25 @@ class Series:
     def summary(self) -> dict[str, Any]:
         ms = np.asarray(self.latencies) * 1000
         q = np.percentile(ms, np.arange(101)) if ms.size else np.zeros(101)
-        return {"n": int(ms.size), "p50_ms": float(q[50]), "p90_ms": float(q[90]), "p99_ms": float(q[99]),
-                "mean_ms": float(ms.mean()) if ms.size else 0.0,
-                "throughput_rps": statistics.median(self.throughput) if self.throughput else 0.0,
-                "throughput_rounds": self.throughput, "quantiles_ms": [float(v) for v in q]}
+        return {
+            "n": int(ms.size),
+            "p50_ms": float(q[50]),
+            "p90_ms": float(q[90]),
+            "p99_ms": float(q[99]),
+            "mean_ms": float(ms.mean()) if ms.size else 0.0,
+            "throughput_rps": statistics.median(self.throughput) if self.throughput else 0.0,
+            "throughput_rounds": self.throughput,
+            "quantiles_ms": [float(v) for v in q],
+        }
 
 
-def serving(servers: Sequence[Server], specs: dict[str, ModelSpec], concurrencies: Sequence[int],
-            rounds: int, budgets: dict[str, Budget]) -> dict[str, dict[str, dict[int, Series]]]:
+def serving(
+    servers: Sequence[Server],
+    specs: dict[str, ModelSpec],
+    concurrencies: Sequence[int],
+    rounds: int,
+    budgets: dict[str, Budget],
+) -> dict[str, dict[str, dict[int, Series]]]:
     """For each model, every target at every concurrency, round-robin (the order rotates each
     round), so that all of them see the same noise. Answers are checked before timing."""
     out: dict[str, dict[str, dict[int, Series]]] = {}
@@ -174,8 +185,10 @@ def _client_conns(server: Server, specs: dict[str, ModelSpec]) -> tuple[dict[str
     """Each model's connection as a client sets it up on its start: frames through a registered
     shared memory region where the server offers one. Returns the set-up time too."""
     t0 = time.perf_counter()
-    conns = {m: server.frame_conn(s, s.sample(), 0) if s.frame else Conn(server.addr, server.request(s, s.sample()))
-             for m, s in specs.items()}
+    conns = {
+        m: server.frame_conn(s, s.sample(), 0) if s.frame else Conn(server.addr, server.request(s, s.sample()))
+        for m, s in specs.items()
+    }
     return conns, time.perf_counter() - t0
 
 
@@ -204,8 +217,14 @@ def cold_start(server: Server, specs: dict[str, ModelSpec], gap: float, touch: b
         time.sleep(gap)  # the same idle gap on a server that has served
         after[m] = one_request(conn)
     result: dict[str, Any] = {
-        "ready_s": ready_s, "client_setup_ms": setup_s * 1000, "first_ms": _ms(first), "steady_ms": _ms(steady),
-        "after_gap_ms": _ms(after), "memory": server.memory(), "placement": placement(server.pid), "events": events,
+        "ready_s": ready_s,
+        "client_setup_ms": setup_s * 1000,
+        "first_ms": _ms(first),
+        "steady_ms": _ms(steady),
+        "after_gap_ms": _ms(after),
+        "memory": server.memory(),
+        "placement": placement(server.pid),
+        "events": events,
     }
     if isinstance(server, EdgedServer):
         result["phases"] = edged_phases(server.log_tail(200_000), wall0)
@@ -221,14 +240,15 @@ def _ms(d: dict[str, float]) -> dict[str, float]:
     return {k: v * 1000 for k, v in d.items()}
 
 
-_PHASE = re.compile(r"^(\S+ \S+) INFO edged\.(?:registry|daemon): (?:(\S+): (loading|warming|ready)\b|(ready):)",
-                    re.MULTILINE)
+_PHASE = re.compile(
+    r"^(\S+ \S+) INFO edged\.(?:registry|daemon): (?:(\S+): (loading|warming|ready)\b|(ready):)", re.MULTILINE
+)
 
 
 def edged_phases(log: str, wall0: float) -> list[tuple[str, str, float]]:
     """(model, phase, seconds since spawn) from the daemon's log of its last start."""
     starts = [m.start() for m in re.finditer(r"^.*memory from ", log, re.MULTILINE)]
-    log = log[starts[-1]:] if starts else log
+    log = log[starts[-1] :] if starts else log
     out = []
     for m in _PHASE.finditer(log):
         at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall0
@@ -252,6 +272,7 @@ def warmup_seconds(phases: list[tuple[str, str, float]]) -> float:
 
 
 # --- the scheduler: batching and instances --------------------------------------------------------
+
 
 def scheduler(server: EdgedServer, cases: Sequence[tuple[str, int, Budget]], rounds: int) -> dict[str, Any]:
     """Each case is a model as the daemon serves it (its own name, its own batching and

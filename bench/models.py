@@ -54,17 +54,23 @@ def make_conv640(path: Path) -> Path:
     for i, out in enumerate((8, 16, 32)):
         w = (rng.standard_normal((out, chans, 3, 3)) * (2 / (9 * chans)) ** 0.5).astype(np.float32)
         inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(np.zeros(out, np.float32), f"b{i}")]
-        nodes += [helper.make_node("Conv", [prev, f"w{i}", f"b{i}"], [f"c{i}"], kernel_shape=[3, 3],
-                                   strides=[2, 2], pads=[1, 1, 1, 1]),
-                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        nodes += [
+            helper.make_node(
+                "Conv", [prev, f"w{i}", f"b{i}"], [f"c{i}"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]
+            ),
+            helper.make_node("Relu", [f"c{i}"], [f"r{i}"]),
+        ]
         prev, chans = f"r{i}", out
     fc = (rng.standard_normal((chans, 10)) * 0.3).astype(np.float32)
     inits += [numpy_helper.from_array(fc, "fc"), numpy_helper.from_array(np.zeros(10, np.float32), "fcb")]
-    nodes += [helper.make_node("GlobalAveragePool", [prev], ["gap"]),
-              helper.make_node("Flatten", ["gap"], ["flat"]),
-              helper.make_node("Gemm", ["flat", "fc", "fcb"], ["logits"])]
+    nodes += [
+        helper.make_node("GlobalAveragePool", [prev], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "fc", "fcb"], ["logits"]),
+    ]
     graph = helper.make_graph(
-        nodes, "conv640",
+        nodes,
+        "conv640",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 640, 640])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
         inits,
@@ -89,7 +95,8 @@ def make_wide_mlp(path: Path, d_in: int = 256, hidden: int = 2048, d_out: int = 
             nodes.append(helper.make_node("Relu", [out], [f"r{i}"]))
             prev = f"r{i}"
     graph = helper.make_graph(
-        nodes, "mlp2k",
+        nodes,
+        "mlp2k",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", d_in])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", d_out])],
         inits,

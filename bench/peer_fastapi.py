@@ -46,5 +46,6 @@ async def infer(model: str, request: Request) -> Response:
     shape = tuple(int(d) for d in request.headers["x-shape"].split(","))
     x = np.frombuffer(await request.body(), np.float32).reshape(shape)
     out = _session(model).run([spec.outputs[0]], {spec.input: x})[0]
-    return Response(out.tobytes(), media_type="application/octet-stream",
-                    headers={"X-Shape": ",".join(map(str, out.shape))})
+    return Response(
+        out.tobytes(), media_type="application/octet-stream", headers={"X-Shape": ",".join(map(str, out.shape))}
+    )

@@ -45,8 +45,14 @@ def out_shape(sess: Any, name: str) -> tuple[int, ...]:
 
 def main() -> None:
     specs = read_specs(Path(sys.argv[1]))
-    cfg = TritonConfig(http_address="127.0.0.1", http_port=int(sys.argv[2]), grpc_address="127.0.0.1",
-                       grpc_port=int(sys.argv[3]), allow_metrics=False, log_verbose=0)
+    cfg = TritonConfig(
+        http_address="127.0.0.1",
+        http_port=int(sys.argv[2]),
+        grpc_address="127.0.0.1",
+        grpc_port=int(sys.argv[3]),
+        allow_metrics=False,
+        log_verbose=0,
+    )
     # PyTriton guards the shared memory API with a token; the benchmark's client sends this one.
     security = TritonSecurityConfig(access_token=os.environ["BENCH_TRITON_TOKEN"])
     with Triton(config=cfg, security_config=security) as triton:
@@ -57,8 +63,11 @@ def main() -> None:
                 infer_func=make_infer(spec, sess),
                 inputs=[Tensor(name=spec.input, dtype=np.float32, shape=spec.shape[1:])],
                 outputs=[Tensor(name=o, dtype=np.float32, shape=out_shape(sess, o)) for o in spec.outputs],
-                config=ModelConfig(batching=True, max_batch_size=MAX_BATCH.get(spec.name, 4),
-                                   batcher=DynamicBatcher(max_queue_delay_microseconds=0)),
+                config=ModelConfig(
+                    batching=True,
+                    max_batch_size=MAX_BATCH.get(spec.name, 4),
+                    batcher=DynamicBatcher(max_queue_delay_microseconds=0),
+                ),
                 strict=False,
             )
         triton.serve()

@@ -39,14 +39,19 @@ def main() -> None:
             r = cold_start(EdgedServer(work, specs), specs, 0.5, touch=touch)
             for m in specs:
                 ratios[touch].setdefault(m, []).append(r["first_ms"][m] / r["after_gap_ms"][m])
-            print(f"start {i} touch={touch}: " + ", ".join(
-                f"{m} {r['first_ms'][m]:.3f}/{r['after_gap_ms'][m]:.3f} ms" for m in specs), flush=True)
+            print(
+                f"start {i} touch={touch}: "
+                + ", ".join(f"{m} {r['first_ms'][m]:.3f}/{r['after_gap_ms'][m]:.3f} ms" for m in specs),
+                flush=True,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for touch, by_model in ratios.items():
         label = "one GET through the socket after READY=1" if touch else "READY=1 only"
-        print(f"{label}: first / after gap, median: "
-              + ", ".join(f"{m} {statistics.median(v):.2f}x" for m, v in by_model.items()))
+        print(
+            f"{label}: first / after gap, median: "
+            + ", ".join(f"{m} {statistics.median(v):.2f}x" for m, v in by_model.items())
+        )
 
 
 if __name__ == "__main__":

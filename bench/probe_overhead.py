@@ -53,11 +53,14 @@ def main() -> None:
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     spec = specs[args.model]
     work = Path(tempfile.mkdtemp(prefix="edged-probe-"))
-    servers = [EdgedServer(work, {spec.name: spec}, label="edged"),
-               OneWriteEdged(work, {spec.name: spec}, label="edged-onewrite")]
+    servers = [
+        EdgedServer(work, {spec.name: spec}, label="edged"),
+        OneWriteEdged(work, {spec.name: spec}, label="edged-onewrite"),
+    ]
     if spec.frame:
-        servers.append(EdgedServer(work, {spec.name: spec}, label="edged-inline",
-                                   server={"inline_threshold_us": 10_000_000}))
+        servers.append(
+            EdgedServer(work, {spec.name: spec}, label="edged-inline", server={"inline_threshold_us": 10_000_000})
+        )
     budget = Budget(3000, 0.3) if not spec.frame else Budget(300, 0.5)
     try:
         write_specs(work / "specs.json", specs)
@@ -78,8 +81,11 @@ def main() -> None:
         for name, by_conc in interleave(lanes, args.rounds).items():
             for c, series in by_conc.items():
                 d = series.summary()
-                print(f"{spec.name} {name:22} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
-                      f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s", flush=True)
+                print(
+                    f"{spec.name} {name:22} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
+                    f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s",
+                    flush=True,
+                )
     finally:
         for s in servers:
             s.close_frames()

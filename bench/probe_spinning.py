@@ -72,8 +72,11 @@ def main() -> None:
             for name, by_conc in result.items():
                 for c, series in by_conc.items():
                     d = series.summary()
-                    print(f"{m:8} {name:24} c={c}  p50 {d['p50_ms']:8.3f} ms  p99 {d['p99_ms']:8.3f} ms  "
-                          f"{d['throughput_rps']:7.1f} req/s", flush=True)
+                    print(
+                        f"{m:8} {name:24} c={c}  p50 {d['p50_ms']:8.3f} ms  p99 {d['p99_ms']:8.3f} ms  "
+                        f"{d['throughput_rps']:7.1f} req/s",
+                        flush=True,
+                    )
             for s in servers:
                 s.close_frames()
     finally:

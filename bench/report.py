@@ -10,10 +10,13 @@ from typing import Any
 
 from bench.measure import FLOOR, Series
 
-LABEL = {FLOOR: "in-process (floor)", "edged": "edged", "fastapi": "FastAPI (hand-written)",
-         "pytriton": "PyTriton"}
-TRANSPORT = {FLOOR: "-", "edged": "Unix socket; frames via shm", "fastapi": "Unix socket; raw bytes",
-             "pytriton": "HTTP on 127.0.0.1; frames via shm"}
+LABEL = {FLOOR: "in-process (floor)", "edged": "edged", "fastapi": "FastAPI (hand-written)", "pytriton": "PyTriton"}
+TRANSPORT = {
+    FLOOR: "-",
+    "edged": "Unix socket; frames via shm",
+    "fastapi": "Unix socket; raw bytes",
+    "pytriton": "HTTP on 127.0.0.1; frames via shm",
+}
 ServingSeries = dict[str, dict[str, dict[int, Series]]]
 
 
@@ -44,8 +47,12 @@ def summarize_scheduler(sched: dict[str, Any]) -> dict[str, Any]:
     cases = {f"{name}@c{c}": s.summary() for name, by_conc in sched["series"].items() for c, s in by_conc.items()}
     for d in cases.values():
         d.pop("quantiles_ms", None)
-    return {"cases": cases, "variants": sched["variants"], "status": sched["status"],
-            "failures": sched.get("failures", [])}
+    return {
+        "cases": cases,
+        "variants": sched["variants"],
+        "status": sched["status"],
+        "failures": sched.get("failures", []),
+    }
 
 
 def _med(values: Sequence[float]) -> float:
@@ -79,39 +86,74 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 
     def add(what: str, value: float, bound: float, unit: str, peers: str = "", higher: bool = False) -> None:
         met = value >= bound if higher else value <= bound
-        rows.append({"target": what, "value": value, "bound": bound, "unit": unit, "met": met,
-                     "higher_is_better": higher, "margin": value / bound, "peers": peers})
+        rows.append(
+            {
+                "target": what,
+                "value": value,
+                "bound": bound,
+                "unit": unit,
+                "met": met,
+                "higher_is_better": higher,
+                "margin": value / bound,
+                "peers": peers,
+            }
+        )
 
     tiny = sv["tiny"]
     peers = peers_of(tiny)
-    add("tiny MLP p50 at c=1", tiny["edged"]["1"]["p50_ms"], 0.10, "ms",
-        ", ".join(f"{LABEL[p]} {tiny[p]['1']['p50_ms']:.3f}" for p in peers))
+    add(
+        "tiny MLP p50 at c=1",
+        tiny["edged"]["1"]["p50_ms"],
+        0.10,
+        "ms",
+        ", ".join(f"{LABEL[p]} {tiny[p]['1']['p50_ms']:.3f}" for p in peers),
+    )
     for model, bound in (("conv640", 1.10), ("ocr_det", 1.05)):
         d = sv[model]
-        add(f"{model} frame p50 at c=1 / in-process", d["edged"]["1"]["p50_ratio"], bound, "x",
-            ", ".join(f"{LABEL[p]} {d[p]['1']['p50_ratio']:.2f}x" for p in peers))
+        add(
+            f"{model} frame p50 at c=1 / in-process",
+            d["edged"]["1"]["p50_ratio"],
+            bound,
+            "x",
+            ", ".join(f"{LABEL[p]} {d[p]['1']['p50_ratio']:.2f}x" for p in peers),
+        )
     for model, d in sv.items():
         best = max(peers, key=lambda p: d[p]["4"]["throughput_rps"])
-        add(f"{model} throughput at c=4 / best peer ({LABEL[best]})",
-            d["edged"]["4"]["throughput_rps"] / d[best]["4"]["throughput_rps"], 1.5, "x",
+        add(
+            f"{model} throughput at c=4 / best peer ({LABEL[best]})",
+            d["edged"]["4"]["throughput_rps"] / d[best]["4"]["throughput_rps"],
+            1.5,
+            "x",
             f"edged {d['edged']['4']['throughput_rps']:.0f}/s, {LABEL[best]} {d[best]['4']['throughput_rps']:.0f}/s",
-            higher=True)
+            higher=True,
+        )
     e = cold["edged"]
     for model in e["first_ms"]:
-        add(f"first request / after the same idle gap, {model}", e["first_over_after_gap"][model], 1.2, "x",
-            f"first {e['first_ms'][model]:.3f} ms, after gap {e['after_gap_ms'][model]:.3f} ms")
+        add(
+            f"first request / after the same idle gap, {model}",
+            e["first_over_after_gap"][model],
+            1.2,
+            "x",
+            f"first {e['first_ms'][model]:.3f} ms, after gap {e['after_gap_ms'][model]:.3f} ms",
+        )
     cases = r["scheduler"]["cases"]
     for base, batched in (("tiny_b1", "tiny_b16"), ("mlp2k_b1", "mlp2k_b16"), ("conv640_b1", "conv640_b8")):
         if f"{base}@c16" not in cases:
             continue
         a, b = cases[f"{base}@c16"]["throughput_rps"], cases[f"{batched}@c16"]["throughput_rps"]
         add(f"dynamic batching at c=16, {batched} / {base}", b / a, 1.5, "x", f"{b:.0f}/s vs {a:.0f}/s", higher=True)
-    add("start → ready, 3 models, cache hit, less warm-up", e["ready_minus_warmup_s"], 1.0, "s",
-        f"ready {e['ready_s']:.2f} s incl. warm-up {e['warmup_s']:.2f} s")
+    add(
+        "start → ready, 3 models, cache hit, less warm-up",
+        e["ready_minus_warmup_s"],
+        1.0,
+        "s",
+        f"ready {e['ready_s']:.2f} s incl. warm-up {e['warmup_s']:.2f} s",
+    )
     return rows
 
 
 # --- Markdown -----------------------------------------------------------------------------------
+
 
 def _f(v: float, digits: int = 3) -> str:
     if v >= 100:
@@ -124,50 +166,65 @@ def _f(v: float, digits: int = 3) -> str:
 def markdown(r: dict[str, Any], pngs: Sequence[str], img_prefix: str = "") -> str:
     m = r["machine"]
     lines = [
-        "# edged benchmark", "",
+        "# edged benchmark",
+        "",
         f"Mode: {r['mode']}, {r['plan']['rounds']} interleaved rounds, {r['plan']['starts']} fresh starts "
         f"per server; {r['elapsed_s'] / 60:.1f} min. Machine: {m['cpu']}, {m['cpus']} CPUs "
         f"(affinity {m['affinity']}), {m['memory_gib']} GiB, Linux {m['kernel']}, Python {m['python']}, "
         f"ONNX Runtime {m['onnxruntime']}; load average {m['loadavg_start'][0]:.2f} at start, "
-        f"{m['loadavg_end'][0]:.2f} at end (the machine is shared).", "",
+        f"{m['loadavg_end'][0]:.2f} at end (the machine is shared).",
+        "",
         "Figures are medians over the run; ratios (in brackets) are to the in-process floor measured in "
-        "the same rounds. Latency is per request at a closed-loop concurrency c; throughput is requests/s.", "",
+        "the same rounds. Latency is per request at a closed-loop concurrency c; throughput is requests/s.",
+        "",
     ]
     lines += _setup(r)
     lines += _serving_table(r["serving"])
     lines += _cold_table(r["cold_summary"])
     lines += _sched_table(r["scheduler"])
-    lines += ["## Targets", "", "| target | measured | bound | met | peers / detail |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "## Targets",
+        "",
+        "| target | measured | bound | met | peers / detail |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for t in r["targets"]:
         bound = f"{'>=' if t['higher_is_better'] else '<='} {t['bound']} {t['unit']}"
-        lines.append(f"| {t['target']} | {_f(t['value'])} {t['unit']} | {bound} | {'yes' if t['met'] else '**no**'} "
-                     f"| {t['peers']} |")
+        lines.append(
+            f"| {t['target']} | {_f(t['value'])} {t['unit']} | {bound} | {'yes' if t['met'] else '**no**'} "
+            f"| {t['peers']} |"
+        )
     lines += [""] + [f"![{p}]({img_prefix}{p})" for p in pngs] + [""]
     return "\n".join(lines)
 
 
 SETUP = {
     "edged": "`edged serve`, one instance per model, intra-op threads as listed, no batching (defaults); "
-             "requests over its Unix socket with the binary tensor extension; frames through a registered "
-             "POSIX shared memory region; ready = sd_notify `READY=1` (after warm-up)",
+    "requests over its Unix socket with the binary tensor extension; frames through a registered "
+    "POSIX shared memory region; ready = sd_notify `READY=1` (after warm-up)",
     "fastapi": "uvicorn (uvloop, httptools) on a Unix socket, an `async def` endpoint taking the tensor's raw "
-               "bytes, the ONNX Runtime session created on the first request (lazy); ready = `GET /health`",
+    "bytes, the ONNX Runtime session created on the first request (lazy); ready = `GET /health`",
     "pytriton": "nvidia-pytriton 0.7 (Triton's server binary; the callable runs an ONNX Runtime session in "
-                "the Python process), batching on with the dynamic batcher (no queue delay; max batch 16 for "
-                "tiny, 4 for frames); HTTP on 127.0.0.1 with the binary tensor extension; frames through "
-                "system shared memory registered with tritonclient's utilities; ready = every model's "
-                "`/v2/models/{m}/ready`",
+    "the Python process), batching on with the dynamic batcher (no queue delay; max batch 16 for "
+    "tiny, 4 for frames); HTTP on 127.0.0.1 with the binary tensor extension; frames through "
+    "system shared memory registered with tritonclient's utilities; ready = every model's "
+    "`/v2/models/{m}/ready`",
 }
 
 
 def _setup(r: dict[str, Any]) -> list[str]:
-    models = ", ".join(f"{n} ({'x'.join(map(str, m['shape']))}, {m['threads']} intra-op threads)"
-                       for n, m in r["models"].items())
-    lines = ["## Setup", "", f"Models: {models}; every server builds its sessions with the same options.",
-             "The client is the same for every server: pre-encoded HTTP/1.1 requests on keep-alive "
-             "connections, closed loop with c requests in flight; a frame is copied into the connection's "
-             "region before each request, inside the timing. Each server runs with its own HOME and TMPDIR.", ""]
+    models = ", ".join(
+        f"{n} ({'x'.join(map(str, m['shape']))}, {m['threads']} intra-op threads)" for n, m in r["models"].items()
+    )
+    lines = [
+        "## Setup",
+        "",
+        f"Models: {models}; every server builds its sessions with the same options.",
+        "The client is the same for every server: pre-encoded HTTP/1.1 requests on keep-alive "
+        "connections, closed loop with c requests in flight; a frame is copied into the connection's "
+        "region before each request, inside the timing. Each server runs with its own HOME and TMPDIR.",
+        "",
+    ]
     for name in ("edged", *peers_of(r["cold_start"])):
         cpus = sorted({c for p in r["cold_start"][name][0]["placement"].values() for c in p})
         lines.append(f"- **{LABEL[name]}**: {SETUP[name]}. CPU placement (sched_getaffinity, whole tree): {cpus}.")
@@ -175,17 +232,27 @@ def _setup(r: dict[str, Any]) -> list[str]:
 
 
 def _serving_table(sv: dict[str, Any]) -> list[str]:
-    lines = ["## Serving", "",
-             "| model | server | transport | p50 c=1 ms | p99 c=1 ms | p50 c=4 ms | p99 c=4 ms "
-             "| req/s c=1 | req/s c=4 | req/s c=16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Serving",
+        "",
+        "| model | server | transport | p50 c=1 ms | p99 c=1 ms | p50 c=4 ms | p99 c=4 ms "
+        "| req/s c=1 | req/s c=4 | req/s c=16 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for model, targets in sv.items():
         for name in (FLOOR, "edged", *peers_of(targets)):
             d = targets[name]
-            lat = [f"{_f(d[c][k])} ({d[c][k.replace('_ms', '_ratio')]:.2f})" if name != FLOOR else _f(d[c][k])
-                   for c in ("1", "4") for k in ("p50_ms", "p99_ms")]
-            thr = [f"{d[c]['throughput_rps']:.0f} ({d[c]['throughput_ratio']:.2f})" if name != FLOOR
-                   else f"{d[c]['throughput_rps']:.0f}" for c in ("1", "4", "16")]
+            lat = [
+                f"{_f(d[c][k])} ({d[c][k.replace('_ms', '_ratio')]:.2f})" if name != FLOOR else _f(d[c][k])
+                for c in ("1", "4")
+                for k in ("p50_ms", "p99_ms")
+            ]
+            thr = [
+                f"{d[c]['throughput_rps']:.0f} ({d[c]['throughput_ratio']:.2f})"
+                if name != FLOOR
+                else f"{d[c]['throughput_rps']:.0f}"
+                for c in ("1", "4", "16")
+            ]
             lines.append(f"| {model} | {LABEL[name]} | {TRANSPORT[name]} | " + " | ".join(lat + thr) + " |")
     return [*lines, ""]
 
@@ -193,24 +260,35 @@ def _serving_table(sv: dict[str, Any]) -> list[str]:
 def _cold_table(cold: dict[str, Any]) -> list[str]:
     models = list(cold["edged"]["first_ms"])
     head = " | ".join(f"{m}: first / steady / after gap ms" for m in models)
-    lines = ["## Cold start and memory", "",
-             "Fresh process each start (a cache hit for edged); the first request per model comes after a "
-             "0.5 s idle gap on a new connection, as does the after-gap request on the server that has served. "
-             "Memory is the whole process tree after all three models served.", "",
-             f"| server | start → ready s | {head} | RSS MiB | PSS MiB | processes |",
-             "| --- | --- | " + " | ".join("---" for _ in models) + " | --- | --- | --- |"]
+    lines = [
+        "## Cold start and memory",
+        "",
+        "Fresh process each start (a cache hit for edged); the first request per model comes after a "
+        "0.5 s idle gap on a new connection, as does the after-gap request on the server that has served. "
+        "Memory is the whole process tree after all three models served.",
+        "",
+        f"| server | start → ready s | {head} | RSS MiB | PSS MiB | processes |",
+        "| --- | --- | " + " | ".join("---" for _ in models) + " | --- | --- | --- |",
+    ]
     for name in ("edged", *peers_of(cold)):
         c = cold[name]
         cells = [f"{_f(c['first_ms'][m])} / {_f(c['steady_ms'][m])} / {_f(c['after_gap_ms'][m])}" for m in models]
         ready = f"{c['ready_s']:.2f}" + (f" (warm-up {c['warmup_s']:.2f})" if "warmup_s" in c else "")
-        lines.append(f"| {LABEL[name]} | {ready} | " + " | ".join(cells)
-                     + f" | {c['rss_mib']:.0f} | {c['pss_mib']:.0f} | {c['processes']} |")
+        lines.append(
+            f"| {LABEL[name]} | {ready} | "
+            + " | ".join(cells)
+            + f" | {c['rss_mib']:.0f} | {c['pss_mib']:.0f} | {c['processes']} |"
+        )
     return [*lines, ""]
 
 
 def _sched_table(sched: dict[str, Any]) -> list[str]:
-    lines = ["## edged's scheduler", "", "| case | settings | p50 ms | p99 ms | req/s |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "## edged's scheduler",
+        "",
+        "| case | settings | p50 ms | p99 ms | req/s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for case, d in sched["cases"].items():
         name = case.split("@")[0]
         opts = ", ".join(f"{k}={v}" for k, v in sched["variants"][name].items()) or "defaults"
@@ -220,12 +298,16 @@ def _sched_table(sched: dict[str, Any]) -> list[str]:
 
 # --- plots --------------------------------------------------------------------------------------
 
+
 def plots(series: ServingSeries, r: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    return [_latency_plot(series, out / "bench_latency.png"), _throughput_plot(r, out / "bench_throughput.png"),
-            _cold_plot(r, out / "bench_cold_start.png")]
+    return [
+        _latency_plot(series, out / "bench_latency.png"),
+        _throughput_plot(r, out / "bench_throughput.png"),
+        _cold_plot(r, out / "bench_cold_start.png"),
+    ]
 
 
 COLORS = {FLOOR: "#555555", "edged": "#1f77b4", "fastapi": "#2ca02c", "pytriton": "#d62728"}
@@ -274,8 +356,13 @@ def _throughput_plot(r: dict[str, Any], path: Path) -> Path:
         concs = list(sv[model][FLOOR])
         x = np.arange(len(concs))
         for i, name in enumerate(names):
-            ax.bar(x + (i - (len(names) - 1) / 2) * 0.2, [sv[model][name][c]["throughput_rps"] for c in concs], 0.2,
-                   label=LABEL[name], color=COLORS[name])
+            ax.bar(
+                x + (i - (len(names) - 1) / 2) * 0.2,
+                [sv[model][name][c]["throughput_rps"] for c in concs],
+                0.2,
+                label=LABEL[name],
+                color=COLORS[name],
+            )
         ax.set_xticks(x, [f"c={c}" for c in concs])
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
@@ -312,8 +399,9 @@ def _cold_plot(r: dict[str, Any], path: Path) -> Path:
     ax.set_yticks(range(len(names)), [LABEL[n] for n in names])
     ax.set_ylim(-0.8, len(names) - 0.4)
     ax.set_xlabel("seconds since the process was spawned")
-    ax.set_title("Cold start: spawn → ready (light bar; | edged warms a model), then each model's first request",
-                 fontsize=9)
+    ax.set_title(
+        "Cold start: spawn → ready (light bar; | edged warms a model), then each model's first request", fontsize=9
+    )
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=80)

@@ -44,12 +44,24 @@ class Plan:
     gap_s: float = 0.5
 
 
-QUICK = Plan(rounds=2, starts=2, sched_rounds=2,
-             budgets={"tiny": Budget(3000, 0.3), "conv640": Budget(600, 0.4), "ocr_det": Budget(60, 1.0)})
-SMOKE = Plan(rounds=1, starts=1, sched_rounds=1,  # checks the harness itself, not a measurement
-             budgets={"tiny": Budget(300, 0.1), "conv640": Budget(60, 0.1), "ocr_det": Budget(8, 0.3)})
-FULL = Plan(rounds=6, starts=4, sched_rounds=5,
-            budgets={"tiny": Budget(6000, 0.5), "conv640": Budget(1500, 0.6), "ocr_det": Budget(120, 1.5)})
+QUICK = Plan(
+    rounds=2,
+    starts=2,
+    sched_rounds=2,
+    budgets={"tiny": Budget(3000, 0.3), "conv640": Budget(600, 0.4), "ocr_det": Budget(60, 1.0)},
+)
+SMOKE = Plan(
+    rounds=1,
+    starts=1,
+    sched_rounds=1,  # checks the harness itself, not a measurement
+    budgets={"tiny": Budget(300, 0.1), "conv640": Budget(60, 0.1), "ocr_det": Budget(8, 0.3)},
+)
+FULL = Plan(
+    rounds=6,
+    starts=4,
+    sched_rounds=5,
+    budgets={"tiny": Budget(6000, 0.5), "conv640": Budget(1500, 0.6), "ocr_det": Budget(120, 1.5)},
+)
 
 
 def machine() -> dict[str, Any]:
@@ -59,9 +71,16 @@ def machine() -> dict[str, Any]:
     meminfo = Path("/proc/meminfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "")
     mem = next((int(ln.split()[1]) for ln in meminfo if ln.startswith("MemTotal")), 0)
-    return {"cpu": cpu, "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
-            "memory_gib": round(mem / 2**20, 1), "kernel": platform.release(), "python": platform.python_version(),
-            "onnxruntime": ort.__version__, "loadavg_start": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "memory_gib": round(mem / 2**20, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "onnxruntime": ort.__version__,
+        "loadavg_start": os.getloadavg(),
+    }
 
 
 @contextmanager
@@ -105,11 +124,15 @@ def scheduler_phase(work: Path, specs: dict[str, ModelSpec], plan: Plan) -> dict
     tiny, conv, det, mlp = specs["tiny"], specs["conv640"], specs["ocr_det"], batchable(REPO / "data" / "bench")
     batch16 = {"max_batch": 16, "max_queue_delay_us": 1000}
     variants = {
-        "tiny_b1": (tiny, {}), "tiny_b16": (tiny, batch16),
-        "mlp2k_b1": (mlp, {}), "mlp2k_b16": (mlp, batch16),
-        "conv640_b1": (conv, {}), "conv640_b8": (conv, {"max_batch": 8, "max_queue_delay_us": 2000}),
+        "tiny_b1": (tiny, {}),
+        "tiny_b16": (tiny, batch16),
+        "mlp2k_b1": (mlp, {}),
+        "mlp2k_b16": (mlp, batch16),
+        "conv640_b1": (conv, {}),
+        "conv640_b8": (conv, {"max_batch": 8, "max_queue_delay_us": 2000}),
         "conv640_i2": (conv, {"instances": 2, "threads": 0}),
-        "ocr_det_b1": (det, {}), "ocr_det_i2": (det, {"instances": 2, "threads": 0}),
+        "ocr_det_b1": (det, {}),
+        "ocr_det_i2": (det, {"instances": 2, "threads": 0}),
     }
     vspecs = {n: dataclasses.replace(s, name=n) for n, (s, _) in variants.items()}
     server = EdgedServer(work, vspecs, {n: o for n, (_, o) in variants.items()}, label="edged-scheduler")
@@ -151,8 +174,11 @@ def main() -> int:
     if args.report_only:
         raw = pickle.loads((out / "raw.pkl").read_bytes())
     else:
-        raw = measure_all(SMOKE if args.smoke else QUICK if args.quick else FULL,
-                          "smoke" if args.smoke else "quick" if args.quick else "full", args.keep)
+        raw = measure_all(
+            SMOKE if args.smoke else QUICK if args.quick else FULL,
+            "smoke" if args.smoke else "quick" if args.quick else "full",
+            args.keep,
+        )
         (out / "raw.pkl").write_bytes(pickle.dumps(raw))
     write_report(raw, out, args.publish)
     return 0
@@ -161,8 +187,12 @@ def main() -> int:
 def measure_all(plan: Plan, mode: str, keep: bool) -> dict[str, Any]:
     started = time.monotonic()
     specs = prepare(REPO / "data", REPO / "data" / "bench")
-    results: dict[str, Any] = {"machine": machine(), "mode": mode, "plan": dataclasses.asdict(plan),
-                               "models": {n: s.to_json() for n, s in specs.items()}}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "mode": mode,
+        "plan": dataclasses.asdict(plan),
+        "models": {n: s.to_json() for n, s in specs.items()},
+    }
     work = Path(tempfile.mkdtemp(prefix="edged-bench-"))
     try:
         write_specs(work / "specs.json", specs)

@@ -121,17 +121,22 @@ class Server:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("EDGED_", "NOTIFY_SOCKET", "PYTHON"))}
-        env.update(HOME=str(self.dir / "home"), TMPDIR=str(self.dir / "tmp"),
-                   XDG_CACHE_HOME=str(self.dir / "home" / ".cache"), PYTHONPATH=str(REPO),
-                   PYTHONUNBUFFERED="1")
+        env.update(
+            HOME=str(self.dir / "home"),
+            TMPDIR=str(self.dir / "tmp"),
+            XDG_CACHE_HOME=str(self.dir / "home" / ".cache"),
+            PYTHONPATH=str(REPO),
+            PYTHONUNBUFFERED="1",
+        )
         env.update(self.extra_env())
         return env
 
     def start(self) -> None:
         with open(self.dir / "server.log", "ab") as log:
             self.spawned = time.perf_counter()
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                         cwd=REPO, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO, start_new_session=True
+            )
 
     def wait_ready(self, timeout: float = 120.0, interval: float = 0.01) -> float:
         """Seconds from spawn to ready."""
@@ -204,8 +209,14 @@ class EdgedServer(Server):
 
     name = "edged"
 
-    def __init__(self, work: Path, specs: dict[str, ModelSpec], options: dict[str, dict[str, Any]] | None = None,
-                 label: str = "edged", server: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        work: Path,
+        specs: dict[str, ModelSpec],
+        options: dict[str, dict[str, Any]] | None = None,
+        label: str = "edged",
+        server: dict[str, Any] | None = None,
+    ) -> None:
         self.name = label
         self.server_options = server or {}  # extra keys of the [server] table
         super().__init__(work, specs)
@@ -222,15 +233,23 @@ class EdgedServer(Server):
         from tests.helpers import write_config
 
         tables: dict[str, dict[str, Any]] = {
-            "server": {"socket": self.addr, **self.server_options}, "cache": {"dir": str(self.cache)},
+            "server": {"socket": self.addr, **self.server_options},
+            "cache": {"dir": str(self.cache)},
             "lifecycle": {"watch_files": False},
         }
         for spec in self.specs.values():
-            tables[f"models.{spec.name}"] = {"path": spec.path, "backend": "onnxruntime", "threads": spec.threads,
-                                             **self.options.get(spec.name, {})}
+            tables[f"models.{spec.name}"] = {
+                "path": spec.path,
+                "backend": "onnxruntime",
+                "threads": spec.threads,
+                **self.options.get(spec.name, {}),
+            }
             if Path(spec.path).stem == "ocr_det":  # dynamic height and width: bound them
-                tables[f"models.{spec.name}.profiles.x"] = {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640],
-                                                            "max": [1, 3, 1280, 1280]}
+                tables[f"models.{spec.name}.profiles.x"] = {
+                    "min": [1, 3, 32, 32],
+                    "opt": [1, 3, 640, 640],
+                    "max": [1, 3, 1280, 1280],
+                }
         return write_config(self.dir / "edged.toml", tables)
 
     def command(self) -> list[str]:
@@ -263,16 +282,22 @@ class EdgedServer(Server):
         except BaseException:
             self._close_notify()
             raise
-        raise RuntimeError(f"edged not ready after {timeout} s; stacks:\n{self.dump_stacks()}\n"
-                           f"log tail:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"edged not ready after {timeout} s; stacks:\n{self.dump_stacks()}\nlog tail:\n{self.log_tail()}"
+        )
 
     def dump_stacks(self) -> str:
         """What every thread of the daemon is doing (py-spy), kept next to its log."""
         spy = Path(sys.executable).parent / "py-spy"
         if self.proc is None or not spy.exists():
             return "(py-spy not available)"
-        run = subprocess.run([str(spy), "dump", "--pid", str(self.proc.pid), "--locals"], capture_output=True,
-                             text=True, timeout=60, check=False)
+        run = subprocess.run(
+            [str(spy), "dump", "--pid", str(self.proc.pid), "--locals"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         text = run.stdout + run.stderr
         (self.dir / "stacks.txt").write_text(text)
         return text
@@ -301,8 +326,11 @@ class EdgedServer(Server):
         with Client(self.addr) as c:
             c.register_shm(region.name, region.key, x.nbytes)
         tensor = region.put(x)
-        return Conn(self.addr, v2_request(spec.name, spec.input, tensor, spec.outputs),
-                    before=_copier(region, np.ascontiguousarray(x).reshape(-1).view(np.uint8)))
+        return Conn(
+            self.addr,
+            v2_request(spec.name, spec.input, tensor, spec.outputs),
+            before=_copier(region, np.ascontiguousarray(x).reshape(-1).view(np.uint8)),
+        )
 
     def close_frames(self) -> None:
         with contextlib.suppress(OSError), Client(self.addr) as c:
@@ -331,8 +359,21 @@ class FastAPIServer(Server):
         return str(self.dir / "fastapi.sock")
 
     def command(self) -> list[str]:
-        return [self.python, "-m", "uvicorn", "bench.peer_fastapi:app", "--uds", self.addr, "--loop", "uvloop",
-                "--http", "httptools", "--no-access-log", "--log-level", "warning"]
+        return [
+            self.python,
+            "-m",
+            "uvicorn",
+            "bench.peer_fastapi:app",
+            "--uds",
+            self.addr,
+            "--loop",
+            "uvloop",
+            "--http",
+            "httptools",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
 
     def extra_env(self) -> dict[str, str]:
         return {"BENCH_SPECS": str(self.dir.parent / "specs.json")}
@@ -369,8 +410,14 @@ class PyTritonServer(Server):
         return ("127.0.0.1", self.port)
 
     def command(self) -> list[str]:
-        return [self.python, "-m", "bench.peer_pytriton", str(self.dir.parent / "specs.json"),
-                str(self.port), str(self.port + 1)]
+        return [
+            self.python,
+            "-m",
+            "bench.peer_pytriton",
+            str(self.dir.parent / "specs.json"),
+            str(self.port),
+            str(self.port + 1),
+        ]
 
     def extra_env(self) -> dict[str, str]:
         # Triton's Python backend stub links libpython: it must be the one of the venv's base
@@ -450,5 +497,15 @@ def get_status(addr: str) -> dict[str, Any]:
         return c.status()
 
 
-__all__ = ["EdgedServer", "FastAPIServer", "PyTritonServer", "Server", "check", "get_status", "http_bytes",
-           "placement", "tree", "tree_memory"]
+__all__ = [
+    "EdgedServer",
+    "FastAPIServer",
+    "PyTritonServer",
+    "Server",
+    "check",
+    "get_status",
+    "http_bytes",
+    "placement",
+    "tree",
+    "tree_memory",
+]

@@ -39,8 +39,11 @@ def v2_request(model: str, name: str, value: np.ndarray | ShmTensor, outputs: Se
 def raw_request(model: str, x: np.ndarray) -> bytes:
     """The hand-written server's request: the tensor's bytes, its shape in a header."""
     shape = ",".join(map(str, x.shape))
-    return http_bytes(f"/infer/{model}", np.ascontiguousarray(x).tobytes(),
-                      {"Content-Type": "application/octet-stream", "X-Shape": shape})
+    return http_bytes(
+        f"/infer/{model}",
+        np.ascontiguousarray(x).tobytes(),
+        {"Content-Type": "application/octet-stream", "X-Shape": shape},
+    )
 
 
 def connect(addr: Address, timeout: float = 30.0) -> socket.socket:
@@ -73,13 +76,13 @@ class _Reader:
             at = lower.find(b"\r\ncontent-length:")
             if at < 0:
                 raise RuntimeError(f"no Content-Length in {self.head[:200]!r}")
-            self.need = end + 4 + int(lower[at + 17:].split(b"\r\n", 1)[0])
+            self.need = end + 4 + int(lower[at + 17 :].split(b"\r\n", 1)[0])
         return len(self.buf) >= self.need
 
     def done(self) -> tuple[bytes, bytes]:
         if not self.head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"{self.head[:200]!r}: {bytes(self.buf[len(self.head) + 4:])[:300]!r}")
-        head, body = self.head, bytes(self.buf[len(self.head) + 4:self.need])
+            raise RuntimeError(f"{self.head[:200]!r}: {bytes(self.buf[len(self.head) + 4 :])[:300]!r}")
+        head, body = self.head, bytes(self.buf[len(self.head) + 4 : self.need])
         self.buf, self.need, self.head = bytearray(), -1, b""
         return head, body
 
@@ -98,14 +101,14 @@ def decode_v2(head: bytes, body: bytes) -> dict[str, np.ndarray]:
 
     lower = head.lower()
     at = lower.find(b"inference-header-content-length:")
-    hl = int(lower[at + 32:].split(b"\r\n", 1)[0]) if at >= 0 else None
+    hl = int(lower[at + 32 :].split(b"\r\n", 1)[0]) if at >= 0 else None
     return decode_response(body, hl)
 
 
 def decode_raw(head: bytes, body: bytes) -> np.ndarray:
     lower = head.lower()
     at = lower.find(b"x-shape:")
-    shape = tuple(int(d) for d in lower[at + 8:].split(b"\r\n", 1)[0].strip().split(b","))
+    shape = tuple(int(d) for d in lower[at + 8 :].split(b"\r\n", 1)[0].strip().split(b","))
     return np.frombuffer(body, np.float32).reshape(shape)
 
 
@@ -172,6 +175,6 @@ def _send(c: Conn) -> None:
     view = memoryview(c.request)
     while view:  # a frame-sized body fills the socket buffer: wait for room, nothing else to do
         try:
-            view = view[c.sock.send(view):]
+            view = view[c.sock.send(view) :]
         except BlockingIOError:
             select.select([], [c.sock], [], 30)

@@ -121,8 +121,7 @@ class EngineCache:
         artifact = self.artifact_path(model, key, suffix)
         problem = self._check(manifest, key, artifact)
         if problem:
-            log.warning("cache entry %s rejected: %s", mpath.name, problem,
-                        extra={"model": model})
+            log.warning("cache entry %s rejected: %s", mpath.name, problem, extra={"model": model})
             self.quarantine(artifact, problem)
             self.quarantine(mpath, problem)
             return None
@@ -173,7 +172,11 @@ class EngineCache:
         return Path(tmp)
 
     def commit(
-        self, model: str, key: str, suffix: str, tmp_artifact: Path | None,
+        self,
+        model: str,
+        key: str,
+        suffix: str,
+        tmp_artifact: Path | None,
         manifest: dict[str, Any],
     ) -> Entry:
         """Move a finished artefact into place and write its manifest (the manifest last, so a

@@ -63,11 +63,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     mem = report["memory"]
-    print(f"memory: {mem['source']}, {format_size(mem['total_bytes'])} total, "
-          f"{format_size(mem['available_bytes'])} available, budget {format_size(mem['budget_bytes'])}")
-    rows = [(m["name"], m["decision"], m["backend"], m["precision"], m["priority"],
-             format_size(m["footprint_bytes"]) + ("" if m["measured"] else " (est.)"),
-             "cached" if m["cached"] else "needs build", m["reason"]) for m in report["models"]]
+    print(
+        f"memory: {mem['source']}, {format_size(mem['total_bytes'])} total, "
+        f"{format_size(mem['available_bytes'])} available, budget {format_size(mem['budget_bytes'])}"
+    )
+    rows = [
+        (
+            m["name"],
+            m["decision"],
+            m["backend"],
+            m["precision"],
+            m["priority"],
+            format_size(m["footprint_bytes"]) + ("" if m["measured"] else " (est.)"),
+            "cached" if m["cached"] else "needs build",
+            m["reason"],
+        )
+        for m in report["models"]
+    ]
     _table(("model", "plan", "backend", "precision", "prio", "footprint", "engine", "reason"), rows)
     return 0
 
@@ -88,8 +100,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"edged {st['version']}: {'ready' if st['ready'] else 'not ready'} - {st['status']}")
     mem = st["memory"]
-    print(f"memory ({mem['source']}): budget {format_size(mem['budget_bytes'])}, "
-          f"used {format_size(mem['used_bytes'])}")
+    print(f"memory ({mem['source']}): budget {format_size(mem['budget_bytes'])}, used {format_size(mem['used_bytes'])}")
     _models_table(st)
     return 0
 
@@ -103,9 +114,18 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _models_table(st: dict[str, Any]) -> None:
-    rows = [(n, m["state"], m["backend"] or "-", m["precision"] or "-", m["requests"],
-             "-" if m["p50_ms"] is None else f"{m['p50_ms']:.3f}", m["reason"])
-            for n, m in st["models"].items()]
+    rows = [
+        (
+            n,
+            m["state"],
+            m["backend"] or "-",
+            m["precision"] or "-",
+            m["requests"],
+            "-" if m["p50_ms"] is None else f"{m['p50_ms']:.3f}",
+            m["reason"],
+        )
+        for n, m in st["models"].items()
+    ]
     _table(("model", "state", "backend", "precision", "requests", "p50 ms", "reason"), rows)
 
 
@@ -166,24 +186,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"edged {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str,
-            client: bool = False) -> argparse.ArgumentParser:
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help_: str, client: bool = False
+    ) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
         sp.set_defaults(fn=fn)
-        sp.add_argument("--config", type=Path, default=None,
-                        help="config file (default: $EDGED_CONFIG, then /etc/edged/edged.toml)")
+        sp.add_argument(
+            "--config", type=Path, default=None, help="config file (default: $EDGED_CONFIG, then /etc/edged/edged.toml)"
+        )
         if client:
-            sp.add_argument("--socket", default=None,
-                            help="socket (default: $EDGED_SOCKET, the config's, /run/edged/edged.sock)")
+            sp.add_argument(
+                "--socket", default=None, help="socket (default: $EDGED_SOCKET, the config's, /run/edged/edged.sock)"
+            )
         return sp
 
     add("serve", cmd_serve, "run the daemon")
-    add("plan", cmd_plan, "print the memory plan without loading anything").add_argument(
-        "--json", action="store_true")
+    add("plan", cmd_plan, "print the memory plan without loading anything").add_argument("--json", action="store_true")
     b = add("build", cmd_build, "prebuild every model's engine (provisioning)")
     b.add_argument("--check", action="store_true", help="build nothing; exit 1 if a build is needed")
     add("status", cmd_status, "daemon, memory and model status", client=True).add_argument(
-        "--json", action="store_true")
+        "--json", action="store_true"
+    )
     add("models", cmd_models, "list models and their states", client=True)
     i = add("infer", cmd_infer, "run one inference from .npy files", client=True)
     i.add_argument("model")

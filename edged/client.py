@@ -60,8 +60,10 @@ def raise_for(status: int, body: bytes) -> None:
 
 
 def encode_request(
-    inputs: Mapping[str, np.ndarray | ShmTensor], outputs: Sequence[str] | None = None,
-    request_id: str = "", binary_outputs: bool = True,
+    inputs: Mapping[str, np.ndarray | ShmTensor],
+    outputs: Sequence[str] | None = None,
+    request_id: str = "",
+    binary_outputs: bool = True,
 ) -> tuple[bytes, dict[str, str]]:
     metas: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
@@ -70,8 +72,14 @@ def encode_request(
             metas.append(value.meta(name))
             continue
         arr = np.ascontiguousarray(value)
-        metas.append({"name": name, "datatype": v2_datatype(arr.dtype.name), "shape": list(arr.shape),
-                      "parameters": {"binary_data_size": arr.nbytes}})
+        metas.append(
+            {
+                "name": name,
+                "datatype": v2_datatype(arr.dtype.name),
+                "shape": list(arr.shape),
+                "parameters": {"binary_data_size": arr.nbytes},
+            }
+        )
         chunks.append(arr.reshape(-1).view(np.uint8).data)
     doc: dict[str, Any] = {"inputs": metas, "parameters": {"binary_data_output": binary_outputs}}
     if request_id:
@@ -97,7 +105,7 @@ def decode_response(body: bytes, header_len: int | None) -> dict[str, np.ndarray
         params = o.get("parameters") or {}
         if "binary_data_size" in params:
             size = params["binary_data_size"]
-            out[o["name"]] = np.frombuffer(binary[offset:offset + size], dtype=dtype).reshape(shape)
+            out[o["name"]] = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)
             offset += size
         elif "data" in o:
             out[o["name"]] = np.asarray(o["data"], dtype=dtype).reshape(shape)
@@ -107,15 +115,22 @@ def decode_response(body: bytes, header_len: int | None) -> dict[str, np.ndarray
 class ShmTensor:
     """An input already written into a registered region: only its name and place travel."""
 
-    def __init__(self, region: str, arr_dtype: np.dtype[Any], shape: tuple[int, ...], nbytes: int,
-                 offset: int = 0) -> None:
+    def __init__(
+        self, region: str, arr_dtype: np.dtype[Any], shape: tuple[int, ...], nbytes: int, offset: int = 0
+    ) -> None:
         self.region, self.dtype, self.shape, self.nbytes, self.offset = region, arr_dtype, shape, nbytes, offset
 
     def meta(self, name: str) -> dict[str, Any]:
-        return {"name": name, "datatype": v2_datatype(self.dtype.name), "shape": list(self.shape),
-                "parameters": {"shared_memory_region": self.region,
-                               "shared_memory_byte_size": self.nbytes,
-                               "shared_memory_offset": self.offset}}
+        return {
+            "name": name,
+            "datatype": v2_datatype(self.dtype.name),
+            "shape": list(self.shape),
+            "parameters": {
+                "shared_memory_region": self.region,
+                "shared_memory_byte_size": self.nbytes,
+                "shared_memory_offset": self.offset,
+            },
+        }
 
 
 class ShmRegion:
@@ -138,13 +153,13 @@ class ShmRegion:
         data = np.ascontiguousarray(arr)
         if offset + data.nbytes > self.byte_size:
             raise ValueError(f"{data.nbytes} bytes do not fit region '{self.name}' ({self.byte_size})")
-        self.array_view[offset:offset + data.nbytes] = data.reshape(-1).view(np.uint8)
+        self.array_view[offset : offset + data.nbytes] = data.reshape(-1).view(np.uint8)
         return ShmTensor(self.name, data.dtype, data.shape, data.nbytes, offset)
 
     def read(self, dtype: np.dtype[Any] | str, shape: Sequence[int], offset: int = 0) -> np.ndarray:
         dt = np.dtype(dtype)
         n = math.prod(shape) * dt.itemsize
-        out: np.ndarray = self.array_view[offset:offset + n].view(dt).reshape(tuple(shape)).copy()
+        out: np.ndarray = self.array_view[offset : offset + n].view(dt).reshape(tuple(shape)).copy()
         return out
 
     def close(self) -> None:
@@ -176,8 +191,9 @@ class Client:
         self._conn = _UnixConnection(self.socket_path, timeout)
         self._regions: dict[str, ShmRegion] = {}
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: Mapping[str, str] | None = None) -> tuple[int, bytes, http.client.HTTPResponse]:
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes, http.client.HTTPResponse]:
         try:
             try:
                 self._conn.request(method, path, body=body, headers=dict(headers or {}))
@@ -224,8 +240,13 @@ class Client:
     def unload(self, model: str) -> None:
         self._json("POST", f"/v2/repository/models/{model}/unload")
 
-    def infer(self, model: str, inputs: Mapping[str, np.ndarray | ShmTensor],
-              outputs: Sequence[str] | None = None, request_id: str = "") -> dict[str, np.ndarray]:
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray | ShmTensor],
+        outputs: Sequence[str] | None = None,
+        request_id: str = "",
+    ) -> dict[str, np.ndarray]:
         body, headers = encode_request(inputs, outputs, request_id)
         status, data, resp = self.request("POST", f"/v2/models/{model}/infer", body, headers)
         raise_for(status, data)
@@ -235,8 +256,11 @@ class Client:
     # --- shared memory ---
 
     def register_shm(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
-        self._json("POST", f"/v2/systemsharedmemory/region/{name}/register",
-                   {"key": key, "offset": offset, "byte_size": byte_size})
+        self._json(
+            "POST",
+            f"/v2/systemsharedmemory/region/{name}/register",
+            {"key": key, "offset": offset, "byte_size": byte_size},
+        )
 
     def unregister_shm(self, name: str | None = None) -> None:
         path = f"/v2/systemsharedmemory/region/{name}/unregister" if name else "/v2/systemsharedmemory/unregister"
@@ -262,8 +286,9 @@ class Client:
         self._regions[name] = region
         return region
 
-    def infer_shm(self, model: str, inputs: Mapping[str, np.ndarray],
-                  outputs: Sequence[str] | None = None, request_id: str = "") -> dict[str, np.ndarray]:
+    def infer_shm(
+        self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None, request_id: str = ""
+    ) -> dict[str, np.ndarray]:
         """Send every input through a reused shared memory region (one per input name)."""
         tensors = {n: self.shm_region(f"{model}.{n}", a.nbytes).put(a) for n, a in inputs.items()}
         return self.infer(model, tensors, outputs, request_id)
@@ -299,13 +324,15 @@ class AsyncClient:
     async def _connect(self) -> None:
         self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
 
-    async def request(self, method: str, path: str, body: bytes = b"",
-                      headers: Mapping[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes, dict[str, str]]:
         async with self._lock:
             return await asyncio.wait_for(self._roundtrip(method, path, body, headers), self.timeout)
 
-    async def _roundtrip(self, method: str, path: str, body: bytes,
-                         headers: Mapping[str, str] | None) -> tuple[int, bytes, dict[str, str]]:
+    async def _roundtrip(
+        self, method: str, path: str, body: bytes, headers: Mapping[str, str] | None
+    ) -> tuple[int, bytes, dict[str, str]]:
         import httptools
 
         if self._writer is None or self._writer.is_closing():
@@ -332,8 +359,9 @@ class AsyncClient:
         raise_for(status, body)
         return dict(orjson.loads(body))
 
-    async def infer(self, model: str, inputs: Mapping[str, np.ndarray],
-                    outputs: Sequence[str] | None = None, request_id: str = "") -> dict[str, np.ndarray]:
+    async def infer(
+        self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None, request_id: str = ""
+    ) -> dict[str, np.ndarray]:
         body, headers = encode_request(inputs, outputs, request_id)
         status, data, resp_headers = await self.request("POST", f"/v2/models/{model}/infer", body, headers)
         raise_for(status, data)

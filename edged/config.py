@@ -185,9 +185,18 @@ class Config(_Table, frozen=True):
 # --- sizes ---------------------------------------------------------------------------------------
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -272,10 +281,7 @@ def _convert_model(raw: Any, source: str, prefix: str) -> ModelConfig:
     if not isinstance(profiles_raw, Mapping):
         raise ConfigError(f"{source}: {prefix}.profiles: expected a table of input tables")
     model: ModelConfig = _convert(dict(raw, profiles={}), ModelConfig, source, prefix)
-    profiles = {
-        inp: _convert(p, ShapeProfile, source, f"{prefix}.profiles.{inp}")
-        for inp, p in profiles_raw.items()
-    }
+    profiles = {inp: _convert(p, ShapeProfile, source, f"{prefix}.profiles.{inp}") for inp, p in profiles_raw.items()}
     return msgspec.structs.replace(model, profiles=profiles)
 
 
@@ -338,16 +344,16 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
         warm = m.warmup
         if warm.inputs != "random":
             warm = msgspec.structs.replace(warm, inputs=_resolve(base, warm.inputs))
-        models[name] = msgspec.structs.replace(
-            m, path=_resolve(base, m.path), calibration=cal, warmup=warm
-        )
+        models[name] = msgspec.structs.replace(m, path=_resolve(base, m.path), calibration=cal, warmup=warm)
     mqtt = cfg.mqtt
     if mqtt.tls is not None:
         tls = mqtt.tls
         mqtt = msgspec.structs.replace(
             mqtt,
             tls=msgspec.structs.replace(
-                tls, ca=_resolve(base, tls.ca), cert=_resolve(base, tls.cert),
+                tls,
+                ca=_resolve(base, tls.ca),
+                cert=_resolve(base, tls.cert),
                 key=_resolve(base, tls.key),
             ),
         )

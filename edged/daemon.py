@@ -127,9 +127,14 @@ class Daemon:
         systemd.status("starting: probing memory")
         self.memory = probe(cfg.memory.probe)
         budget = budget_bytes(cfg.memory, self.memory)
-        log.info("memory from %s: %s total, %s available, budget %s%s", self.memory.source,
-                 format_size(self.memory.total), format_size(self.memory.available),
-                 format_size(budget), f" ({self.memory.detail})" if self.memory.detail else "")
+        log.info(
+            "memory from %s: %s total, %s available, budget %s%s",
+            self.memory.source,
+            format_size(self.memory.total),
+            format_size(self.memory.available),
+            format_size(budget),
+            f" ({self.memory.detail})" if self.memory.detail else "",
+        )
         self.metrics.budget.set(budget)
         self.cache.prepare()
         runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
@@ -180,13 +185,22 @@ class Daemon:
             sock.setblocking(False)
             log.info("serving on the socket systemd passed (fd %d)", fds[0])
         else:
-            sock = bind_socket(self.cfg.server.socket, int(self.cfg.server.socket_mode, 8),
-                               self.cfg.server.socket_group)
+            sock = bind_socket(
+                self.cfg.server.socket, int(self.cfg.server.socket_mode, 8), self.cfg.server.socket_group
+            )
             self._owned_socket = self.cfg.server.socket
             log.info("serving on %s", self.cfg.server.socket)
         config = uvicorn.Config(
-            app, http="httptools", loop="none", lifespan="off", access_log=False, log_config=None,
-            server_header=False, date_header=False, interface="asgi3", proxy_headers=False,
+            app,
+            http="httptools",
+            loop="none",
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            server_header=False,
+            date_header=False,
+            interface="asgi3",
+            proxy_headers=False,
             timeout_graceful_shutdown=int(self.cfg.lifecycle.drain_timeout_s),
             timeout_keep_alive=self.cfg.server.keepalive_s,
         )

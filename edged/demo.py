@@ -24,8 +24,7 @@ RAPIDOCR = "rapidocr-onnxruntime==1.4.4"
 DETECTOR_MEMBER = "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
 
 
-def make_tiny_mlp(path: Path, in_dim: int = 16, hidden: int = 32, out_dim: int = 4,
-                  dynamic_batch: bool = True) -> Path:
+def make_tiny_mlp(path: Path, in_dim: int = 16, hidden: int = 32, out_dim: int = 4, dynamic_batch: bool = True) -> Path:
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(7)
@@ -35,10 +34,12 @@ def make_tiny_mlp(path: Path, in_dim: int = 16, hidden: int = 32, out_dim: int =
     b2 = numpy_helper.from_array(np.zeros(out_dim, np.float32), "b2")
     batch: str | int = "N" if dynamic_batch else 1
     graph = helper.make_graph(
-        [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
-         helper.make_node("Relu", ["h"], ["r"]),
-         helper.make_node("Gemm", ["r", "w2", "b2"], ["logits"]),
-         helper.make_node("Softmax", ["logits"], ["probs"], axis=1)],
+        [
+            helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
+            helper.make_node("Relu", ["h"], ["r"]),
+            helper.make_node("Gemm", ["r", "w2", "b2"], ["logits"]),
+            helper.make_node("Softmax", ["logits"], ["probs"], axis=1),
+        ],
         "tiny_mlp",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, in_dim])],
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [batch, out_dim])],
@@ -69,8 +70,10 @@ def extract_detector(dest: Path, wheel_dir: Path | None = None) -> Path:
         where = wheel_dir or Path(tmp)
         wheels = sorted(where.glob("rapidocr_onnxruntime-*.whl"))
         if not wheels:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                            "--dest", str(where), RAPIDOCR], check=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(where), RAPIDOCR],
+                check=True,
+            )
             wheels = sorted(where.glob("rapidocr_onnxruntime-*.whl"))
         with zipfile.ZipFile(wheels[-1]) as zf:
             data = zf.read(DETECTOR_MEMBER)

@@ -166,9 +166,7 @@ def plan(items: Sequence[PlanItem], budget: int) -> Plan:
     return Plan(budget, tuple(admitted), deferred, lazy, used)
 
 
-def choose_evictions(
-    needed: int, free: int, candidates: Sequence[tuple[str, int, float]]
-) -> list[str] | None:
+def choose_evictions(needed: int, free: int, candidates: Sequence[tuple[str, int, float]]) -> list[str] | None:
     """Least recently used first: which lazy models (name, footprint, last use) to evict so that
     ``needed`` bytes fit. None when even evicting all of them is not enough."""
     if needed <= free:

@@ -19,8 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-           1.0, 2.5, 5.0, 10.0)
+BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
@@ -39,8 +38,7 @@ class ModelStats:
             return {"p50_ms": None, "p90_ms": None, "p99_ms": None}
         arr = np.fromiter(self.latencies, dtype=np.float64) * 1000
         p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-        return {"p50_ms": round(float(p50), 3), "p90_ms": round(float(p90), 3),
-                "p99_ms": round(float(p99), 3)}
+        return {"p50_ms": round(float(p50), 3), "p90_ms": round(float(p90), 3), "p99_ms": round(float(p99), 3)}
 
 
 class _StatsCollector(Collector):
@@ -48,10 +46,12 @@ class _StatsCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        reqs = CounterMetricFamily("edged_requests", "Inference requests by model, transport and outcome",
-                                   labels=["model", "transport", "outcome"])
-        hist = HistogramMetricFamily("edged_request_seconds", "Inference latency inside the daemon",
-                                     labels=["model"])
+        reqs = CounterMetricFamily(
+            "edged_requests",
+            "Inference requests by model, transport and outcome",
+            labels=["model", "transport", "outcome"],
+        )
+        hist = HistogramMetricFamily("edged_request_seconds", "Inference latency inside the daemon", labels=["model"])
         for name, st in list(self._metrics.stats.items()):
             for (transport, outcome), n in list(st.outcomes.items()):
                 reqs.add_metric([name, transport, outcome], n)
@@ -70,11 +70,14 @@ class Metrics:
         r = self.registry
         self.queue = Gauge("edged_queue_depth", "Requests queued or running", ["model"], registry=r)
         self.state = Gauge("edged_model_ready", "1 when the model serves", ["model"], registry=r)
-        self.footprint = Gauge("edged_model_footprint_bytes", "Memory a loaded model holds",
-                               ["model"], registry=r)
+        self.footprint = Gauge("edged_model_footprint_bytes", "Memory a loaded model holds", ["model"], registry=r)
         self.budget = Gauge("edged_memory_budget_bytes", "Memory budget for models", registry=r)
-        self.dropped = Counter("edged_dropped", "Requests dropped before running (expired, busy, no_reply_to)",
-                               ["model", "reason"], registry=r)
+        self.dropped = Counter(
+            "edged_dropped",
+            "Requests dropped before running (expired, busy, no_reply_to)",
+            ["model", "reason"],
+            registry=r,
+        )
         self.builds = Counter("edged_builds", "Engine builds by outcome", ["model", "outcome"], registry=r)
         self.stats: dict[str, ModelStats] = {}
         self._lock = threading.Lock()

@@ -32,8 +32,13 @@ def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
             reg.resolve(rt)
         except EdgedError as e:
             reg.set_state(rt, FAILED, e.message)
-    mem = {"source": info.source, "total_bytes": info.total, "available_bytes": info.available,
-           "budget_bytes": budget, "detail": info.detail}
+    mem = {
+        "source": info.source,
+        "total_bytes": info.total,
+        "available_bytes": info.available,
+        "budget_bytes": budget,
+        "detail": info.detail,
+    }
     return reg, mem
 
 
@@ -53,13 +58,21 @@ def offline_plan(cfg: Config) -> dict[str, Any]:
             decision, reason = "boot", ""
         if rt.precision_reason:
             reason = "; ".join(filter(None, [reason, rt.precision_reason]))
-        models.append({
-            "name": rt.name, "decision": decision, "reason": reason,
-            "backend": rt.backend_cls.name if rt.backend_cls else "-",
-            "precision": rt.precision or "-", "requested_precision": rt.cfg.precision,
-            "priority": rt.cfg.priority, "footprint_bytes": rt.footprint, "measured": rt.measured,
-            "cached": rt.entry is not None, "gate": rt.gate,
-        })
+        models.append(
+            {
+                "name": rt.name,
+                "decision": decision,
+                "reason": reason,
+                "backend": rt.backend_cls.name if rt.backend_cls else "-",
+                "precision": rt.precision or "-",
+                "requested_precision": rt.cfg.precision,
+                "priority": rt.cfg.priority,
+                "footprint_bytes": rt.footprint,
+                "measured": rt.measured,
+                "cached": rt.entry is not None,
+                "gate": rt.gate,
+            }
+        )
     reg.digests.save()
     return {"memory": mem, "plan": the_plan.to_dict(), "models": models}
 
@@ -99,9 +112,17 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
                 reg.set_state(rt, FAILED, e.message)
                 out.write("\n")
         gate = rt.gate or {}
-        rows.append((rt.name, rt.state if rt.state == FAILED else "ok", rt.precision or "-",
-                     _gate_text(gate), f"{time.monotonic() - started:.1f}s",
-                     format_size(rt.footprint) if rt.footprint else "-", rt.reason or rt.precision_reason))
+        rows.append(
+            (
+                rt.name,
+                rt.state if rt.state == FAILED else "ok",
+                rt.precision or "-",
+                _gate_text(gate),
+                f"{time.monotonic() - started:.1f}s",
+                format_size(rt.footprint) if rt.footprint else "-",
+                rt.reason or rt.precision_reason,
+            )
+        )
     from edged.cli import _table
 
     _table(("model", "result", "precision", "gate", "build", "footprint", "note"), rows)

@@ -20,9 +20,18 @@ import orjson
 from edged.errors import BadRequestError
 
 V2_TO_NUMPY = {
-    "BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
-    "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
-    "FP16": "float16", "FP32": "float32", "FP64": "float64",
+    "BOOL": "bool",
+    "UINT8": "uint8",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "FP16": "float16",
+    "FP32": "float32",
+    "FP64": "float64",
 }
 NUMPY_TO_V2 = {v: k for k, v in V2_TO_NUMPY.items()}
 
@@ -69,9 +78,7 @@ def _shape(raw: Any, where: str) -> tuple[int, ...]:
 def _dtype(raw: Any, where: str) -> np.dtype[Any]:
     name = V2_TO_NUMPY.get(raw) if isinstance(raw, str) else None
     if name is None:
-        raise BadRequestError(
-            f"{where}: unsupported 'datatype' {raw!r}; one of {', '.join(V2_TO_NUMPY)}"
-        )
+        raise BadRequestError(f"{where}: unsupported 'datatype' {raw!r}; one of {', '.join(V2_TO_NUMPY)}")
     return np.dtype(name)
 
 
@@ -82,9 +89,7 @@ def _from_json_data(data: Any, dtype: np.dtype[Any], shape: tuple[int, ...], whe
         raise BadRequestError(f"{where}: 'data' does not hold {dtype} values: {e}") from None
     count = math.prod(shape)
     if arr.size != count:
-        raise BadRequestError(
-            f"{where}: shape {list(shape)} needs {count} values, 'data' has {arr.size}"
-        )
+        raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, 'data' has {arr.size}")
     return arr.reshape(shape)
 
 
@@ -131,8 +136,15 @@ def _plan_input(raw: Any, idx: int) -> _InputPlan:
         region = params["shared_memory_region"]
         if not isinstance(region, str):
             raise BadRequestError(f"{where}: 'shared_memory_region' must be a string")
-        return _InputPlan(name, dtype, shape, "shm", _int_param(params, "shared_memory_byte_size", where),
-                          region, _int_param(params, "shared_memory_offset", where, 0))
+        return _InputPlan(
+            name,
+            dtype,
+            shape,
+            "shm",
+            _int_param(params, "shared_memory_byte_size", where),
+            region,
+            _int_param(params, "shared_memory_offset", where, 0),
+        )
     if "binary_data_size" in params:
         return _InputPlan(name, dtype, shape, "binary", _int_param(params, "binary_data_size", where))
     if "data" not in inp:
@@ -149,7 +161,7 @@ def _materialize(p: _InputPlan, binary: memoryview, offset: int, shm: ShmResolve
     if p.kind == "binary":
         if offset + p.size > len(binary):
             raise BadRequestError(f"{where}: 'binary_data_size' {p.size} runs past the end of the binary data")
-        return _from_bytes(binary[offset:offset + p.size], p.dtype, p.shape, where), offset + p.size
+        return _from_bytes(binary[offset : offset + p.size], p.dtype, p.shape, where), offset + p.size
     return _from_json_data(p.data, p.dtype, p.shape, where), offset
 
 
@@ -232,9 +244,7 @@ def decode_infer(
         header_length = len(view)
         plan = _plan(view)  # plain JSON carries its data inline: nothing to reuse
     elif header_length > len(view):
-        raise BadRequestError(
-            f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)"
-        )
+        raise BadRequestError(f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)")
     else:
         plan = _cached_plan(view[:header_length])
     binary = view[header_length:]
@@ -249,7 +259,9 @@ def decode_infer(
 
 
 def encode_infer(
-    model: str, req: InferRequest, results: Mapping[str, np.ndarray],
+    model: str,
+    req: InferRequest,
+    results: Mapping[str, np.ndarray],
     shm: ShmResolver | None = None,
 ) -> tuple[bytes, int | None]:
     """(body, header length or None when the body is plain JSON)."""
@@ -263,19 +275,21 @@ def encode_infer(
         if arr is None:
             raise BadRequestError(f"requested output '{out.name}' is not an output of '{model}'")
         entry: dict[str, Any] = {
-            "name": out.name, "datatype": v2_datatype(arr.dtype.name), "shape": list(arr.shape),
+            "name": out.name,
+            "datatype": v2_datatype(arr.dtype.name),
+            "shape": list(arr.shape),
         }
         if out.shm_region is not None and shm is not None:
             data = np.ascontiguousarray(arr)
             if data.nbytes > out.shm_size:
                 raise BadRequestError(
-                    f"output '{out.name}' needs {data.nbytes} bytes, region "
-                    f"'{out.shm_region}' was given {out.shm_size}"
+                    f"output '{out.name}' needs {data.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
                 )
             dest = np.frombuffer(shm(out.shm_region, out.shm_offset, data.nbytes), dtype=np.uint8)
             dest[:] = data.reshape(-1).view(np.uint8)
             entry["parameters"] = {
-                "shared_memory_region": out.shm_region, "shared_memory_byte_size": data.nbytes,
+                "shared_memory_region": out.shm_region,
+                "shared_memory_byte_size": data.nbytes,
             }
         elif out.binary:
             raw = np.ascontiguousarray(arr).tobytes()

@@ -74,24 +74,38 @@ class ModelRuntime:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "state": self.state, "reason": self.reason,
+            "name": self.name,
+            "state": self.state,
+            "reason": self.reason,
             "backend": self.backend_cls.name if self.backend_cls else None,
             "backend_reason": self.backend_reason,
-            "precision": self.precision, "requested_precision": self.cfg.precision,
-            "precision_reason": self.precision_reason, "priority": self.cfg.priority,
-            "preload": self.cfg.preload, "instances": self.cfg.instances,
-            "footprint_bytes": self.footprint, "footprint_measured": self.measured,
+            "precision": self.precision,
+            "requested_precision": self.cfg.precision,
+            "precision_reason": self.precision_reason,
+            "priority": self.cfg.priority,
+            "preload": self.cfg.preload,
+            "instances": self.cfg.instances,
+            "footprint_bytes": self.footprint,
+            "footprint_measured": self.measured,
             "inline": bool(self.queue and self.queue.inline),
             "infer_us": None if self.infer_us is None else round(self.infer_us, 1),
             "queue": self.queue.pending if self.queue else 0,
             **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0}),
-            "cache_key": self.entry.key if self.entry else None, "gate": self.gate,
+            "cache_key": self.entry.key if self.entry else None,
+            "gate": self.gate,
         }
 
 
 class Registry:
-    def __init__(self, cfg: Config, cache: EngineCache, runner: BuildRunner, metrics: Metrics,
-                 budget: int, on_state: StateListener | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        cache: EngineCache,
+        runner: BuildRunner,
+        metrics: Metrics,
+        budget: int,
+        on_state: StateListener | None = None,
+    ) -> None:
         self.cfg = cfg
         self.cache = cache
         self.digests = SourceDigests(cache.dir)
@@ -110,8 +124,7 @@ class Registry:
         if not notify:  # a retired copy of a model that a reload replaced: nobody watches it
             return
         self.metrics.state.labels(rt.name).set(1 if state == READY else 0)
-        log.info("%s: %s%s", rt.name, state, f" ({reason})" if reason else "",
-                 extra={"model": rt.name, "phase": state})
+        log.info("%s: %s%s", rt.name, state, f" ({reason})" if reason else "", extra={"model": rt.name, "phase": state})
         if self._on_state and self.models.get(rt.name) is rt:
             self._on_state(rt)
 
@@ -131,8 +144,9 @@ class Registry:
             log.warning("%s: %s", rt.name, rt.precision_reason, extra={"model": rt.name})
         if not os.path.exists(rt.cfg.path):
             raise EdgedError(f"model file {rt.cfg.path} does not exist")
-        rt.job = make_job(rt.name, rt.cfg, cls, rt.precision, str(self.cache.dir),
-                          self.digests.digest, self._calibration_digest)
+        rt.job = make_job(
+            rt.name, rt.cfg, cls, rt.precision, str(self.cache.dir), self.digests.digest, self._calibration_digest
+        )
         rt.entry = self._lookup(rt)
         self._estimate(rt)
 
@@ -218,10 +232,16 @@ class Registry:
             rt.entry = self.cache.update_manifest(rt.entry, footprint=rt.footprint)
         self.set_state(rt, WARMING)
         rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances)
-        inline = (rt.infer_us is not None and rt.infer_us < self.cfg.server.inline_threshold_us
-                  and rt.cfg.instances == 1)
-        queue = ModelQueue(rt.name, instances, loop, rt.cfg.queue_depth, rt.cfg.max_batch,
-                           rt.cfg.max_queue_delay_us, batchable=_batchable(backend))
+        inline = rt.infer_us is not None and rt.infer_us < self.cfg.server.inline_threshold_us and rt.cfg.instances == 1
+        queue = ModelQueue(
+            rt.name,
+            instances,
+            loop,
+            rt.cfg.queue_depth,
+            rt.cfg.max_batch,
+            rt.cfg.max_queue_delay_us,
+            batchable=_batchable(backend),
+        )
         queue.start(inline=inline)
         rt.queue = queue
         rt.last_used = time.monotonic()
@@ -230,8 +250,7 @@ class Registry:
     def _load_blocking(self, rt: ModelRuntime) -> tuple[Backend, list[Instance], int]:
         assert rt.entry is not None and rt.backend_cls is not None
         before = rss_bytes()
-        opts = LoadOptions(threads=rt.cfg.threads, instances=rt.cfg.instances,
-                           options=rt.job.options if rt.job else {})
+        opts = LoadOptions(threads=rt.cfg.threads, instances=rt.cfg.instances, options=rt.job.options if rt.job else {})
         backend = rt.backend_cls(rt.entry.artifact, opts)
         try:
             backend.load()
@@ -267,8 +286,7 @@ class Registry:
             del self.holds[name]
         gate.set()
 
-    async def unload(self, rt: ModelRuntime, state: str = UNLOADED, reason: str = "",
-                     notify: bool = True) -> None:
+    async def unload(self, rt: ModelRuntime, state: str = UNLOADED, reason: str = "", notify: bool = True) -> None:
         queue, backend = rt.queue, rt.backend
         rt.queue, rt.backend = None, None
         self.set_state(rt, state, reason, notify)
@@ -297,8 +315,11 @@ class Registry:
 
     async def _make_room(self, rt: ModelRuntime) -> None:
         free = self.budget - self.used()
-        candidates = [(m.name, m.footprint, m.last_used) for m in self.models.values()
-                      if m.cfg.preload == "lazy" and m.state == READY and m is not rt]
+        candidates = [
+            (m.name, m.footprint, m.last_used)
+            for m in self.models.values()
+            if m.cfg.preload == "lazy" and m.state == READY and m is not rt
+        ]
         victims = choose_evictions(rt.footprint, free, candidates)
         if victims is None:
             raise BudgetError(
@@ -313,5 +334,3 @@ class Registry:
 
 def _batchable(backend: Backend) -> bool:
     return bool(backend.inputs) and all(s.shape and s.shape[0] < 0 for s in backend.inputs)
-
-

@@ -47,8 +47,13 @@ def diff_configs(old: Config, new: Config) -> Diff:
 
 
 class Reloader:
-    def __init__(self, registry: Registry, loop: asyncio.AbstractEventLoop,
-                 summary: Callable[[], str], set_status: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        loop: asyncio.AbstractEventLoop,
+        summary: Callable[[], str],
+        set_status: Callable[[str], None],
+    ) -> None:
         self.registry = registry
         self.loop = loop
         self._summary = summary
@@ -181,8 +186,11 @@ class Reloader:
     async def _swap_queued(self, new: ModelRuntime, old: ModelRuntime) -> None:
         """Old and new do not fit together: hold this model's requests, unload, load, release."""
         reg = self.registry
-        log.warning("%s: old and new versions do not fit together; requests wait during the swap",
-                    new.name, extra={"model": new.name})
+        log.warning(
+            "%s: old and new versions do not fit together; requests wait during the swap",
+            new.name,
+            extra={"model": new.name},
+        )
         gate = reg.hold(new.name)
         try:
             await self._retire(old)

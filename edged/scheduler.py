@@ -86,8 +86,7 @@ class ModelQueue:
             self._inline_instance = self._instances[0]
             return
         for inst, state in zip(self._instances, self.workers):
-            t = threading.Thread(target=self._worker, args=(inst, state),
-                                 name=f"edged-{state.name}", daemon=True)
+            t = threading.Thread(target=self._worker, args=(inst, state), name=f"edged-{state.name}", daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -138,9 +137,7 @@ class ModelQueue:
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), timeout)
             except asyncio.TimeoutError:
-                raise DeadlineExceededError(
-                    f"model '{self.model}': no result within {timeout * 1000:.0f} ms"
-                ) from None
+                raise DeadlineExceededError(f"model '{self.model}': no result within {timeout * 1000:.0f} ms") from None
         finally:
             self._pending -= 1
 
@@ -192,8 +189,7 @@ class ModelQueue:
             live = []
             for w in batch:
                 if now > w.deadline:
-                    self._resolve(w, None, DeadlineExceededError(
-                        f"model '{self.model}': deadline passed while queued"))
+                    self._resolve(w, None, DeadlineExceededError(f"model '{self.model}': deadline passed while queued"))
                 else:
                     live.append(w)
             if not live:

@@ -108,14 +108,15 @@ def _platform(report: Report, cfg: Config) -> bool:
         return False
     fp = TensorRTBackend.fingerprint()
     report.line("tensorrt", fp["tensorrt"])
-    report.line("cuda", f"driver API {fp['cuda_driver']}, pycuda built for {fp['cuda_build']}"
-                + (f", kernel driver {fp['driver']}" if fp["driver"] else ""))
+    report.line(
+        "cuda",
+        f"driver API {fp['cuda_driver']}, pycuda built for {fp['cuda_build']}"
+        + (f", kernel driver {fp['driver']}" if fp["driver"] else ""),
+    )
     from edged.backends.tensorrt.cuda import shared_device
 
-    kind = ("integrated, host buffers mapped" if shared_device(0).integrated
-            else "discrete, pinned buffers and copies")
-    report.line("gpu", f"{fp['gpu']}, compute {fp['compute_capability']}, {fp['sm_count']} SMs, "
-                f"{kind}")
+    kind = "integrated, host buffers mapped" if shared_device(0).integrated else "discrete, pinned buffers and copies"
+    report.line("gpu", f"{fp['gpu']}, compute {fp['compute_capability']}, {fp['sm_count']} SMs, {kind}")
     return True
 
 
@@ -131,8 +132,9 @@ def _jetpack(l4t: str) -> str:
     except Exception:  # jtop absent or its service down: ask dpkg
         pass
     try:
-        run = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "nvidia-jetpack"],
-                             capture_output=True, text=True, timeout=10)
+        run = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Version}", "nvidia-jetpack"], capture_output=True, text=True, timeout=10
+        )
         if run.returncode == 0 and run.stdout.strip():
             return run.stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -149,10 +151,13 @@ def _memory(report: Report, cfg: Config) -> None:
         report.line("memory", f"no probe works: {e}")
         return
     detail = f" ({info.detail})" if info.detail else ""
-    report.line("memory", f"{info.source}: {format_size(info.total)} total, "
-                f"{format_size(info.available)} available{detail}; budget "
-                f"{format_size(budget_bytes(cfg.memory, info))} ({cfg.memory.budget} less "
-                f"{cfg.memory.reserve})")
+    report.line(
+        "memory",
+        f"{info.source}: {format_size(info.total)} total, "
+        f"{format_size(info.available)} available{detail}; budget "
+        f"{format_size(budget_bytes(cfg.memory, info))} ({cfg.memory.budget} less "
+        f"{cfg.memory.reserve})",
+    )
 
 
 # --- the demo model ------------------------------------------------------------------------------
@@ -164,8 +169,7 @@ def _demo(cfg: Config, tmp: Path) -> Demo:
         if Path(model.path).is_file():
             return Demo(Path(model.path), f"config model '{name}'", _profiles(model), model.gate)
     if DEMO.is_file():
-        return Demo(DEMO, "demo detector", {"x": ((1, 3, 32, 32), (1, 3, 640, 640),
-                                                  (1, 3, 1280, 1280))})
+        return Demo(DEMO, "demo detector", {"x": ((1, 3, 32, 32), (1, 3, 640, 640), (1, 3, 1280, 1280))})
     from edged.demo import make_tiny_mlp
 
     path = make_tiny_mlp(tmp / "tiny.onnx")
@@ -193,8 +197,7 @@ def _input_specs(path: Path, profiles: Profiles) -> list[tuple[str, tuple[int, .
     return specs
 
 
-def synthetic_feeds(specs: Sequence[tuple[str, tuple[int, ...], str]], count: int,
-                    seed: int) -> list[Feed]:
+def synthetic_feeds(specs: Sequence[tuple[str, tuple[int, ...], str]], count: int, seed: int) -> list[Feed]:
     """Image inputs get document-like pictures (a light page with dark strokes, normalised as
     ImageNet models expect); other inputs standard normal values."""
     rng = np.random.default_rng(seed)
@@ -220,7 +223,7 @@ def _page(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         for _ in range(int(rng.integers(5, 25))):
             y, x = int(rng.integers(0, h)), int(rng.integers(0, w))
             length = int(rng.integers(max(1, w // 20), max(2, w // 3)))
-            page[y:y + max(2, h // 40), x:x + length] = rng.uniform(0.0, 0.3)
+            page[y : y + max(2, h // 40), x : x + length] = rng.uniform(0.0, 0.3)
         img[i] = page[None] + rng.normal(0, 0.02, (c, h, w))
     mean = np.array([0.485, 0.456, 0.406], np.float32)[:, None, None]
     std = np.array([0.229, 0.224, 0.225], np.float32)[:, None, None]
@@ -259,8 +262,7 @@ def _exercise(report: Report, demo: Demo, tmp: Path) -> bool:
     from edged.backends.tensorrt import TensorRTBackend
 
     specs = _input_specs(demo.path, demo.profiles)
-    report.line("model", f"{demo.path.name} ({demo.origin}), inputs "
-                + ", ".join(f"{n}{list(s)}" for n, s, _ in specs))
+    report.line("model", f"{demo.path.name} ({demo.origin}), inputs " + ", ".join(f"{n}{list(s)}" for n, s, _ in specs))
     calib = synthetic_feeds(specs, CALIBRATION_SAMPLES, seed=1)
     evals = synthetic_feeds(specs, EVAL_SAMPLES, seed=2)
     qdq, secs = _timed(lambda: quantize_qdq(demo.path, tmp / "model.qdq.onnx", calib))
@@ -268,10 +270,8 @@ def _exercise(report: Report, demo: Demo, tmp: Path) -> bool:
     engine = tmp / "model.engine"
     spec = BuildSpec(str(qdq), "int8", demo.profiles, {})
     extra, secs = _timed(lambda: TensorRTBackend.build(spec, engine, lambda _p, _f: None))
-    typing = "strongly typed" if extra["strongly_typed"] else "flags " + "+".join(
-        extra["builder_flags"])
-    report.line("build int8", f"{secs:.1f} s, engine {format_size(engine.stat().st_size)} "
-                f"({typing})")
+    typing = "strongly typed" if extra["strongly_typed"] else "flags " + "+".join(extra["builder_flags"])
+    report.line("build int8", f"{secs:.1f} s, engine {format_size(engine.stat().st_size)} ({typing})")
     outputs = _run_engine(report, engine, evals)
     return _gate(report, demo, qdq, evals, outputs)
 
@@ -280,9 +280,12 @@ def _run_engine(report: Report, engine: Path, feeds: Sequence[Feed]) -> list[Fee
     from edged.backends.tensorrt import TensorRTBackend
 
     cold = _cold_start(engine, feeds[0])
-    report.line("cold start", f"{sum(cold.values()):.0f} ms in a fresh process: import and CUDA "
-                f"init {cold['init_ms']:.0f}, deserialize {cold['load_ms']:.0f}, context and "
-                f"buffers {cold['instance_ms']:.0f}, first inference {cold['first_ms']:.0f}")
+    report.line(
+        "cold start",
+        f"{sum(cold.values()):.0f} ms in a fresh process: import and CUDA "
+        f"init {cold['init_ms']:.0f}, deserialize {cold['load_ms']:.0f}, context and "
+        f"buffers {cold['instance_ms']:.0f}, first inference {cold['first_ms']:.0f}",
+    )
     backend = TensorRTBackend(engine)
     backend.load()
     inst = backend.instance()
@@ -292,9 +295,12 @@ def _run_engine(report: Report, engine: Path, feeds: Sequence[Feed]) -> list[Fee
         start = time.perf_counter()
         inst.infer(feeds[i % len(feeds)])
         times.append((time.perf_counter() - start) * 1e3)
-    report.line("steady", f"p50 {np.median(times):.2f} ms, p99 {np.quantile(times, 0.99):.2f} "
-                f"ms over {STEADY_RUNS} runs, host copies included; footprint "
-                f"{format_size(backend.footprint())}")
+    report.line(
+        "steady",
+        f"p50 {np.median(times):.2f} ms, p99 {np.quantile(times, 0.99):.2f} "
+        f"ms over {STEADY_RUNS} runs, host copies included; footprint "
+        f"{format_size(backend.footprint())}",
+    )
     backend.unload()
     return outputs
 
@@ -305,8 +311,9 @@ def _cold_start(engine: Path, feed: Feed) -> dict[str, float]:
     npz = engine.with_suffix(".feed.npz")
     savez: Any = np.savez  # numpy's stub reads **arrays as its allow_pickle keyword
     savez(npz, **feed)
-    run = subprocess.run([sys.executable, "-m", "edged.selftest", str(engine), str(npz)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "edged.selftest", str(engine), str(npz)], capture_output=True, text=True, timeout=600
+    )
     if run.returncode != 0:
         raise RuntimeError(f"cold-start child failed: {run.stderr.strip()[-500:]}")
     times: dict[str, float] = json.loads(run.stdout.strip().splitlines()[-1])
@@ -359,19 +366,23 @@ def gate_metrics(ref: Sequence[Feed], got: Sequence[Feed]) -> dict[str, Any]:
     return judge(ref, got).to_dict()
 
 
-def _gate(report: Report, demo: Demo, qdq: Path, feeds: Sequence[Feed],
-          trt_out: Sequence[Feed]) -> bool:
+def _gate(report: Report, demo: Demo, qdq: Path, feeds: Sequence[Feed], trt_out: Sequence[Feed]) -> bool:
     fp32 = _ort_outputs(demo.path, feeds)
     g = demo.gate
     result = judge(fp32, trt_out, g)
-    text = (f"vs ONNX Runtime FP32 on {len(feeds)} held-out samples: rel L2 {result.rel_l2:.4f} "
-            f"(<= {g.max_rel_l2}), cosine {result.cosine:.5f} (>= {g.min_cosine})")
+    text = (
+        f"vs ONNX Runtime FP32 on {len(feeds)} held-out samples: rel L2 {result.rel_l2:.4f} "
+        f"(<= {g.max_rel_l2}), cosine {result.cosine:.5f} (>= {g.min_cosine})"
+    )
     if result.top1 is not None:
         text += f", top-1 {result.top1:.3f} (>= {g.min_top1})"
     report.line("accuracy", text + (" -> PASS" if result.passed else " -> FAIL"))
     q = judge(fp32, _ort_outputs(qdq, feeds), g)
-    report.line("reference", f"ONNX Runtime on the Q/DQ model: rel L2 {q.rel_l2:.4f}, cosine "
-                f"{q.cosine:.5f} (quantization's own error; TensorRT should be close to it)")
+    report.line(
+        "reference",
+        f"ONNX Runtime on the Q/DQ model: rel L2 {q.rel_l2:.4f}, cosine "
+        f"{q.cosine:.5f} (quantization's own error; TensorRT should be close to it)",
+    )
     return result.passed
 
 

@@ -33,8 +33,9 @@ EXTENSIONS = ["binary_tensor_data", "model_repository", "system_shared_memory", 
 
 
 class Service:
-    def __init__(self, registry: Registry, metrics: Metrics, loop: asyncio.AbstractEventLoop,
-                 memory: MemoryInfo, plan: Plan) -> None:
+    def __init__(
+        self, registry: Registry, metrics: Metrics, loop: asyncio.AbstractEventLoop, memory: MemoryInfo, plan: Plan
+    ) -> None:
         self.registry = registry
         self.metrics = metrics
         self.loop = loop
@@ -77,8 +78,9 @@ class Service:
 
     # --- inference ---
 
-    async def infer(self, name: str, inputs: Mapping[str, np.ndarray], request_id: str = "",
-                    transport: str = "http") -> dict[str, np.ndarray]:
+    async def infer(
+        self, name: str, inputs: Mapping[str, np.ndarray], request_id: str = "", transport: str = "http"
+    ) -> dict[str, np.ndarray]:
         started = time.perf_counter()
         rt = self.registry.models.get(name)
         if rt is None:
@@ -95,8 +97,13 @@ class Service:
             out = await queue.submit(inputs, timeout, request_id)
         except EdgedError as e:
             self.metrics.observe(name, transport, e.code, time.perf_counter() - started)
-            log.debug("%s: request %s failed: %s", name, request_id, e.message,
-                      extra={"model": name, "request_id": request_id})
+            log.debug(
+                "%s: request %s failed: %s",
+                name,
+                request_id,
+                e.message,
+                extra={"model": name, "request_id": request_id},
+            )
             raise
         self.metrics.observe(name, transport, "ok", time.perf_counter() - started)
         return out
@@ -129,8 +136,10 @@ class Service:
     # --- repository ---
 
     def repository_index(self) -> list[dict[str, Any]]:
-        return [{"name": rt.name, "version": "1", "state": rt.state.upper(), "reason": rt.reason}
-                for rt in self.registry.models.values()]
+        return [
+            {"name": rt.name, "version": "1", "state": rt.state.upper(), "reason": rt.reason}
+            for rt in self.registry.models.values()
+        ]
 
     async def load(self, name: str) -> None:
         rt = self.model(name)
@@ -156,15 +165,19 @@ class Service:
             "status": self.status_line,
             "uptime_s": round(time.time() - self.started, 1),
             "memory": {
-                "source": self.memory.source, "total_bytes": self.memory.total,
-                "available_at_start_bytes": self.memory.available, "detail": self.memory.detail,
-                "budget_bytes": reg.budget, "used_bytes": reg.used(),
+                "source": self.memory.source,
+                "total_bytes": self.memory.total,
+                "available_at_start_bytes": self.memory.available,
+                "detail": self.memory.detail,
+                "budget_bytes": reg.budget,
+                "used_bytes": reg.used(),
             },
             "plan": self.plan.to_dict(),
             "builds": [b.to_dict() for b in reg.runner.active.values()],
             "models": {
-                name: dict(rt.to_dict(), **self.metrics.model(name).percentiles(),
-                           requests=self.metrics.model(name).requests)
+                name: dict(
+                    rt.to_dict(), **self.metrics.model(name).percentiles(), requests=self.metrics.model(name).requests
+                )
                 for name, rt in reg.models.items()
             },
         }
@@ -184,20 +197,14 @@ def check_inputs(rt: ModelRuntime, inputs: Mapping[str, np.ndarray]) -> None:
         arr = inputs[spec.name]
         if arr.dtype != spec.np_dtype:
             raise InvalidInputError(
-                f"input '{spec.name}': expected datatype {v2_datatype(spec.dtype)}, "
-                f"got {v2_datatype(arr.dtype.name)}"
+                f"input '{spec.name}': expected datatype {v2_datatype(spec.dtype)}, got {v2_datatype(arr.dtype.name)}"
             )
         if not spec.matches(arr.shape):
-            raise InvalidInputError(
-                f"input '{spec.name}': expected shape {_dims(spec.shape)}, got {list(arr.shape)}"
-            )
+            raise InvalidInputError(f"input '{spec.name}': expected shape {_dims(spec.shape)}, got {list(arr.shape)}")
         profile = rt.cfg.profiles.get(spec.name)
-        if profile is not None and any(
-            s < lo or s > hi for s, lo, hi in zip(arr.shape, profile.min, profile.max)
-        ):
+        if profile is not None and any(s < lo or s > hi for s, lo, hi in zip(arr.shape, profile.min, profile.max)):
             raise InvalidInputError(
-                f"input '{spec.name}': shape {list(arr.shape)} is outside the profile "
-                f"{profile.min}..{profile.max}"
+                f"input '{spec.name}': shape {list(arr.shape)} is outside the profile {profile.min}..{profile.max}"
             )
         if arr.shape and rt.cfg.max_batch > 1 and arr.shape[0] > rt.cfg.max_batch:
             raise InvalidInputError(f"input '{spec.name}': batch {arr.shape[0]} > max_batch {rt.cfg.max_batch}")

@@ -162,11 +162,7 @@ def listen_fds() -> list[int]:
     C environment; os.environ is Python's copy, and a child started with env=dict(os.environ)
     would get them back, hence the pop.
     """
-    fds = (
-        list(_sd_daemon.listen_fds(unset_environment=True))
-        if _sd_daemon is not None
-        else _listen_fds_fallback()
-    )
+    fds = list(_sd_daemon.listen_fds(unset_environment=True)) if _sd_daemon is not None else _listen_fds_fallback()
     for name in _LISTEN_VARS:
         os.environ.pop(name, None)
     return fds

@@ -29,8 +29,7 @@ ROUNDS = 3
 def _bodies(inputs: dict[str, np.ndarray]) -> list[tuple[bytes, int | None]]:
     meta = [{"name": n, "datatype": v2_datatype(a.dtype.name), "shape": list(a.shape)} for n, a in inputs.items()]
     binary_meta = [dict(m, parameters={"binary_data_size": a.nbytes}) for m, a in zip(meta, inputs.values())]
-    header = orjson.dumps({"id": "warmup", "inputs": binary_meta,
-                           "parameters": {"binary_data_output": True}})
+    header = orjson.dumps({"id": "warmup", "inputs": binary_meta, "parameters": {"binary_data_output": True}})
     bodies: list[tuple[bytes, int | None]] = [(header + b"".join(a.tobytes() for a in inputs.values()), len(header))]
     if all(a.size <= _JSON_LIMIT for a in inputs.values()):
         doc = {"id": "warmup", "inputs": [dict(m, data=a.reshape(-1)) for m, a in zip(meta, inputs.values())]}
@@ -42,8 +41,7 @@ async def _call(app: App, model: str, body: bytes, header_len: int | None) -> in
     headers = [(b"content-length", str(len(body)).encode())]
     if header_len is not None:
         headers.append((b"inference-header-content-length", str(header_len).encode()))
-    scope: dict[str, Any] = {"type": "http", "method": "POST", "path": f"/v2/models/{model}/infer",
-                             "headers": headers}
+    scope: dict[str, Any] = {"type": "http", "method": "POST", "path": f"/v2/models/{model}/infer", "headers": headers}
     status = 0
 
     async def receive() -> dict[str, Any]:

@@ -26,9 +26,7 @@ def concrete_shape(spec: TensorSpec, model: ModelConfig) -> tuple[int, ...]:
     profile = model.profiles.get(spec.name)
     if profile is not None:
         return tuple(profile.opt)
-    return tuple(
-        d if d >= 0 else (_DEFAULT_BATCH if i == 0 else _DEFAULT_DIM) for i, d in enumerate(spec.shape)
-    )
+    return tuple(d if d >= 0 else (_DEFAULT_BATCH if i == 0 else _DEFAULT_DIM) for i, d in enumerate(spec.shape))
 
 
 def random_tensor(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:

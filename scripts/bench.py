@@ -90,18 +90,25 @@ def interleaved(a, b, rounds: int, per_round: int) -> tuple[list[float], list[fl
 
 def summary(samples: list[float]) -> dict[str, float]:
     ms = np.array(samples) * 1000
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "mean_ms": float(ms.mean()), "n": len(samples)}
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "mean_ms": float(ms.mean()),
+        "n": len(samples),
+    }
 
 
 def start_daemon(work: Path, models: Path, name: str = "edged") -> DaemonProcess:
-    cfg = write_config(work / f"{name}.toml", {
-        "server": {"socket": str(work / f"{name}.sock")},
-        "cache": {"dir": str(work / "cache")},
-        "models.tiny": {"path": str(models / "tiny.onnx"), "backend": "onnxruntime", "threads": 1},
-        "models.ocr_det": {"path": str(models / "ocr_det.onnx"), "backend": "onnxruntime"},
-        "models.ocr_det.profiles.x": {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640], "max": [1, 3, 1280, 1280]},
-    })
+    cfg = write_config(
+        work / f"{name}.toml",
+        {
+            "server": {"socket": str(work / f"{name}.sock")},
+            "cache": {"dir": str(work / "cache")},
+            "models.tiny": {"path": str(models / "tiny.onnx"), "backend": "onnxruntime", "threads": 1},
+            "models.ocr_det": {"path": str(models / "ocr_det.onnx"), "backend": "onnxruntime"},
+            "models.ocr_det.profiles.x": {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640], "max": [1, 3, 1280, 1280]},
+        },
+    )
     return DaemonProcess(cfg, work / f"{name}.sock", work / f"{name}.log")
 
 
@@ -124,8 +131,9 @@ def bench_frame(d: DaemonProcess, models: Path, rounds: int, per: int) -> dict[s
     with Client(str(d.socket)) as c:
         c.infer_shm("ocr_det", {"x": frame})  # creates and registers the region once
         timed(lambda: sess.run(None, {"x": frame}), 3)
-        floor, daemon = interleaved(lambda: sess.run(None, {"x": frame}),
-                                    lambda: c.infer_shm("ocr_det", {"x": frame}), rounds, per)
+        floor, daemon = interleaved(
+            lambda: sess.run(None, {"x": frame}), lambda: c.infer_shm("ocr_det", {"x": frame}), rounds, per
+        )
     return {"floor": summary(floor), "edged_shm": summary(daemon)}
 
 
@@ -137,8 +145,7 @@ def first_vs_steady(work: Path, models: Path, starts: int, gap: float) -> dict[s
         d = start_daemon(work, models, f"cold{i}")
         t0 = time.perf_counter()
         d.start(wait_ready=False)
-        wait_for(lambda d=d: os.path.exists(d.socket) and Client(str(d.socket), timeout=2).ready(),
-                 60, 0.005, "ready")
+        wait_for(lambda d=d: os.path.exists(d.socket) and Client(str(d.socket), timeout=2).ready(), 60, 0.005, "ready")
         ready_s.append(time.perf_counter() - t0)
         time.sleep(gap)  # the idle gap being measured, not synchronisation
         firsts.append(_one(d, req))
@@ -148,9 +155,14 @@ def first_vs_steady(work: Path, models: Path, starts: int, gap: float) -> dict[s
         time.sleep(gap)
         steadies.append(_one(d, req))
         d.stop()
-    return {"first_ms": [t * 1000 for t in firsts], "steady_after_gap_ms": [t * 1000 for t in steadies],
-            "ratio_median": statistics.median(firsts) / statistics.median(steadies), "gap_s": gap,
-            "start_to_ready_s": ready_s, "start_to_ready_median_s": statistics.median(ready_s)}
+    return {
+        "first_ms": [t * 1000 for t in firsts],
+        "steady_after_gap_ms": [t * 1000 for t in steadies],
+        "ratio_median": statistics.median(firsts) / statistics.median(steadies),
+        "gap_s": gap,
+        "start_to_ready_s": ready_s,
+        "start_to_ready_median_s": statistics.median(ready_s),
+    }
 
 
 def _one(d: DaemonProcess, req: bytes) -> float:
@@ -173,9 +185,13 @@ def main() -> int:
     demo_setup(data)
     models = data / "models"
     results: dict[str, object] = {
-        "machine": {"cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
-                    "python": platform.python_version(), "onnxruntime": ort.__version__,
-                    "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "onnxruntime": ort.__version__,
+            "platform": platform.platform(),
+        },
     }
     with tempfile.TemporaryDirectory(prefix="edged-bench-") as tmp:
         work = Path(tmp)
@@ -195,22 +211,37 @@ def report(r: dict) -> None:  # type: ignore[type-arg]
     t, f, c = r["tiny"], r["frame_640"], r["cold_start"]
     rows = [
         ("tiny MLP, in-process ORT (floor)", t["floor"]["p50_ms"], t["floor"]["p99_ms"], ""),
-        ("tiny MLP, edged socket (lean client)", t["edged"]["p50_ms"], t["edged"]["p99_ms"],
-         f"target p50 <= 0.100 ms; +{t['edged']['p50_ms'] - t['floor']['p50_ms']:.3f} ms over floor"),
-        ("tiny MLP, edged socket (edged.client)", t["edged_python_client"]["p50_ms"],
-         t["edged_python_client"]["p99_ms"], ""),
+        (
+            "tiny MLP, edged socket (lean client)",
+            t["edged"]["p50_ms"],
+            t["edged"]["p99_ms"],
+            f"target p50 <= 0.100 ms; +{t['edged']['p50_ms'] - t['floor']['p50_ms']:.3f} ms over floor",
+        ),
+        (
+            "tiny MLP, edged socket (edged.client)",
+            t["edged_python_client"]["p50_ms"],
+            t["edged_python_client"]["p99_ms"],
+            "",
+        ),
         ("1x3x640x640 detector, in-process ORT", f["floor"]["p50_ms"], f["floor"]["p99_ms"], ""),
-        ("1x3x640x640 detector, edged via shm", f["edged_shm"]["p50_ms"], f["edged_shm"]["p99_ms"],
-         f"ratio {f['edged_shm']['p50_ms'] / f['floor']['p50_ms']:.3f} (target <= 1.10)"),
+        (
+            "1x3x640x640 detector, edged via shm",
+            f["edged_shm"]["p50_ms"],
+            f["edged_shm"]["p99_ms"],
+            f"ratio {f['edged_shm']['p50_ms'] / f['floor']['p50_ms']:.3f} (target <= 1.10)",
+        ),
     ]
     print(f"{'case':<42} {'p50 ms':>9} {'p99 ms':>9}  note")
     for name, p50, p99, note in rows:
         print(f"{name:<42} {p50:>9.3f} {p99:>9.3f}  {note}")
-    print(f"first request after ready / steady after the same {c['gap_s']} s gap: "
-          f"{c['ratio_median']:.2f} (target <= 1.2); first {statistics.median(c['first_ms']):.3f} ms, "
-          f"steady {statistics.median(c['steady_after_gap_ms']):.3f} ms")
-    print(f"process start -> ready on a cache hit (2 models incl. warm-up): "
-          f"median {c['start_to_ready_median_s']:.2f} s")
+    print(
+        f"first request after ready / steady after the same {c['gap_s']} s gap: "
+        f"{c['ratio_median']:.2f} (target <= 1.2); first {statistics.median(c['first_ms']):.3f} ms, "
+        f"steady {statistics.median(c['steady_after_gap_ms']):.3f} ms"
+    )
+    print(
+        f"process start -> ready on a cache hit (2 models incl. warm-up): median {c['start_to_ready_median_s']:.2f} s"
+    )
 
 
 if __name__ == "__main__":

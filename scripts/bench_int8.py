@@ -44,9 +44,29 @@ from edged.build.quantize import quantize_qdq
 from edged.config import CalibrationConfig, GateConfig
 from edged.demo import extract_detector
 
-WORDS = ("edged", "jetson", "inference", "daemon", "int8", "calibration", "tensor", "engine", "cache",
-         "socket", "mqtt", "systemd", "model", "quantize", "gate", "latency", "orin", "xavier", "nano",
-         "camera", "frame")
+WORDS = (
+    "edged",
+    "jetson",
+    "inference",
+    "daemon",
+    "int8",
+    "calibration",
+    "tensor",
+    "engine",
+    "cache",
+    "socket",
+    "mqtt",
+    "systemd",
+    "model",
+    "quantize",
+    "gate",
+    "latency",
+    "orin",
+    "xavier",
+    "nano",
+    "camera",
+    "frame",
+)
 
 
 @dataclass
@@ -85,8 +105,9 @@ def text_image(rng: np.random.Generator, size: int) -> Image.Image:
 def digit_tensor(rng: np.random.Generator) -> np.ndarray:
     """A 28x28 rendered digit, shifted and noisy, normalized as MNIST models expect."""
     img = Image.new("L", (28, 28), 0)
-    ImageDraw.Draw(img).text((int(rng.integers(4, 12)), int(rng.integers(0, 6))),
-                             str(int(rng.integers(0, 10))), fill=255, font=_font(20))
+    ImageDraw.Draw(img).text(
+        (int(rng.integers(4, 12)), int(rng.integers(0, 6))), str(int(rng.integers(0, 10))), fill=255, font=_font(20)
+    )
     x = np.asarray(img, np.float32) / 255.0 + rng.normal(0, 0.05, (28, 28)).astype(np.float32)
     return ((x - 0.1307) / 0.3081)[np.newaxis]  # (1, 28, 28): a sample without batch dim
 
@@ -97,8 +118,7 @@ def detector_case(work: Path, det: Path, n: int, size: int) -> Case:
     rng = np.random.default_rng(2024)
     for i in range(n):
         text_image(rng, size).save(data / f"page{i:03d}.png")
-    cal = CalibrationConfig(data=str(data), resize=[size, size], color="BGR",
-                            mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
+    cal = CalibrationConfig(data=str(data), resize=[size, size], color="BGR", mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
     return Case("ppocr_det", det, data, cal, {})
 
 
@@ -108,27 +128,36 @@ def digits_cnn(path: Path) -> Path:
     chans, nodes, inits, x = (1, 32, 64, 128), [], [], "x"
     for i in range(3):
         fan_in = chans[i] * 9
-        inits += [numpy_helper.from_array(
-            (rng.standard_normal((chans[i + 1], chans[i], 3, 3)) * np.sqrt(2 / fan_in))
-            .astype(np.float32), f"w{i}"),
-            numpy_helper.from_array((rng.standard_normal(chans[i + 1]) * 0.05)
-                                    .astype(np.float32), f"b{i}")]
-        nodes += [helper.make_node("Conv", [x, f"w{i}", f"b{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
-                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        inits += [
+            numpy_helper.from_array(
+                (rng.standard_normal((chans[i + 1], chans[i], 3, 3)) * np.sqrt(2 / fan_in)).astype(np.float32), f"w{i}"
+            ),
+            numpy_helper.from_array((rng.standard_normal(chans[i + 1]) * 0.05).astype(np.float32), f"b{i}"),
+        ]
+        nodes += [
+            helper.make_node("Conv", [x, f"w{i}", f"b{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", [f"c{i}"], [f"r{i}"]),
+        ]
         x = f"r{i}"
         if i < 2:
-            nodes.append(helper.make_node("MaxPool", [x], [f"p{i}"], kernel_shape=[2, 2],
-                                          strides=[2, 2]))
+            nodes.append(helper.make_node("MaxPool", [x], [f"p{i}"], kernel_shape=[2, 2], strides=[2, 2]))
             x = f"p{i}"
-    inits += [numpy_helper.from_array((rng.standard_normal((10, 128)) * 0.25).astype(np.float32),
-                                      "fw"),
-              numpy_helper.from_array(np.zeros(10, np.float32), "fb")]
-    nodes += [helper.make_node("GlobalAveragePool", [x], ["g"]),
-              helper.make_node("Flatten", ["g"], ["f"]),
-              helper.make_node("Gemm", ["f", "fw", "fb"], ["logits"], transB=1)]
+    inits += [
+        numpy_helper.from_array((rng.standard_normal((10, 128)) * 0.25).astype(np.float32), "fw"),
+        numpy_helper.from_array(np.zeros(10, np.float32), "fb"),
+    ]
+    nodes += [
+        helper.make_node("GlobalAveragePool", [x], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node("Gemm", ["f", "fw", "fb"], ["logits"], transB=1),
+    ]
     graph = helper.make_graph(
-        nodes, "digits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 28, 28])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
+        nodes,
+        "digits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 28, 28])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -142,16 +171,14 @@ def cnn_case(work: Path, n: int, batch: int) -> Case:
     for i in range(n):
         np.save(data / f"digit{i:03d}.npy", digit_tensor(rng))
     feed = {"x": np.stack([digit_tensor(rng) for _ in range(batch)])}
-    return Case("digits_cnn", digits_cnn(work / "digits.onnx"), data,
-                CalibrationConfig(data=str(data)), feed)
+    return Case("digits_cnn", digits_cnn(work / "digits.onnx"), data, CalibrationConfig(data=str(data)), feed)
 
 
 # --- measuring ------------------------------------------------------------------------------------
 
 
 def load(model: Path, dest: Path, threads: int) -> tuple[OnnxRuntimeBackend, Instance]:
-    OnnxRuntimeBackend.build(BuildSpec(source=str(model), precision="fp32"), dest,
-                             lambda phase, frac: None)
+    OnnxRuntimeBackend.build(BuildSpec(source=str(model), precision="fp32"), dest, lambda phase, frac: None)
     backend = OnnxRuntimeBackend(dest, LoadOptions(threads=threads))
     backend.load()
     return backend, backend.instance()
@@ -187,24 +214,28 @@ def run_case(case: Case, method: str, args: argparse.Namespace, work: Path) -> d
     samples = CalibrationSet.load(case.calibration, fp32.inputs)
     calib, held = samples.split(args.holdout)
     qdq = work / f"{case.name}.{method}.qdq.onnx"
-    summary = quantize_qdq(case.model, qdq, calib, method, args.percentile,
-                           ranges_cache=work / f"{case.name}.{method}.ranges.json")
+    summary = quantize_qdq(
+        case.model, qdq, calib, method, args.percentile, ranges_cache=work / f"{case.name}.{method}.ranges.json"
+    )
     _, cand = load(qdq, work / f"{case.name}.{method}.int8.onnx", args.threads)
     gate: GateResult = evaluate(ref.infer, cand.infer, held, GateConfig())
     feed = case.bench_feed or next(iter(held))
-    times = latency({"fp32": lambda: ref.infer(feed), "int8": lambda: cand.infer(feed)},
-                    args.iterations)
+    times = latency({"fp32": lambda: ref.infer(feed), "int8": lambda: cand.infer(feed)}, args.iterations)
     fp32_ms, int8_ms = statistics.median(times["fp32"]), statistics.median(times["int8"])
     speedup = fp32_ms / int8_ms
     accurate = (gate.top1 is not None and gate.top1 >= 0.99) or gate.rel_l2 <= 0.01
     result = {
-        "model": case.name, "method": method,
+        "model": case.name,
+        "method": method,
         "input": {k: list(v.shape) for k, v in feed.items()},
-        "calibration_samples": len(calib), "holdout_samples": len(held),
-        "quantize": summary, "gate": gate.to_dict(),
+        "calibration_samples": len(calib),
+        "holdout_samples": len(held),
+        "quantize": summary,
+        "gate": gate.to_dict(),
         "fp32_ms": {"median": fp32_ms, "p90": float(np.percentile(times["fp32"], 90))},
         "int8_ms": {"median": int8_ms, "p90": float(np.percentile(times["int8"], 90))},
-        "speedup": speedup, "target_met": bool(speedup >= 1.3 and accurate),
+        "speedup": speedup,
+        "target_met": bool(speedup >= 1.3 and accurate),
     }
     if case.name == "ppocr_det":
         result["mask_iou"] = mask_iou(ref.infer, cand.infer, list(held))
@@ -215,8 +246,10 @@ def run_case(case: Case, method: str, args: argparse.Namespace, work: Path) -> d
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = (f"{'model':<11} {'method':<10} {'fp32 ms':>8} {'int8 ms':>8} {'speedup':>7} "
-            f"{'rel L2':>8} {'cosine':>8} {'top-1':>7} {'IoU':>6} {'gate':>5} {'target':>6}")
+    head = (
+        f"{'model':<11} {'method':<10} {'fp32 ms':>8} {'int8 ms':>8} {'speedup':>7} "
+        f"{'rel L2':>8} {'cosine':>8} {'top-1':>7} {'IoU':>6} {'gate':>5} {'target':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         g = r["gate"]
@@ -226,7 +259,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['model']:<11} {r['method']:<10} {r['fp32_ms']['median']:8.2f} "
             f"{r['int8_ms']['median']:8.2f} {r['speedup']:6.2f}x {g['rel_l2']:8.4f} "
             f"{g['cosine']:8.5f} {top1:>7} {iou:>6} {'pass' if g['passed'] else 'fail':>5} "
-            f"{'yes' if r['target_met'] else 'no':>6}")
+            f"{'yes' if r['target_met'] else 'no':>6}"
+        )
     return "\n".join(lines)
 
 
@@ -266,8 +300,12 @@ def main() -> int:
                 print(f"{case.name} {method} ...", file=sys.stderr, flush=True)
                 results.append(run_case(case, method, args, work))
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
-                    "onnxruntime": ort.__version__, "python": platform.python_version()},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "onnxruntime": ort.__version__,
+            "python": platform.python_version(),
+        },
         "settings": {k: str(v) for k, v in vars(args).items()},
         "results": results,
     }

@@ -62,14 +62,19 @@ def make_sensor_model(path: Path) -> Path:
     b = numpy_helper.from_array(np.zeros(8, np.float32), "b")
     fc = numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "fc")
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1]),
-         helper.make_node("Relu", ["c"], ["r"]),
-         helper.make_node("GlobalAveragePool", ["r"], ["g"]),
-         helper.make_node("Flatten", ["g"], ["f"]),
-         helper.make_node("MatMul", ["f", "fc"], ["logits"]),
-         helper.make_node("Softmax", ["logits"], ["probs"], axis=1)],
-        "sensor", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 64, 64])],
-        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 4])], [w, b, fc])
+        [
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c"], ["r"]),
+            helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+            helper.make_node("Flatten", ["g"], ["f"]),
+            helper.make_node("MatMul", ["f", "fc"], ["logits"]),
+            helper.make_node("Softmax", ["logits"], ["probs"], axis=1),
+        ],
+        "sensor",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 64, 64])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 4])],
+        [w, b, fc],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model)
@@ -86,15 +91,18 @@ def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
 
 def run_echo(port: int, qos: int) -> None:
     """Publish each request's payload to its Response Topic with its Correlation Data."""
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-echo",
-                         protocol=MQTTProtocolVersion.MQTTv5)
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-echo", protocol=MQTTProtocolVersion.MQTTv5)
     client.on_socket_open = _nodelay
 
     def on_message(c: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         props.CorrelationData = msg.properties.CorrelationData  # type: ignore[union-attr]
-        c.publish(msg.properties.ResponseTopic, msg.payload, qos=msg.qos,  # type: ignore[union-attr]
-                  properties=props)
+        c.publish(
+            msg.properties.ResponseTopic,
+            msg.payload,
+            qos=msg.qos,  # type: ignore[union-attr]
+            properties=props,
+        )
 
     def on_connect(c: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         c.subscribe("bench/echo/#", qos)
@@ -125,8 +133,9 @@ class Requester:
         self.qos = qos
         self.got: bytes | None = None
         self.payload = b""
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-req",
-                                  protocol=MQTTProtocolVersion.MQTTv5)
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id="bench-req", protocol=MQTTProtocolVersion.MQTTv5
+        )
         self.client.on_socket_open = _nodelay
         self.client.on_message = self._on_message
         self.client.connect("127.0.0.1", port)
@@ -169,8 +178,9 @@ def cases() -> list[Case]:
     frame = rng.standard_normal((1, 3, 64, 64)).astype(np.float32)
 
     def as_json(x: np.ndarray) -> bytes:
-        return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
-                                       "data": x.reshape(-1).tolist()}]}).encode()
+        return json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.reshape(-1).tolist()}]}
+        ).encode()
 
     def raw_props(x: np.ndarray) -> list[tuple[str, str]]:
         return [("dtype", "FP32"), ("shape", ",".join(map(str, x.shape)))]
@@ -184,8 +194,9 @@ def cases() -> list[Case]:
     ]
 
 
-def measure(req: Requester, all_cases: list[Case], rounds: int, warmup: int,
-            block: int) -> dict[str, dict[str, list[float]]]:
+def measure(
+    req: Requester, all_cases: list[Case], rounds: int, warmup: int, block: int
+) -> dict[str, dict[str, list[float]]]:
     """Blocks of ``block`` round trips, echo and edged taking turns to go first. Strictly
     alternating single requests would time each one against the other's tail (the broker and
     the other client still acknowledging on the same cores) rather than against the noise."""
@@ -212,9 +223,12 @@ def summarize(times: dict[str, dict[str, list[float]]], payloads: dict[str, int]
         row: dict[str, Any] = {"request_bytes": payloads[name]}
         for who, xs in by.items():
             ms = np.asarray(xs) * 1000
-            row[who] = {"p50_ms": round(float(np.percentile(ms, 50)), 4),
-                        "p99_ms": round(float(np.percentile(ms, 99)), 4),
-                        "mean_ms": round(float(ms.mean()), 4), "n": len(xs)}
+            row[who] = {
+                "p50_ms": round(float(np.percentile(ms, 50)), 4),
+                "p99_ms": round(float(np.percentile(ms, 99)), 4),
+                "mean_ms": round(float(ms.mean()), 4),
+                "n": len(xs),
+            }
         row["added_p50_ms"] = round(row["edged"]["p50_ms"] - row["echo"]["p50_ms"], 4)
         row["added_p99_ms"] = round(row["edged"]["p99_ms"] - row["echo"]["p99_ms"], 4)
         out[name] = row
@@ -222,13 +236,17 @@ def summarize(times: dict[str, dict[str, list[float]]], payloads: dict[str, int]
 
 
 def print_table(result: dict[str, Any]) -> None:
-    head = (f"{'case':<12} {'bytes':>7} {'echo p50':>9} {'echo p99':>9} {'edged p50':>10} "
-            f"{'edged p99':>10} {'added p50':>10}")
+    head = (
+        f"{'case':<12} {'bytes':>7} {'echo p50':>9} {'echo p99':>9} {'edged p50':>10} "
+        f"{'edged p99':>10} {'added p50':>10}"
+    )
     print(head)
     print("-" * len(head))
     for name, row in result["cases"].items():
-        print(f"{name:<12} {row['request_bytes']:>7} {row['echo']['p50_ms']:>9.3f} {row['echo']['p99_ms']:>9.3f} "
-              f"{row['edged']['p50_ms']:>10.3f} {row['edged']['p99_ms']:>10.3f} {row['added_p50_ms']:>10.3f}")
+        print(
+            f"{name:<12} {row['request_bytes']:>7} {row['echo']['p50_ms']:>9.3f} {row['echo']['p99_ms']:>9.3f} "
+            f"{row['edged']['p50_ms']:>10.3f} {row['edged']['p99_ms']:>10.3f} {row['added_p50_ms']:>10.3f}"
+        )
     worst = max(result["cases"]["tiny/json"]["added_p50_ms"], result["cases"]["tiny/raw"]["added_p50_ms"])
     verdict = "meets" if worst <= TARGET_MS else "MISSES"
     print(f"\ntiny model: edged adds {worst:.3f} ms to the echo's median (target <= {TARGET_MS} ms): {verdict}")
@@ -237,14 +255,22 @@ def print_table(result: dict[str, Any]) -> None:
 def start_edged(work: Path, port: int) -> DaemonProcess:
     make_tiny_mlp(work / "tiny.onnx")
     make_sensor_model(work / "sensor.onnx")
-    config = write_config(work / "edged.toml", {
-        "server": {"socket": str(work / "edged.sock"), "log_level": "warning"},
-        "cache": {"dir": str(work / "cache")},
-        "mqtt": {"enabled": True, "host": "127.0.0.1", "port": port, "device_id": DEVICE,
-                 "telemetry_interval_s": 0},
-        "models.tiny": {"path": str(work / "tiny.onnx")},
-        "models.sensor": {"path": str(work / "sensor.onnx")},
-    })
+    config = write_config(
+        work / "edged.toml",
+        {
+            "server": {"socket": str(work / "edged.sock"), "log_level": "warning"},
+            "cache": {"dir": str(work / "cache")},
+            "mqtt": {
+                "enabled": True,
+                "host": "127.0.0.1",
+                "port": port,
+                "device_id": DEVICE,
+                "telemetry_interval_s": 0,
+            },
+            "models.tiny": {"path": str(work / "tiny.onnx")},
+            "models.sensor": {"path": str(work / "sensor.onnx")},
+        },
+    )
     return DaemonProcess(config, work / "edged.sock", work / "edged.log").start()
 
 
@@ -276,10 +302,17 @@ def main() -> int:
             echo.wait(10)
             broker.stop()
     result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "paho": mqtt.__version__ if hasattr(mqtt, "__version__") else "",
-                    "broker": "mosquitto (set_tcp_nodelay true)"},
-        "qos": args.qos, "rounds": args.rounds, "warmup": args.warmup, "block": args.block,
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "paho": mqtt.__version__ if hasattr(mqtt, "__version__") else "",
+            "broker": "mosquitto (set_tcp_nodelay true)",
+        },
+        "qos": args.qos,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "block": args.block,
         "cases": summarize(times, {c.name: len(c.payload) for c in all_cases}),
         "target_added_p50_ms": TARGET_MS,
     }

@@ -23,11 +23,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
 # The TensorRT type stubs name `tensorrt` as a dependency, which only NVIDIA's index serves:
 # install the stubs alone so mypy can check the TensorRT backend against the real API.
 .venv/bin/python -m pip install -q --no-deps tensorrt-stubs
 
-.venv/bin/ruff check edged tests scripts
+.venv/bin/ruff check edged tests scripts bench
+.venv/bin/ruff format --check edged tests scripts bench
 .venv/bin/mypy
 exec .venv/bin/python -m pytest -ra "$@"

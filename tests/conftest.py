@@ -37,8 +37,12 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     """Build a config in tmp_path and return a not-yet-started daemon for it."""
     started: list[DaemonProcess] = []
 
-    def make(models: dict[str, dict[str, Any]], extra: dict[str, dict[str, Any]] | None = None,
-             name: str = "edged", env: dict[str, str] | None = None) -> DaemonProcess:
+    def make(
+        models: dict[str, dict[str, Any]],
+        extra: dict[str, dict[str, Any]] | None = None,
+        name: str = "edged",
+        env: dict[str, str] | None = None,
+    ) -> DaemonProcess:
         sock = tmp_path / f"{name}.sock"
         tables: dict[str, dict[str, Any]] = {
             "server": {"socket": str(sock)},

@@ -19,8 +19,7 @@ from typing import Any
 from edged.client import Client
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02,
-             what: str = "condition") -> Any:
+def wait_for(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "condition") -> Any:
     """Poll ``cond`` until it returns a truthy value; fail the test with ``what`` at the deadline."""
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None
@@ -69,7 +68,10 @@ class DaemonProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "edged", "serve", "--config", str(self.config)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
         if wait_ready:
             self.wait_ready(timeout)

@@ -33,8 +33,9 @@ def _patch() -> None:
     async def send(self: Any, message: Any) -> None:
         kind = message["type"]
         held: list[bytes] | None = getattr(self, "_held_head", None)
-        if kind == "http.response.start" or (held is not None and kind == "http.response.body"
-                                            and not message.get("more_body", False)):
+        if kind == "http.response.start" or (
+            held is not None and kind == "http.response.body" and not message.get("more_body", False)
+        ):
             real = self.transport
             collect = _Collect(real)
             if held:

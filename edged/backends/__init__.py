@@ -65,8 +65,6 @@ def resolve(name: str) -> tuple[type[Backend], str]:
             continue
         ok, why = _available(cls)
         if ok:
-            return cls, f"auto: {candidate} ({why})" + (
-                f"; skipped: {'; '.join(reasons)}" if reasons else ""
-            )
+            return cls, f"auto: {candidate} ({why})" + (f"; skipped: {'; '.join(reasons)}" if reasons else "")
         reasons.append(f"{candidate}: {why}")
     raise BackendUnavailableError("no backend is usable: " + "; ".join(reasons))

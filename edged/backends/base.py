@@ -41,9 +41,7 @@ class TensorSpec:
         return np.dtype(self.dtype)
 
     def matches(self, shape: tuple[int, ...]) -> bool:
-        return len(shape) == len(self.shape) and all(
-            want < 0 or want == got for want, got in zip(self.shape, shape)
-        )
+        return len(shape) == len(self.shape) and all(want < 0 or want == got for want, got in zip(self.shape, shape))
 
     def describe(self) -> str:
         dims = ",".join("?" if d < 0 else str(d) for d in self.shape)
@@ -56,9 +54,7 @@ class BuildSpec:
 
     source: str  # the ONNX model to build from (the Q/DQ model for int8)
     precision: str
-    profiles: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(
-        default_factory=dict
-    )
+    profiles: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -188,8 +184,7 @@ class Backend(abc.ABC):
             spec = self._input_map[name]
             if arr.dtype != spec.np_dtype or not spec.matches(arr.shape):
                 raise InvalidInputError(
-                    f"input '{name}': expected {spec.describe()}, got "
-                    f"{arr.dtype}[{','.join(map(str, arr.shape))}]"
+                    f"input '{name}': expected {spec.describe()}, got {arr.dtype}[{','.join(map(str, arr.shape))}]"
                 )
 
     @abc.abstractmethod

@@ -24,10 +24,18 @@ from edged.backends.base import Backend, BuildSpec, Instance, Progress, TensorSp
 ort.disable_telemetry_events()
 
 _ORT_TYPES = {
-    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
-    "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(int16)": "int16",
-    "tensor(uint16)": "uint16", "tensor(int32)": "int32", "tensor(uint32)": "uint32",
-    "tensor(int64)": "int64", "tensor(uint64)": "uint64", "tensor(bool)": "bool",
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(int16)": "int16",
+    "tensor(uint16)": "uint16",
+    "tensor(int32)": "int32",
+    "tensor(uint32)": "uint32",
+    "tensor(int64)": "int64",
+    "tensor(uint64)": "uint64",
+    "tensor(bool)": "bool",
 }
 
 

@@ -66,8 +66,7 @@ def sample_files(folder: Path) -> tuple[str, list[Path]]:
     files = tensors or images
     if not files:
         raise ConfigError(
-            f"calibration data {folder}: no samples (.npy/.npz tensors or "
-            f"{'/'.join(sorted(IMAGE_SUFFIXES))} images)"
+            f"calibration data {folder}: no samples (.npy/.npz tensors or {'/'.join(sorted(IMAGE_SUFFIXES))} images)"
         )
     files.sort(key=lambda p: p.relative_to(folder).as_posix())
     return ("tensors" if tensors else "images"), files
@@ -78,14 +77,17 @@ def _preprocessing(kind: str, cfg: CalibrationConfig) -> dict[str, Any]:
     params: dict[str, Any] = {"kind": kind, "max_samples": cfg.max_samples}
     if kind == "images":
         params.update(
-            resize=list(cfg.resize), layout=cfg.layout, color=cfg.color, scale=cfg.scale,
-            mean=list(cfg.mean), std=list(cfg.std),
+            resize=list(cfg.resize),
+            layout=cfg.layout,
+            color=cfg.color,
+            scale=cfg.scale,
+            mean=list(cfg.mean),
+            std=list(cfg.std),
         )
     return params
 
 
-def _digest(folder: Path, files: Sequence[Path], params: Mapping[str, Any],
-            digest_file: DigestFn) -> str:
+def _digest(folder: Path, files: Sequence[Path], params: Mapping[str, Any], digest_file: DigestFn) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(params, sort_keys=True, separators=(",", ":")).encode())
     for path in files:
@@ -94,8 +96,7 @@ def _digest(folder: Path, files: Sequence[Path], params: Mapping[str, Any],
     return h.hexdigest()
 
 
-def data_digest(folder: str | Path, cfg: CalibrationConfig,
-                digest_file: DigestFn = file_digest) -> str:
+def data_digest(folder: str | Path, cfg: CalibrationConfig, digest_file: DigestFn = file_digest) -> str:
     """sha256 over the sorted relative names, each file's sha256 and the preprocessing
     parameters. ``digest_file`` may be ``SourceDigests.digest`` so a warm boot re-hashes
     nothing."""
@@ -124,14 +125,10 @@ def _fit(arr: np.ndarray, spec: TensorSpec, where: str) -> np.ndarray:
             f"(or {want - 1} without the batch dimension), got shape {tuple(arr.shape)}"
         )
     if not all(d < 0 or d == got for d, got in zip(spec.shape[1:], arr.shape[1:])):
-        raise BuildError(
-            f"{where}: input '{spec.name}' expects {spec.describe()}, got shape {tuple(arr.shape)}"
-        )
+        raise BuildError(f"{where}: input '{spec.name}' expects {spec.describe()}, got shape {tuple(arr.shape)}")
     if arr.dtype != spec.np_dtype:
         if not np.can_cast(arr.dtype, spec.np_dtype, casting="same_kind"):
-            raise BuildError(
-                f"{where}: input '{spec.name}' is {spec.dtype}, the sample is {arr.dtype}"
-            )
+            raise BuildError(f"{where}: input '{spec.name}' is {spec.dtype}, the sample is {arr.dtype}")
         arr = arr.astype(spec.np_dtype)
     return np.ascontiguousarray(arr)
 
@@ -187,11 +184,8 @@ class ImageGeometry:
     @classmethod
     def of(cls, spec: TensorSpec, cfg: CalibrationConfig, source: str) -> ImageGeometry:
         if len(spec.shape) != 4:
-            raise ConfigError(
-                f"{source}: images feed a 4-D input; '{spec.name}' is {spec.describe()}"
-            )
-        c, h, w = (spec.shape[1:] if cfg.layout == "NCHW" else
-                   (spec.shape[3], spec.shape[1], spec.shape[2]))
+            raise ConfigError(f"{source}: images feed a 4-D input; '{spec.name}' is {spec.describe()}")
+        c, h, w = spec.shape[1:] if cfg.layout == "NCHW" else (spec.shape[3], spec.shape[1], spec.shape[2])
         channels = c if c > 0 else 3
         if channels not in (1, 3):
             raise ConfigError(f"{source}: images give 1 or 3 channels, '{spec.name}' has {c}")
@@ -200,9 +194,7 @@ class ImageGeometry:
             if len(set(values)) == 1:
                 norm[key] = values[:1]  # the same for every channel: fits any channel count
             elif len(values) != channels:
-                raise ConfigError(
-                    f"{source}: {key} has {len(values)} values, the input has {channels} channels"
-                )
+                raise ConfigError(f"{source}: {key} has {len(values)} values, the input has {channels} channels")
         if 0.0 in norm["std"]:
             raise ConfigError(f"{source}: std must not be 0")
         if cfg.resize:
@@ -219,8 +211,7 @@ class ImageGeometry:
         return cls(channels, size, norm["mean"], norm["std"])
 
 
-def _load_image(path: Path, spec: TensorSpec, geo: ImageGeometry, cfg: CalibrationConfig,
-                where: str) -> Feed:
+def _load_image(path: Path, spec: TensorSpec, geo: ImageGeometry, cfg: CalibrationConfig, where: str) -> Feed:
     from PIL import Image, UnidentifiedImageError  # only image calibration needs Pillow
 
     try:
@@ -252,20 +243,27 @@ def _load_image(path: Path, spec: TensorSpec, geo: ImageGeometry, cfg: Calibrati
 class CalibrationSet:
     """An ordered set of sample files for one model, read lazily as feeds."""
 
-    def __init__(self, folder: Path, files: Sequence[Path], kind: str,
-                 inputs: Sequence[TensorSpec], cfg: CalibrationConfig, digest: str) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        files: Sequence[Path],
+        kind: str,
+        inputs: Sequence[TensorSpec],
+        cfg: CalibrationConfig,
+        digest: str,
+    ) -> None:
         self.folder = folder
         self.files = tuple(files)
         self.kind = kind
         self.inputs = tuple(inputs)
         self.cfg = cfg
         self.digest = digest
-        self._geometry = (ImageGeometry.of(self.inputs[0], cfg, str(folder))
-                          if kind == "images" else None)
+        self._geometry = ImageGeometry.of(self.inputs[0], cfg, str(folder)) if kind == "images" else None
 
     @classmethod
-    def load(cls, cfg: CalibrationConfig, inputs: Sequence[TensorSpec],
-             digest_file: DigestFn = file_digest) -> CalibrationSet:
+    def load(
+        cls, cfg: CalibrationConfig, inputs: Sequence[TensorSpec], digest_file: DigestFn = file_digest
+    ) -> CalibrationSet:
         """Select up to ``cfg.max_samples`` files of ``cfg.data`` and check every one against
         the model's inputs. ``digest`` covers the whole folder (as :func:`data_digest`)."""
         folder = Path(cfg.data)
@@ -278,8 +276,7 @@ class CalibrationSet:
             )
         digest = _digest(folder, files, _preprocessing(kind, cfg), digest_file)
         if len(files) > cfg.max_samples:
-            log.info("calibration data %s: using %d of %d files (max_samples)",
-                     folder, cfg.max_samples, len(files))
+            log.info("calibration data %s: using %d of %d files (max_samples)", folder, cfg.max_samples, len(files))
             chosen = sorted(files, key=lambda p: _rank(folder, p))[: cfg.max_samples]
             files = sorted(chosen, key=lambda p: p.relative_to(folder).as_posix())
         self = cls(folder, files, kind, inputs, cfg, digest)
@@ -323,8 +320,10 @@ class CalibrationSet:
         ranked = sorted(self.files, key=lambda p: _rank(self.folder, p))
         held = set(ranked[:n_hold])
         calib = [p for p in self.files if p not in held]
-        return (self.subset(calib, f"calibrate:{holdout}"),
-                self.subset([p for p in self.files if p in held], f"holdout:{holdout}"))
+        return (
+            self.subset(calib, f"calibrate:{holdout}"),
+            self.subset([p for p in self.files if p in held], f"holdout:{holdout}"),
+        )
 
     def reader(self) -> FeedReader:
         return FeedReader(self)

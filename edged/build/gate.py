@@ -55,8 +55,12 @@ class GateResult:
     def to_dict(self) -> dict[str, Any]:
         """For the build manifest and the ``/v2/edged`` status."""
         return {
-            "passed": self.passed, "reason": self.reason, "samples": self.samples,
-            "rel_l2": _finite(self.rel_l2), "cosine": _finite(self.cosine), "top1": self.top1,
+            "passed": self.passed,
+            "reason": self.reason,
+            "samples": self.samples,
+            "rel_l2": _finite(self.rel_l2),
+            "cosine": _finite(self.cosine),
+            "top1": self.top1,
             "outputs": {
                 name: {"rel_l2": _finite(f.rel_l2), "cosine": _finite(f.cosine), "top1": f.top1}
                 for name, f in self.outputs.items()
@@ -127,9 +131,7 @@ def _verdict(figs: Mapping[str, OutputFigures], cfg: GateConfig) -> list[str]:
         if f.cosine is not None and not f.cosine >= cfg.min_cosine:
             failures.append(f"'{name}' cosine {f.cosine:.6f} < {cfg.min_cosine:g}")
         if f.top1 is not None and not f.top1 >= cfg.min_top1:
-            failures.append(
-                f"'{name}' top-1 agreement {f.top1:.2%} < {cfg.min_top1:.2%}"
-            )
+            failures.append(f"'{name}' top-1 agreement {f.top1:.2%} < {cfg.min_top1:.2%}")
     return failures
 
 
@@ -140,8 +142,9 @@ def _worst(figs: Mapping[str, OutputFigures]) -> tuple[float, float, float | Non
     return max(rels, default=0.0), min(coss, default=1.0), min(tops, default=None)
 
 
-def evaluate(reference_run: RunFn, candidate_run: RunFn,
-             samples: Iterable[dict[str, np.ndarray]], cfg: GateConfig) -> GateResult:
+def evaluate(
+    reference_run: RunFn, candidate_run: RunFn, samples: Iterable[dict[str, np.ndarray]], cfg: GateConfig
+) -> GateResult:
     """Run every held-out feed through both and judge the candidate against ``cfg``.
 
     Raises BuildError when there is nothing to judge (no samples); an exception from either
@@ -154,9 +157,7 @@ def evaluate(reference_run: RunFn, candidate_run: RunFn,
         for name, ref_out in ref.items():
             if name not in cand:
                 return _failed(f"the candidate has no output '{name}'", count)
-            problem = accs.setdefault(name, _Accumulator(name)).add(
-                np.asarray(ref_out), np.asarray(cand[name])
-            )
+            problem = accs.setdefault(name, _Accumulator(name)).add(np.asarray(ref_out), np.asarray(cand[name]))
             if problem:
                 return _failed(problem, count)
     if count == 0:

@@ -82,8 +82,13 @@ def job_key(job: BuildJob, cls: type[Backend]) -> str:
 
 
 def make_job(
-    name: str, model: ModelConfig, cls: type[Backend], precision: str, cache_dir: str,
-    digest: Callable[[str], str], calibration_digest: Callable[[ModelConfig], str] | None = None,
+    name: str,
+    model: ModelConfig,
+    cls: type[Backend],
+    precision: str,
+    cache_dir: str,
+    digest: Callable[[str], str],
+    calibration_digest: Callable[[ModelConfig], str] | None = None,
 ) -> BuildJob:
     profiles = {k: [p.min, p.opt, p.max] for k, p in sorted(model.profiles.items())}
     cal = msgspec.structs.asdict(model.calibration) if model.calibration is not None else None
@@ -91,8 +96,15 @@ def make_job(
     if precision == "int8" and model.calibration is not None and calibration_digest is not None:
         cal_digest = calibration_digest(model)
     return BuildJob(
-        model=name, source=model.path, precision=precision, backend=cls.name,
-        cache_dir=cache_dir, source_digest=digest(model.path), profiles=profiles,
-        options=backend_options(model, cls.name), calibration=cal,
-        calibration_digest=cal_digest, gate=msgspec.structs.asdict(model.gate),
+        model=name,
+        source=model.path,
+        precision=precision,
+        backend=cls.name,
+        cache_dir=cache_dir,
+        source_digest=digest(model.path),
+        profiles=profiles,
+        options=backend_options(model, cls.name),
+        calibration=cal,
+        calibration_digest=cal_digest,
+        gate=msgspec.structs.asdict(model.gate),
     )

@@ -33,7 +33,7 @@ RunFn = Callable[[Feed], Mapping[str, np.ndarray]]
 def fallback_precision(cls: type[Backend], precision: str) -> str | None:
     """The next precision down the ladder int8 → fp16 → fp32 that this backend runs."""
     ladder = ("int8", "fp16", "fp32")
-    for candidate in ladder[ladder.index(precision) + 1:]:
+    for candidate in ladder[ladder.index(precision) + 1 :]:
         if candidate in cls.precisions or candidate == "fp32":
             return candidate
     return None
@@ -78,13 +78,15 @@ def _qdq_model(job: BuildJob, cache: EngineCache, calib: Any, progress: Progress
     ranges = qdq_dir / f"{job.model}-{key[:20]}.ranges.json"
     if out.exists():
         return out, {"qdq_model": out.name, "ranges": "cached", "method": method}
-    summary = quantize_qdq(Path(job.source), out, calib, method, percentile, ranges,
-                           progress=progress, model_digest=job.source_digest)
+    summary = quantize_qdq(
+        Path(job.source), out, calib, method, percentile, ranges, progress=progress, model_digest=job.source_digest
+    )
     return out, dict(summary, qdq_model=out.name)
 
 
-def _gate(job: BuildJob, cls: type[Backend], artifact: Path, held: Any, reference: RunFn,
-          progress: Progress) -> dict[str, Any]:
+def _gate(
+    job: BuildJob, cls: type[Backend], artifact: Path, held: Any, reference: RunFn, progress: Progress
+) -> dict[str, Any]:
     from edged.build.gate import evaluate
 
     progress("accuracy gate", None)
@@ -98,7 +100,8 @@ def _gate(job: BuildJob, cls: type[Backend], artifact: Path, held: Any, referenc
 
 def _build_artifact(job: BuildJob, cls: type[Backend], source: str, tmp: Path, progress: Progress) -> dict[str, Any]:
     spec = BuildSpec(
-        source=source, precision=job.precision,
+        source=source,
+        precision=job.precision,
         profiles={k: (tuple(v[0]), tuple(v[1]), tuple(v[2])) for k, v in job.profiles.items()},
         options=job.options,
     )
@@ -136,8 +139,12 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
         progress(f"building {job.precision}", None)
         extra = dict(extra, **_build_artifact(job, cls, source, tmp, progress))
         manifest: dict[str, Any] = dict(
-            extra, key_fields=key_fields(job, cls), backend=cls.name, precision=job.precision,
-            source=job.source, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            extra,
+            key_fields=key_fields(job, cls),
+            backend=cls.name,
+            precision=job.precision,
+            source=job.source,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
         if held is not None and reference is not None:
             gate = _gate(job, cls, tmp, held, reference, progress)
@@ -151,12 +158,12 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
             tmp.unlink()
 
 
-def _reject(job: BuildJob, cls: type[Backend], cache: EngineCache, key: str, manifest: dict[str, Any],
-            gate: dict[str, Any]) -> Entry:
+def _reject(
+    job: BuildJob, cls: type[Backend], cache: EngineCache, key: str, manifest: dict[str, Any], gate: dict[str, Any]
+) -> Entry:
     fallback = fallback_precision(cls, job.precision)
     if fallback is None:
         raise BuildError(f"{job.model}: {job.precision} failed the accuracy gate ({gate['reason']})")
     reason = f"{job.precision} failed the accuracy gate ({gate['reason']}); serving {fallback}"
     log.warning("%s: %s", job.model, reason, extra={"model": job.model})
-    return cache.commit(job.model, key, cls.artifact_suffix, None,
-                        dict(manifest, fallback=fallback, reason=reason))
+    return cache.commit(job.model, key, cls.artifact_suffix, None, dict(manifest, fallback=fallback, reason=reason))

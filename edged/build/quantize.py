@@ -61,7 +61,13 @@ from edged.errors import BuildError
 log = logging.getLogger(__name__)
 
 DEFAULT_OP_TYPES: tuple[str, ...] = (
-    "Conv", "ConvTranspose", "Gemm", "MatMul", "MaxPool", "AveragePool", "GlobalAveragePool",
+    "Conv",
+    "ConvTranspose",
+    "Gemm",
+    "MatMul",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
 )
 MIN_OPSET = 13
 RANGES_FORMAT = 1
@@ -104,17 +110,26 @@ def _all_op_types() -> list[str]:
     return sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
 
 
-def ranges_key(model_digest: str, data_digest: str, method: str, percentile: float,
-               op_types: Sequence[str] | None = DEFAULT_OP_TYPES,
-               nodes_to_exclude: Sequence[str] = ()) -> str:
+def ranges_key(
+    model_digest: str,
+    data_digest: str,
+    method: str,
+    percentile: float,
+    op_types: Sequence[str] | None = DEFAULT_OP_TYPES,
+    nodes_to_exclude: Sequence[str] = (),
+) -> str:
     """What the activation ranges depend on: the FP32 model, the calibration part of the data,
     the method (and percentile), the quantized ops and the ORT version (its pre-processing
     names the tensors)."""
     fields = {
-        "format": RANGES_FORMAT, "model": model_digest, "data": data_digest, "method": method,
+        "format": RANGES_FORMAT,
+        "model": model_digest,
+        "data": data_digest,
+        "method": method,
         "percentile": percentile if method == "percentile" else None,
         "op_types": sorted(op_types) if op_types is not None else None,
-        "exclude": sorted(nodes_to_exclude), "ort": ort.__version__,
+        "exclude": sorted(nodes_to_exclude),
+        "ort": ort.__version__,
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
@@ -132,13 +147,11 @@ def _prepare(fp32_model: Path, workdir: Path) -> tuple[Path, int]:
         raise BuildError(f"{fp32_model}: cannot load ONNX model: {e}") from None
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < MIN_OPSET:
-        log.info("%s: converting opset %d to %d for per-channel Q/DQ", fp32_model.name, opset,
-                 MIN_OPSET)
+        log.info("%s: converting opset %d to %d for per-channel Q/DQ", fp32_model.name, opset, MIN_OPSET)
         try:
             model = version_converter.convert_version(model, MIN_OPSET)
         except Exception as e:
-            raise BuildError(f"{fp32_model}: cannot convert opset {opset} to {MIN_OPSET}: {e}") \
-                from None
+            raise BuildError(f"{fp32_model}: cannot convert opset {opset} to {MIN_OPSET}: {e}") from None
         opset = MIN_OPSET
     converted, prepared = workdir / "opset.onnx", workdir / "prepared.onnx"
     onnx.save(model, str(converted))  # quant_pre_process takes a path in every ORT version
@@ -146,6 +159,7 @@ def _prepare(fp32_model: Path, workdir: Path) -> tuple[Path, int]:
     # and the optimizer still run without it.
     try:
         import sympy  # noqa: F401
+
         symbolic = True
     except ImportError:
         symbolic = False
@@ -163,11 +177,21 @@ def _quiet() -> Iterator[None]:
         log.debug("onnxruntime: %s", buf.getvalue().strip())
 
 
-def _compute_ranges(prepared: Path, samples: CalibrationSet, method: str, percentile: float,
-                    op_types: list[str], workdir: Path, progress: Progress) -> TensorsData:
+def _compute_ranges(
+    prepared: Path,
+    samples: CalibrationSet,
+    method: str,
+    percentile: float,
+    op_types: list[str],
+    workdir: Path,
+    progress: Progress,
+) -> TensorsData:
     calibrator = create_calibrator(
-        prepared, op_types, augmented_model_path=str(workdir / "augmented.onnx"),
-        calibrate_method=METHODS[method], extra_options=_calibrator_options(method, percentile),
+        prepared,
+        op_types,
+        augmented_model_path=str(workdir / "augmented.onnx"),
+        calibrate_method=METHODS[method],
+        extra_options=_calibrator_options(method, percentile),
     )
     reader = samples.reader()
     chunk = len(samples) if method == "minmax" else HISTOGRAM_CHUNK
@@ -265,10 +289,17 @@ def _qdq_nodes_summary(model: onnx.ModelProto, ops: Sequence[str]) -> dict[str, 
 
 
 def quantize_qdq(
-    fp32_model: Path, out: Path, samples: CalibrationSet, method: str = "minmax",
-    percentile: float = 99.999, ranges_cache: Path | None = None, *,
-    op_types: Sequence[str] | None = DEFAULT_OP_TYPES, nodes_to_exclude: Sequence[str] = (),
-    progress: Progress | None = None, model_digest: str | None = None,
+    fp32_model: Path,
+    out: Path,
+    samples: CalibrationSet,
+    method: str = "minmax",
+    percentile: float = 99.999,
+    ranges_cache: Path | None = None,
+    *,
+    op_types: Sequence[str] | None = DEFAULT_OP_TYPES,
+    nodes_to_exclude: Sequence[str] = (),
+    progress: Progress | None = None,
+    model_digest: str | None = None,
 ) -> dict[str, Any]:
     """Write the Q/DQ model of ``fp32_model`` to ``out`` (atomically), calibrated on
     ``samples``; the activation ranges are read from or written to ``ranges_cache``. Returns a
@@ -282,8 +313,9 @@ def quantize_qdq(
     report: Progress = progress or (lambda phase, frac: None)
     started = time.monotonic()
     ops = list(op_types) if op_types is not None else _all_op_types()
-    key = ranges_key(model_digest or file_digest(fp32_model), samples.digest, method,
-                     percentile, op_types, nodes_to_exclude)
+    key = ranges_key(
+        model_digest or file_digest(fp32_model), samples.digest, method, percentile, op_types, nodes_to_exclude
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     # The work files (model copies, the augmented model) go next to the output, on the cache's
     # disk: /tmp is often a RAM-backed tmpfs on a Jetson.
@@ -291,29 +323,47 @@ def quantize_qdq(
         work = Path(tmpdir)
         report("preparing", None)
         prepared, opset = _prepare(fp32_model, work)
-        ranges_file, status = _ensure_ranges(prepared, samples, method, percentile, ops, key,
-                                             ranges_cache, work, report)
+        ranges_file, status = _ensure_ranges(
+            prepared, samples, method, percentile, ops, key, ranges_cache, work, report
+        )
         report("quantizing", None)
         tmp_out = work / "qdq.onnx"
-        _run_quantizer(prepared, tmp_out, samples, method, percentile, ops, nodes_to_exclude,
-                       ranges_file)
+        _run_quantizer(prepared, tmp_out, samples, method, percentile, ops, nodes_to_exclude, ranges_file)
         model = _finish(tmp_out, out)
     summary = {
-        "method": method, "percentile": percentile if method == "percentile" else None,
-        "samples": len(samples), "ranges_key": key, "opset": opset,
+        "method": method,
+        "percentile": percentile if method == "percentile" else None,
+        "samples": len(samples),
+        "ranges_key": key,
+        "opset": opset,
         "ranges": status,
-        "op_types": ops, "seconds": round(time.monotonic() - started, 2),
+        "op_types": ops,
+        "seconds": round(time.monotonic() - started, 2),
         **_qdq_nodes_summary(model, ops),
     }
-    log.info("quantized %s: %s, %d samples, ranges %s, %d Q/DQ pairs in %.1fs", fp32_model.name,
-             method, len(samples), summary["ranges"], summary["dequantize_nodes"],
-             summary["seconds"])
+    log.info(
+        "quantized %s: %s, %d samples, ranges %s, %d Q/DQ pairs in %.1fs",
+        fp32_model.name,
+        method,
+        len(samples),
+        summary["ranges"],
+        summary["dequantize_nodes"],
+        summary["seconds"],
+    )
     return summary
 
 
-def _ensure_ranges(prepared: Path, samples: CalibrationSet, method: str, percentile: float,
-                   ops: list[str], key: str, ranges_cache: Path | None, work: Path,
-                   report: Progress) -> tuple[Path | None, str]:
+def _ensure_ranges(
+    prepared: Path,
+    samples: CalibrationSet,
+    method: str,
+    percentile: float,
+    ops: list[str],
+    key: str,
+    ranges_cache: Path | None,
+    work: Path,
+    report: Progress,
+) -> tuple[Path | None, str]:
     """(the ranges file for quantize_static, "cached" | "computed" | "ort"); None and "ort"
     where this ORT calibrates inside quantize_static."""
     if not _ORT_TAKES_RANGES:
@@ -323,8 +373,7 @@ def _ensure_ranges(prepared: Path, samples: CalibrationSet, method: str, percent
         return ranges_file, "cached"
     ranges = _compute_ranges(prepared, samples, method, percentile, ops, work, report)
     ranges_file.parent.mkdir(parents=True, exist_ok=True)
-    _write_ranges(ranges, ranges_file, key,
-                  {"method": method, "samples": len(samples), "data": samples.digest})
+    _write_ranges(ranges, ranges_file, key, {"method": method, "samples": len(samples), "data": samples.digest})
     return ranges_file, "computed"
 
 
@@ -339,28 +388,42 @@ def _finish(tmp_out: Path, out: Path) -> onnx.ModelProto:
     return model
 
 
-def _run_quantizer(prepared: Path, out: Path, samples: CalibrationSet, method: str,
-                   percentile: float, ops: list[str], nodes_to_exclude: Sequence[str],
-                   ranges_file: Path | None) -> None:
+def _run_quantizer(
+    prepared: Path,
+    out: Path,
+    samples: CalibrationSet,
+    method: str,
+    percentile: float,
+    ops: list[str],
+    nodes_to_exclude: Sequence[str],
+    ranges_file: Path | None,
+) -> None:
     kwargs: dict[str, Any] = {}
     options = dict(QDQ_OPTIONS)
     if ranges_file is not None:
         kwargs["calibration_cache_path"] = str(ranges_file)
         reader = None
     else:
-        log.warning("onnxruntime %s cannot take precomputed ranges; it calibrates again",
-                    ort.__version__)
+        log.warning("onnxruntime %s cannot take precomputed ranges; it calibrates again", ort.__version__)
         reader = samples.reader()
         if method == "percentile":
             options["CalibPercentile"] = percentile
     try:
         with _quiet():
             quantize_static(
-                str(prepared), str(out), calibration_data_reader=reader,
-                quant_format=QuantFormat.QDQ, op_types_to_quantize=ops, per_channel=True,
-                reduce_range=False, activation_type=QuantType.QInt8,
-                weight_type=QuantType.QInt8, nodes_to_exclude=list(nodes_to_exclude),
-                calibrate_method=METHODS[method], extra_options=options, **kwargs,
+                str(prepared),
+                str(out),
+                calibration_data_reader=reader,
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=ops,
+                per_channel=True,
+                reduce_range=False,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=list(nodes_to_exclude),
+                calibrate_method=METHODS[method],
+                extra_options=options,
+                **kwargs,
             )
     except BuildError:
         raise
@@ -384,8 +447,7 @@ def check_qdq(model: onnx.ModelProto) -> list[str]:
             problems.append(f"{node.name}: no int8 zero point (defaults to uint8)")
             continue
         if zp.data_type != onnx.TensorProto.INT8:
-            problems.append(f"{node.name}: zero point is "
-                            f"{onnx.TensorProto.DataType.Name(zp.data_type)}, not INT8")
+            problems.append(f"{node.name}: zero point is {onnx.TensorProto.DataType.Name(zp.data_type)}, not INT8")
         elif numpy_helper.to_array(zp).any():
             problems.append(f"{node.name}: non-zero zero point")
     return problems

@@ -36,8 +36,12 @@ class BuildStatus:
     started: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "phase": self.phase, "fraction": self.fraction,
-                "seconds": round(time.monotonic() - self.started, 1)}
+        return {
+            "model": self.model,
+            "phase": self.phase,
+            "fraction": self.fraction,
+            "seconds": round(time.monotonic() - self.started, 1),
+        }
 
 
 class BuildRunner:
@@ -74,11 +78,13 @@ class BuildRunner:
             status.phase = f"waiting for memory ({format_size(free)} of {format_size(need)} free)"
             await asyncio.sleep(1.0)
 
-    async def _run_child(self, job: BuildJob, status: BuildStatus,
-                         on_progress: OnProgress | None) -> dict[str, Any]:
+    async def _run_child(self, job: BuildJob, status: BuildStatus, on_progress: OnProgress | None) -> dict[str, Any]:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "edged.build.worker",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "edged.build.worker",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
         self._procs.add(proc)
@@ -88,9 +94,7 @@ class BuildRunner:
         stderr_task = asyncio.ensure_future(proc.stderr.read())
         events: dict[str, Any] = {}
         try:
-            rc = await asyncio.wait_for(
-                self._pump(proc, status, on_progress, events), self.cfg.timeout_s
-            )
+            rc = await asyncio.wait_for(self._pump(proc, status, on_progress, events), self.cfg.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             proc.kill()
             await proc.wait()
@@ -104,8 +108,9 @@ class BuildRunner:
         raise BuildError(self._explain(job.model, rc, error, tail))
 
     @staticmethod
-    async def _pump(proc: asyncio.subprocess.Process, status: BuildStatus,
-                    on_progress: OnProgress | None, events: dict[str, Any]) -> int:
+    async def _pump(
+        proc: asyncio.subprocess.Process, status: BuildStatus, on_progress: OnProgress | None, events: dict[str, Any]
+    ) -> int:
         assert proc.stdout is not None
         async for line in proc.stdout:
             try:

@@ -44,8 +44,7 @@ def run(job: BuildJob, events: Events) -> Entry:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     events = Events()
     try:
         job = BuildJob.from_dict(json.loads(sys.stdin.read()))

@@ -58,8 +58,13 @@ class App:
         except Exception as e:  # a bug must answer 500, never drop the connection silently
             log.exception("unhandled error on %s", scope.get("path"))
             status, body, headers = 500, orjson.dumps({"error": str(e), "code": "internal"}), _JSON
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -94,8 +99,9 @@ class App:
             return await self._models(method, parts[2], parts[3:], scope, receive)
         return await self._other(method, parts[1:], scope, receive)
 
-    async def _models(self, method: str, name: str, rest: list[str], scope: Scope,
-                      receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _models(
+        self, method: str, name: str, rest: list[str], scope: Scope, receive: Receive
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         if len(rest) >= 2 and rest[0] == "versions":
             rest = rest[2:]  # one version per model: any version names it
         if rest == ["infer"]:
@@ -128,11 +134,15 @@ class App:
         out, out_header_len = encode_infer(name, req, outputs, self.shm.resolve)
         if out_header_len is None:
             return 200, out, _JSON
-        return 200, out, [(b"content-type", _BINARY),
-                          (b"inference-header-content-length", str(out_header_len).encode())]
+        return (
+            200,
+            out,
+            [(b"content-type", _BINARY), (b"inference-header-content-length", str(out_header_len).encode())],
+        )
 
-    async def _other(self, method: str, parts: list[str], scope: Scope,
-                     receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _other(
+        self, method: str, parts: list[str], scope: Scope, receive: Receive
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         svc = self.service
         if not parts or parts == [""]:
             _expect(method, "GET")
@@ -152,8 +162,9 @@ class App:
             return 200, orjson.dumps(svc.status()), _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
-    async def _repository(self, method: str, parts: list[str], scope: Scope,
-                          receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _repository(
+        self, method: str, parts: list[str], scope: Scope, receive: Receive
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         _expect(method, "POST")
         await self._read_body(scope, receive)  # load/unload parameters are not used
         if parts == ["index"]:
@@ -166,8 +177,9 @@ class App:
             return 200, b"{}", _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
-    async def _shm(self, method: str, parts: list[str], scope: Scope,
-                   receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _shm(
+        self, method: str, parts: list[str], scope: Scope, receive: Receive
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         if parts == ["status"]:
             _expect(method, "GET")
             return 200, orjson.dumps(self.shm.status()), _JSON
@@ -196,7 +208,7 @@ class App:
         except orjson.JSONDecodeError as e:
             raise BadRequestError(f"malformed JSON: {e}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("key"), str):
-            raise BadRequestError("register needs {\"key\": str, \"offset\": int, \"byte_size\": int}")
+            raise BadRequestError('register needs {"key": str, "offset": int, "byte_size": int}')
         offset, size = doc.get("offset", 0), doc.get("byte_size")
         if not isinstance(offset, int) or not isinstance(size, int):
             raise BadRequestError("'offset' and 'byte_size' must be integers")

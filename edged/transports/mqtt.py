@@ -90,12 +90,14 @@ class MqttTransport:
         self._tasks: set[asyncio.Task[None]] = set()
         self._fleet: set[str] = set()
         self._telemetry: asyncio.Task[None] | None = None
-        self.link = Link(cfg, loop, f"edged-{self.device}", True, self._connected, self._on_message,
-                         will_topic=self.status_topic)
+        self.link = Link(
+            cfg, loop, f"edged-{self.device}", True, self._connected, self._on_message, will_topic=self.status_topic
+        )
         self.fleet_link: Link | None = None
         if cfg.fleet_group:
-            self.fleet_link = Link(cfg, loop, f"edged-{self.device}-fleet", False,
-                                   self._fleet_connected, self._on_message)
+            self.fleet_link = Link(
+                cfg, loop, f"edged-{self.device}-fleet", False, self._fleet_connected, self._on_message
+            )
         self.client = self.link.client
         self.connected = self.link.connected
 
@@ -112,8 +114,9 @@ class MqttTransport:
         except asyncio.TimeoutError:
             pass
         if not self.connected.is_set():
-            log.warning("MQTT broker %s:%d is not reachable yet; retrying in the background",
-                        self.cfg.host, self.cfg.port)
+            log.warning(
+                "MQTT broker %s:%d is not reachable yet; retrying in the background", self.cfg.host, self.cfg.port
+            )
         if self.cfg.telemetry_interval_s:
             self._telemetry = self.loop.create_task(self._telemetry_loop())
 
@@ -128,8 +131,7 @@ class MqttTransport:
             await self.fleet_link.stop()
         self.closing = True
         if self._tasks:
-            await asyncio.wait(set(self._tasks),
-                               timeout=self.service.registry.cfg.lifecycle.drain_timeout_s)
+            await asyncio.wait(set(self._tasks), timeout=self.service.registry.cfg.lifecycle.drain_timeout_s)
         if self.connected.is_set():
             info = self.link.publish(self.status_topic, b"offline", qos=max(1, self.cfg.qos), retain=True)
             try:
@@ -147,16 +149,24 @@ class MqttTransport:
         self.link.publish(self.status_topic, b"online", qos=self.cfg.qos, retain=True)
         for rt in self.service.registry.models.values():
             self._publish_state(rt.name, rt.state, rt.reason)
-        log.info("MQTT connected to %s:%d as device %s (%s)", self.cfg.host, self.cfg.port,
-                 self.device, "session resumed" if session_present else "new session")
+        log.info(
+            "MQTT connected to %s:%d as device %s (%s)",
+            self.cfg.host,
+            self.cfg.port,
+            self.device,
+            "session resumed" if session_present else "new session",
+        )
 
     def _fleet_connected(self, session_present: bool) -> None:
         assert self.fleet_link is not None
         topics: list[tuple[str, int]] = [(self._fleet_topic(m), self.cfg.qos) for m in sorted(self._fleet)]
         if topics:
             self.fleet_link.client.subscribe(topics)
-        log.info("MQTT fleet group %s: taking requests for %s", self.cfg.fleet_group,
-                 ", ".join(sorted(self._fleet)) or "no model yet")
+        log.info(
+            "MQTT fleet group %s: taking requests for %s",
+            self.cfg.fleet_group,
+            ", ".join(sorted(self._fleet)) or "no model yet",
+        )
 
     # --- model state and fleet --------------------------------------------------------------------
 
@@ -167,8 +177,12 @@ class MqttTransport:
             self._publish_state(rt.name, rt.state, rt.reason)
 
     def _publish_state(self, name: str, state: str, reason: str) -> None:
-        self.link.publish(f"{self.base}/models/{name}/state", codec.model_state_doc(name, state, reason),
-                          qos=self.cfg.qos, retain=True)
+        self.link.publish(
+            f"{self.base}/models/{name}/state",
+            codec.model_state_doc(name, state, reason),
+            qos=self.cfg.qos,
+            retain=True,
+        )
 
     def _fleet_topic(self, model: str) -> str:
         return f"$share/{self.cfg.fleet_group}/{self.prefix}/fleet/models/{model}/infer"
@@ -209,8 +223,7 @@ class MqttTransport:
             # how a client clears such a message.
             if msg.payload:
                 model = codec.model_from_topic(msg.topic, self.prefix, self.device) or ""
-                log.warning("retained request on %s ignored", msg.topic,
-                            extra={"model": model, "request_id": ""})
+                log.warning("retained request on %s ignored", msg.topic, extra={"model": model, "request_id": ""})
             return
         self._accept(incoming(msg))
 
@@ -288,8 +301,7 @@ class MqttTransport:
             json_reply_to, rid = codec.reply_to_of(inc.payload)
             reply_to = reply_to or json_reply_to
         if not reply_to:
-            log.warning("%s: unreadable request without a reply topic dropped: %s", model, err.message,
-                        extra=extra)
+            log.warning("%s: unreadable request without a reply topic dropped: %s", model, err.message, extra=extra)
             self._drop(model, "no_reply_to", extra)
             return
         log.debug("%s: bad request: %s", model, err.message, extra=extra)
@@ -298,8 +310,9 @@ class MqttTransport:
     def _publish_reply(self, inc: codec.Incoming, topic: str, reply: codec.Reply, extra: dict[str, str]) -> None:
         props = None
         if self.v5:
-            props = codec.PackedProperties(codec.pack_properties(
-                reply.content_type, inc.correlation, [("device", self.device), *reply.user]))
+            props = codec.PackedProperties(
+                codec.pack_properties(reply.content_type, inc.correlation, [("device", self.device), *reply.user])
+            )
         try:
             self.link.publish(topic, reply.payload, qos=inc.qos, properties=props)
         except ValueError as e:  # a response topic with wildcards, or empty
@@ -325,4 +338,3 @@ class MqttTransport:
                 log.exception("MQTT: telemetry failed")
                 continue
             self.link.publish(self.telemetry_topic, codec.dumps(doc), qos=0)
-

@@ -55,8 +55,7 @@ class Incoming:
     def raw(self) -> bool:
         """One raw tensor. application/octet-stream with the header-length property is the
         binary tensor data extension instead, as on the socket."""
-        return (self.content_type.split(";")[0].strip().lower() == OCTET
-                and HEADER_LENGTH not in self.user)
+        return self.content_type.split(";")[0].strip().lower() == OCTET and HEADER_LENGTH not in self.user
 
 
 @dataclass
@@ -83,7 +82,7 @@ def model_from_topic(topic: str, prefix: str, device: str) -> str | None:
     """``{prefix}/{device}/models/{model}/infer`` or ``{prefix}/fleet/models/{model}/infer``."""
     if not topic.startswith(prefix + "/"):
         return None
-    parts = topic[len(prefix) + 1:].split("/")
+    parts = topic[len(prefix) + 1 :].split("/")
     if len(parts) != 4 or parts[1] != "models" or parts[3] != "infer" or not parts[2]:
         return None
     return parts[2] if parts[0] in (device, "fleet") else None
@@ -97,9 +96,7 @@ def parse_dtype(text: str) -> np.dtype[Any]:
     t = text.strip()
     name = V2_TO_NUMPY.get(t.upper()) or (t.lower() if t.lower() in NUMPY_TO_V2 else None)
     if name is None:
-        raise BadRequestError(
-            f"user property 'dtype': unsupported {text!r}; one of {', '.join(V2_TO_NUMPY)}"
-        )
+        raise BadRequestError(f"user property 'dtype': unsupported {text!r}; one of {', '.join(V2_TO_NUMPY)}")
     return np.dtype(name)
 
 
@@ -107,17 +104,15 @@ def parse_shape(text: str) -> tuple[int, ...]:
     """``1,16``, ``1x16`` or the JSON list ``[1, 16]``."""
     t = text.strip()
     try:
-        dims = orjson.loads(t) if t.startswith("[") else [
-            int(d) for d in t.replace("x", ",").split(",") if d.strip()
-        ]
+        dims = orjson.loads(t) if t.startswith("[") else [int(d) for d in t.replace("x", ",").split(",") if d.strip()]
     except (ValueError, orjson.JSONDecodeError):
         dims = None
-    if not isinstance(dims, list) or not dims or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
+    if (
+        not isinstance(dims, list)
+        or not dims
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims)
     ):
-        raise BadRequestError(
-            f"user property 'shape': expected non-negative integers such as '1,16', got {text!r}"
-        )
+        raise BadRequestError(f"user property 'shape': expected non-negative integers such as '1,16', got {text!r}")
     return tuple(dims)
 
 
@@ -135,8 +130,7 @@ def decode_raw(msg: Incoming) -> Decoded:
         )
     arr = np.frombuffer(msg.payload, dtype=dtype).reshape(shape)
     req = InferRequest(id=msg.user.get("id", ""))
-    return Decoded(req, msg.response_topic, True, msg.user.get("input") or None, arr,
-                   msg.user.get("output") or None)
+    return Decoded(req, msg.response_topic, True, msg.user.get("input") or None, arr, msg.user.get("output") or None)
 
 
 def reply_to_of(payload: bytes) -> tuple[str, str]:
@@ -149,8 +143,7 @@ def reply_to_of(payload: bytes) -> tuple[str, str]:
     if not isinstance(doc, dict):
         return "", ""
     reply_to, rid = doc.get("reply_to"), doc.get("id")
-    return (reply_to if isinstance(reply_to, str) else "",
-            "" if rid is None else str(rid))
+    return (reply_to if isinstance(reply_to, str) else "", "" if rid is None else str(rid))
 
 
 def decode_json(msg: Incoming) -> Decoded:
@@ -205,10 +198,15 @@ def raw_reply(model: str, results: dict[str, np.ndarray], wanted: str | None) ->
     if arr is None:
         raise BadRequestError(f"requested output '{name}' is not an output of '{model}'")
     data = np.ascontiguousarray(arr)
-    return Reply(data.tobytes(), OCTET, [
-        ("name", name), ("dtype", v2_datatype(arr.dtype.name)),
-        ("shape", ",".join(str(d) for d in arr.shape)),
-    ])
+    return Reply(
+        data.tobytes(),
+        OCTET,
+        [
+            ("name", name),
+            ("dtype", v2_datatype(arr.dtype.name)),
+            ("shape", ",".join(str(d) for d in arr.shape)),
+        ],
+    )
 
 
 def error_reply(err: EdgedError, rid: str = "") -> Reply:
@@ -269,8 +267,7 @@ class PackedProperties(Properties):
 
 
 def model_state_doc(name: str, state: str, reason: str) -> bytes:
-    return orjson.dumps({"model": name, "state": state, "reason": reason,
-                         "ts": round(time.time(), 3)})
+    return orjson.dumps({"model": name, "state": state, "reason": reason, "ts": round(time.time(), 3)})
 
 
 def dumps(doc: Any) -> bytes:

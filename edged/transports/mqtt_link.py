@@ -38,8 +38,9 @@ STOP_TIMEOUT_S = 2.0
 def _tls(client: mqtt.Client, tls: TlsConfig) -> None:
     """CA (empty: the system's), optional client certificate; errors are config errors."""
     try:
-        client.tls_set(ca_certs=tls.ca or None, certfile=tls.cert or None, keyfile=tls.key or None,
-                       cert_reqs=ssl.CERT_REQUIRED)
+        client.tls_set(
+            ca_certs=tls.ca or None, certfile=tls.cert or None, keyfile=tls.key or None, cert_reqs=ssl.CERT_REQUIRED
+        )
     except (OSError, ssl.SSLError, ValueError) as e:
         raise ConfigError(f"mqtt.tls: {e}") from None
     if tls.insecure:
@@ -53,9 +54,16 @@ class Link:
     for ``session_expiry_s`` after a disconnect; otherwise the session ends with the connection.
     """
 
-    def __init__(self, cfg: MqttConfig, loop: asyncio.AbstractEventLoop, client_id: str,
-                 persistent: bool, on_connected: Callable[[bool], None], on_message: OnMessage,
-                 will_topic: str = "") -> None:
+    def __init__(
+        self,
+        cfg: MqttConfig,
+        loop: asyncio.AbstractEventLoop,
+        client_id: str,
+        persistent: bool,
+        on_connected: Callable[[bool], None],
+        on_message: OnMessage,
+        will_topic: str = "",
+    ) -> None:
         self.cfg = cfg
         self.loop = loop
         self.name = client_id
@@ -77,7 +85,8 @@ class Link:
     def _make_client(self, client_id: str, on_message: OnMessage, will_topic: str) -> mqtt.Client:
         cfg = self.cfg
         client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=client_id,
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id,
             protocol=MQTTProtocolVersion.MQTTv5 if self.v5 else MQTTProtocolVersion.MQTTv311,
             clean_session=None if self.v5 else not self.persistent,
             # Acknowledged by the transport, so that a message that arrives while edged stops
@@ -115,8 +124,9 @@ class Link:
             props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
             if self.persistent:
                 props.SessionExpiryInterval = cfg.session_expiry_s
-            self.client.connect_async(cfg.host, cfg.port, cfg.keepalive_s,
-                                      clean_start=not self.persistent, properties=props)
+            self.client.connect_async(
+                cfg.host, cfg.port, cfg.keepalive_s, clean_start=not self.persistent, properties=props
+            )
         else:
             self.client.connect_async(cfg.host, cfg.port, cfg.keepalive_s)
         self._loop_thread = threading.get_ident()
@@ -177,8 +187,9 @@ class Link:
 
     # --- publishing -----------------------------------------------------------------------------
 
-    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-                properties: Properties | None = None) -> mqtt.MQTTMessageInfo | None:
+    def publish(
+        self, topic: str, payload: bytes, qos: int = 0, retain: bool = False, properties: Properties | None = None
+    ) -> mqtt.MQTTMessageInfo | None:
         """paho's publish, except while a connect owns the client: QoS 1/2 messages then wait
         for it (paho resends them after CONNACK like any in-flight message), QoS 0 is dropped."""
         if self._connecting:
@@ -241,12 +252,14 @@ class Link:
 
     # --- connection events (on the loop) --------------------------------------------------------
 
-    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: mqtt.ConnectFlags,
-                    reason: Any, properties: Any) -> None:
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: mqtt.ConnectFlags, reason: Any, properties: Any
+    ) -> None:
         self.attempted.set()
         if reason.is_failure:
-            log.error("MQTT %s: broker %s:%d refused the connection: %s", self.name, self.cfg.host,
-                      self.cfg.port, reason)
+            log.error(
+                "MQTT %s: broker %s:%d refused the connection: %s", self.name, self.cfg.host, self.cfg.port, reason
+            )
             return
         if self.closing:
             return
@@ -254,11 +267,13 @@ class Link:
         self.connected.set()
         self._on_connected(bool(flags.session_present))
 
-    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: mqtt.DisconnectFlags,
-                       reason: Any, properties: Any) -> None:
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: mqtt.DisconnectFlags, reason: Any, properties: Any
+    ) -> None:
         if not self.closing:
-            log.warning("MQTT %s: connection to %s:%d lost (%s); reconnecting", self.name,
-                        self.cfg.host, self.cfg.port, reason)
+            log.warning(
+                "MQTT %s: connection to %s:%d lost (%s); reconnecting", self.name, self.cfg.host, self.cfg.port, reason
+            )
         self.connected.clear()
         self.attempted.set()
         if self._lost is not None and not self._lost.done():

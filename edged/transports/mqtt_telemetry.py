@@ -33,8 +33,11 @@ async def telemetry(service: Service, device: str) -> dict[str, Any]:
     for name, rt in reg.models.items():
         st = metrics.model(name)
         models[name] = {
-            "state": rt.state, "requests": st.requests, "failures": st.failures,
-            **st.percentiles(), "queue": rt.queue.pending if rt.queue is not None else 0,
+            "state": rt.state,
+            "requests": st.requests,
+            "failures": st.failures,
+            **st.percentiles(),
+            "queue": rt.queue.pending if rt.queue is not None else 0,
         }
     return {
         "device": device,

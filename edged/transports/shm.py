@@ -33,8 +33,7 @@ class Region:
     view: memoryview
 
     def status(self) -> dict[str, object]:
-        return {"name": self.name, "key": self.key, "offset": self.offset,
-                "byte_size": self.byte_size}
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
 class SharedMemoryRegistry:
@@ -70,13 +69,12 @@ class SharedMemoryRegistry:
             size = os.fstat(fd).st_size
             if offset + byte_size > size:
                 raise SharedMemoryError(
-                    f"region '{name}': offset {offset} + byte_size {byte_size} exceeds "
-                    f"the {size} bytes of '{key}'"
+                    f"region '{name}': offset {offset} + byte_size {byte_size} exceeds the {size} bytes of '{key}'"
                 )
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        view = memoryview(mapping)[offset:offset + byte_size]
+        view = memoryview(mapping)[offset : offset + byte_size]
         return Region(name, key, offset, byte_size, mapping, view)
 
     def unregister(self, name: str | None = None) -> None:
@@ -117,4 +115,4 @@ class SharedMemoryRegistry:
                 f"shared memory region '{name}' is too small: offset {offset} + {size} bytes "
                 f"> its {region.byte_size} bytes"
             )
-        return region.view[offset:offset + size]
+        return region.view[offset : offset + size]

@@ -45,8 +45,13 @@ def device() -> Iterator[CudaDevice]:
         dev = shared_device(0)
     except Exception as e:
         pytest.skip(f"no NVIDIA GPU through pycuda here ({type(e).__name__}: {e})")
-    REPORT["device"] = {"name": dev.name, "cc": dev.compute_capability, "sms": dev.sm_count,
-                        "integrated": dev.integrated, "can_map": dev.can_map}
+    REPORT["device"] = {
+        "name": dev.name,
+        "cc": dev.compute_capability,
+        "sms": dev.sm_count,
+        "integrated": dev.integrated,
+        "can_map": dev.can_map,
+    }
     yield dev
     text = json.dumps(REPORT, indent=1, sort_keys=True)
     sys.stderr.write(f"\nDEVICE REPORT\n{text}\n")
@@ -56,8 +61,7 @@ def device() -> Iterator[CudaDevice]:
 
 def _libcuda() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
-                                         ctypes.c_void_p]
+    lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
     lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     return lib
 
@@ -155,8 +159,7 @@ def test_instances_round_trip_on_their_own_streams(device: CudaDevice, mapped: b
 
 @pytest.mark.filterwarnings("ignore:ExternalStream is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("mapped", [False, True], ids=["device-buffers", "mapped-host"])
-def test_a_runtime_kernel_computes_on_the_instance_stream(device: CudaDevice,
-                                                          mapped: bool) -> None:
+def test_a_runtime_kernel_computes_on_the_instance_stream(device: CudaDevice, mapped: bool) -> None:
     cupy = pytest.importorskip("cupy")
     affine = cupy.ElementwiseKernel("T x", "T y", "y = x * 2 + 1", "edged_affine")
     shape = (4, 1000)
@@ -213,10 +216,12 @@ def test_free_returns_device_and_page_locked_memory(device: CudaDevice) -> None:
             io.free()  # idempotent
     free2, _ = device.mem_info()
     rss2 = _rss()
-    REPORT["memory_MiB"] = {"device_taken": (free0 - free1) / MiB,
-                            "device_not_returned": (free0 - free2) / MiB,
-                            "host_rss_taken": (rss1 - rss0) / MiB,
-                            "host_rss_not_returned": (rss2 - rss0) / MiB}
+    REPORT["memory_MiB"] = {
+        "device_taken": (free0 - free1) / MiB,
+        "device_not_returned": (free0 - free2) / MiB,
+        "host_rss_taken": (rss1 - rss0) / MiB,
+        "host_rss_not_returned": (rss2 - rss0) / MiB,
+    }
     assert free0 - free1 >= 1000 * MiB  # 4 device buffers of 256 MiB
     assert free0 - free2 < 16 * MiB
     assert rss1 - rss0 >= 900 * MiB  # 4 page-locked buffers, resident
@@ -244,7 +249,9 @@ def test_round_trip_latency(device: CudaDevice) -> None:
                 io.free()
         ms = np.array(times[10:]) * 1e3
         results["mapped" if mapped else "pinned+copies"] = {
-            "p50_ms": round(float(np.median(ms)), 3), "p99_ms": round(float(np.quantile(ms, 0.99)), 3)}
+            "p50_ms": round(float(np.median(ms)), 3),
+            "p99_ms": round(float(np.quantile(ms, 0.99)), 3),
+        }
     REPORT["round_trip_4.9MB"] = results
     assert results
 
@@ -278,6 +285,7 @@ def test_backend_without_tensorrt_is_unavailable_not_broken(device: CudaDevice) 
 
 # --- the backend's instance code against a stand-in execution context ---------------------------
 
+
 class _FakeContext:
     """What the backend asks of an IExecutionContext, implemented with a device copy (an
     identity model with input x and output y)."""
@@ -300,8 +308,7 @@ class _FakeContext:
     def execute_async_v3(self, stream: int) -> bool:
         nbytes = int(np.prod(self.shape)) * 4
         lib = _libcuda()
-        return bool(lib.cuMemcpyDtoDAsync_v2(self.addresses["y"], self.addresses["x"],
-                                             nbytes, stream) == 0)
+        return bool(lib.cuMemcpyDtoDAsync_v2(self.addresses["y"], self.addresses["x"], nbytes, stream) == 0)
 
 
 class _FakeEngine:
@@ -322,10 +329,8 @@ def _fake_load(self: TensorRTBackend) -> tuple[tuple[TensorSpec, ...], tuple[Ten
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["device-buffers", "mapped-host"])
-def test_backend_instances_infer_and_unload_returns_memory(device: CudaDevice,
-                                                           mapped: bool) -> None:
-    backend = TensorRTBackend(Path("/nonexistent.engine"),
-                              LoadOptions(instances=3, options={"mapped": mapped}))
+def test_backend_instances_infer_and_unload_returns_memory(device: CudaDevice, mapped: bool) -> None:
+    backend = TensorRTBackend(Path("/nonexistent.engine"), LoadOptions(instances=3, options={"mapped": mapped}))
     backend._load_impl = types.MethodType(_fake_load, backend)  # type: ignore[method-assign]
     free0, _ = device.mem_info()
     backend.load()
@@ -347,7 +352,9 @@ def test_backend_instances_infer_and_unload_returns_memory(device: CudaDevice,
     backend.unload()
     not_returned = free0 - device.mem_info()[0]
     REPORT.setdefault("backend_unload_MiB", {})["mapped" if mapped else "device"] = {
-        "taken": taken / MiB, "not_returned": not_returned / MiB}
+        "taken": taken / MiB,
+        "not_returned": not_returned / MiB,
+    }
     assert taken >= (0 if mapped else 3 * 2 * 64 * MiB)
     assert not_returned < 16 * MiB
     with pytest.raises(BackendError, match="not loaded"):

@@ -39,8 +39,9 @@ def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def build(source: Path, dest: Path, precision: str, **options: object) -> dict[str, object]:
     phases: list[str] = []
-    extra = TensorRTBackend.build(BuildSpec(str(source), precision, PROFILES, options), dest,
-                                  lambda phase, _: phases.append(phase))
+    extra = TensorRTBackend.build(
+        BuildSpec(str(source), precision, PROFILES, options), dest, lambda phase, _: phases.append(phase)
+    )
     assert phases[0] == "parsing" and "building" in phases
     return extra
 
@@ -67,15 +68,15 @@ def test_fp32_engine_matches_onnxruntime(major: int, mlp: Path, tmp_path: Path) 
     assert [s.shape for s in backend.inputs] == [(-1, 16)]
     inst = backend.instance()
     for x in batches():
-        np.testing.assert_allclose(inst.infer({"x": x})["probs"], onnxruntime(mlp, x),
-                                   rtol=1e-2, atol=1e-3)  # TF32 may serve FP32 matmuls
+        np.testing.assert_allclose(
+            inst.infer({"x": x})["probs"], onnxruntime(mlp, x), rtol=1e-2, atol=1e-3
+        )  # TF32 may serve FP32 matmuls
     with pytest.raises(InvalidInputError, match="dim 0 is 9"):
         inst.infer({"x": np.zeros((9, 16), np.float32)})
     backend.unload()
 
 
-def test_fp16_engine_or_the_reason_it_cannot_be_built(major: int, mlp: Path,
-                                                      tmp_path: Path) -> None:
+def test_fp16_engine_or_the_reason_it_cannot_be_built(major: int, mlp: Path, tmp_path: Path) -> None:
     engine = tmp_path / "fp16.engine"
     if major >= 11:
         with pytest.raises(BuildError, match="AutoCast"):
@@ -85,13 +86,11 @@ def test_fp16_engine_or_the_reason_it_cannot_be_built(major: int, mlp: Path,
     backend = TensorRTBackend(engine)
     backend.load()
     x = batches()[2]
-    np.testing.assert_allclose(backend.instance().infer({"x": x})["probs"], onnxruntime(mlp, x),
-                               atol=2e-2)
+    np.testing.assert_allclose(backend.instance().infer({"x": x})["probs"], onnxruntime(mlp, x), atol=2e-2)
     backend.unload()
 
 
-def test_int8_engine_from_the_qdq_model_passes_the_gate(major: int, mlp: Path,
-                                                        tmp_path: Path) -> None:
+def test_int8_engine_from_the_qdq_model_passes_the_gate(major: int, mlp: Path, tmp_path: Path) -> None:
     from edged.selftest import gate_metrics, quantize_qdq, synthetic_feeds
 
     specs = [("x", (4, 16), "float32")]
@@ -110,8 +109,7 @@ def test_int8_engine_from_the_qdq_model_passes_the_gate(major: int, mlp: Path,
     backend.unload()
 
 
-def test_legacy_calibrator_up_to_10_and_refused_on_11(major: int, mlp: Path,
-                                                      tmp_path: Path) -> None:
+def test_legacy_calibrator_up_to_10_and_refused_on_11(major: int, mlp: Path, tmp_path: Path) -> None:
     data = tmp_path / "calibration"
     data.mkdir()
     rng = np.random.default_rng(5)
@@ -134,8 +132,7 @@ def test_legacy_calibrator_up_to_10_and_refused_on_11(major: int, mlp: Path,
     backend.unload()
 
 
-def test_a_bad_engine_is_a_cache_error_not_a_crash(major: int, mlp: Path,
-                                                   tmp_path: Path) -> None:
+def test_a_bad_engine_is_a_cache_error_not_a_crash(major: int, mlp: Path, tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.engine"
     garbage.write_bytes(b"not an engine" * 100)
     with pytest.raises(CacheError, match="rebuild"):
@@ -167,8 +164,16 @@ def test_unload_returns_the_memory(major: int, mlp: Path, tmp_path: Path) -> Non
 
 def test_fingerprint_names_everything_the_engine_is_bound_to(major: int) -> None:
     fp = TensorRTBackend.fingerprint()
-    assert set(fp) == {"tensorrt", "gpu", "compute_capability", "sm_count", "driver",
-                       "cuda_driver", "cuda_build", "l4t"}
+    assert set(fp) == {
+        "tensorrt",
+        "gpu",
+        "compute_capability",
+        "sm_count",
+        "driver",
+        "cuda_driver",
+        "cuda_build",
+        "l4t",
+    }
     assert fp["tensorrt"] == TensorRTBackend.version()
     if shared_device(0).integrated:
         assert fp["l4t"], "a Jetson has /etc/nv_tegra_release"

@@ -83,20 +83,38 @@ def make_tls(directory: Path) -> TlsFiles:
     for name, extra in (("server", ("-addext", "subjectAltName=IP:127.0.0.1")), ("client", ())):
         key, csr, crt = (directory / f"{name}.{ext}" for ext in ("key", "csr", "crt"))
         _openssl("req", *ec, "-keyout", key, "-out", csr, "-subj", f"/CN=edged test {name}", *extra)
-        _openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt,
-                 "-days", "2", "-copy_extensions", "copy")
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca,
+            "-CAkey",
+            ca_key,
+            "-CAcreateserial",
+            "-out",
+            crt,
+            "-days",
+            "2",
+            "-copy_extensions",
+            "copy",
+        )
         out[name] = (crt, key)
     return TlsFiles(ca, *out["server"], *out["client"])
 
 
-def write_config(directory: Path, port: int, tls: TlsFiles | None = None,
-                 users: dict[str, str] | None = None) -> Path:
+def write_config(directory: Path, port: int, tls: TlsFiles | None = None, users: dict[str, str] | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     conf = directory / "mosquitto.conf"
     secure: list[str] = []
     if tls is not None:  # clients must show a certificate the CA signed
-        secure += [f"cafile {tls.ca}", f"certfile {tls.server_cert}", f"keyfile {tls.server_key}",
-                   "require_certificate true"]
+        secure += [
+            f"cafile {tls.ca}",
+            f"certfile {tls.server_cert}",
+            f"keyfile {tls.server_key}",
+            "require_certificate true",
+        ]
     if users:
         passwd = directory / "passwd"
         passwd.write_text("")
@@ -104,27 +122,29 @@ def write_config(directory: Path, port: int, tls: TlsFiles | None = None,
             subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, password], check=True, timeout=30)
         secure += [f"password_file {passwd}"]
     conf.write_text(
-        "\n".join([
-            f"listener {port} 127.0.0.1",
-            *secure,
-            f"allow_anonymous {'false' if users else 'true'}",
-            "set_tcp_nodelay true",
-            "persistence true",
-            f"persistence_location {directory}/",
-            "persistence_file mosquitto.db",
-            # Enough room for a burst of queued QoS 1 requests while a client is away.
-            "max_queued_messages 100000",
-            "max_inflight_messages 0",
-            f"log_dest file {directory}/mosquitto.log",
-            "log_type error",
-            "log_type warning",
-            "log_type notice",
-            "log_type information",
-            "connection_messages true",
-            # Started as root by CI: stay root so the files above stay writable.
-            "user root" if os.geteuid() == 0 else "",
-            "",
-        ])
+        "\n".join(
+            [
+                f"listener {port} 127.0.0.1",
+                *secure,
+                f"allow_anonymous {'false' if users else 'true'}",
+                "set_tcp_nodelay true",
+                "persistence true",
+                f"persistence_location {directory}/",
+                "persistence_file mosquitto.db",
+                # Enough room for a burst of queued QoS 1 requests while a client is away.
+                "max_queued_messages 100000",
+                "max_inflight_messages 0",
+                f"log_dest file {directory}/mosquitto.log",
+                "log_type error",
+                "log_type warning",
+                "log_type notice",
+                "log_type information",
+                "connection_messages true",
+                # Started as root by CI: stay root so the files above stay writable.
+                "user root" if os.geteuid() == 0 else "",
+                "",
+            ]
+        )
     )
     return conf
 
@@ -134,8 +154,9 @@ class Broker:
 
     host = "127.0.0.1"
 
-    def __init__(self, directory: Path, port: int | None = None, tls: TlsFiles | None = None,
-                 users: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, directory: Path, port: int | None = None, tls: TlsFiles | None = None, users: dict[str, str] | None = None
+    ) -> None:
         self.dir = directory
         self.port = port or free_port()
         self.conf = write_config(directory, self.port, tls, users)
@@ -148,8 +169,7 @@ class Broker:
 
     def start(self) -> None:
         with open(self.dir / "mosquitto.stderr", "ab") as err:
-            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)],
-                                         stdout=subprocess.DEVNULL, stderr=err)
+            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=err)
         try:
             wait_port(self.host, self.port, time.monotonic() + START_TIMEOUT_S, self.proc)
         except (RuntimeError, TimeoutError) as e:
@@ -220,8 +240,15 @@ def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
 class Peer:
     """A paho client that records every message it receives; waits are on a condition."""
 
-    def __init__(self, port: int, v5: bool = True, client_id: str = "", session_expiry: int = 0,
-                 tls: TlsFiles | None = None, auth: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        v5: bool = True,
+        client_id: str = "",
+        session_expiry: int = 0,
+        tls: TlsFiles | None = None,
+        auth: tuple[str, str] | None = None,
+    ) -> None:
         self.port = port
         self.v5 = v5
         self.session_expiry = session_expiry
@@ -230,9 +257,11 @@ class Peer:
         self.connects = 0
         self._subacks: set[int] = set()
         self.client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=client_id or f"test-{uuid.uuid4().hex[:10]}",
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id or f"test-{uuid.uuid4().hex[:10]}",
             protocol=MQTTProtocolVersion.MQTTv5 if v5 else MQTTProtocolVersion.MQTTv311,
-            clean_session=None if v5 else session_expiry == 0)
+            clean_session=None if v5 else session_expiry == 0,
+        )
         self.client.reconnect_delay_set(0.05, 0.5)  # type: ignore[arg-type]
         if tls is not None:
             self.client.tls_set(ca_certs=str(tls.ca), certfile=str(tls.client_cert), keyfile=str(tls.client_key))
@@ -295,16 +324,23 @@ class Peer:
         with self.cond:
             return [r for r in self.received if r.topic == topic]
 
-    def first(self, topic: str, pred: Callable[[Received], bool] = lambda r: True,
-              timeout: float = 10) -> Received:
+    def first(self, topic: str, pred: Callable[[Received], bool] = lambda r: True, timeout: float = 10) -> Received:
         def found() -> Received | None:
             return next((r for r in self.received if r.topic == topic and pred(r)), None)
 
         return self.wait(found, timeout, f"a message on {topic}")  # type: ignore[no-any-return]
 
-    def request(self, topic: str, payload: bytes | str, response_topic: str = "",
-                correlation: bytes | None = None, content_type: str = "",
-                user: Iterable[tuple[str, str]] = (), qos: int = 1, expiry: int | None = None) -> None:
+    def request(
+        self,
+        topic: str,
+        payload: bytes | str,
+        response_topic: str = "",
+        correlation: bytes | None = None,
+        content_type: str = "",
+        user: Iterable[tuple[str, str]] = (),
+        qos: int = 1,
+        expiry: int | None = None,
+    ) -> None:
         props = None
         if self.v5:
             props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]

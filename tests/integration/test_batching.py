@@ -32,8 +32,9 @@ def make_probe(path: Path) -> Path:
     """x [N, 4] → y = 2x + 1 [N, 4], rows [N, 1] (every row holds N)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    consts = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
-              (("two", 2.0), ("one", 1.0), ("zero", 0.0))]
+    consts = [
+        numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("two", 2.0), ("one", 1.0), ("zero", 0.0))
+    ]
     consts.append(numpy_helper.from_array(np.array([0, 1], np.int64), "first_col"))
     nodes = [
         helper.make_node("Mul", ["x", "two"], ["x2"]),
@@ -45,15 +46,20 @@ def make_probe(path: Path) -> Path:
         helper.make_node("ReduceSum", ["ones", "axis0"], ["n"], keepdims=1),
         helper.make_node("Mul", ["ones", "n"], ["rows"]),
     ]
-    consts += [numpy_helper.from_array(np.array([0], np.int64), "slice_start"),
-               numpy_helper.from_array(np.array([1], np.int64), "slice_end"),
-               numpy_helper.from_array(np.array([1], np.int64), "slice_axis"),
-               numpy_helper.from_array(np.array([0], np.int64), "axis0")]
+    consts += [
+        numpy_helper.from_array(np.array([0], np.int64), "slice_start"),
+        numpy_helper.from_array(np.array([1], np.int64), "slice_end"),
+        numpy_helper.from_array(np.array([1], np.int64), "slice_axis"),
+        numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+    ]
     graph = helper.make_graph(
-        nodes, "batch_probe",
+        nodes,
+        "batch_probe",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", FEATURES])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", FEATURES]),
-         helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["N", 1])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", FEATURES]),
+            helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["N", 1]),
+        ],
         consts,
     )
     save_graph(graph, path)
@@ -69,8 +75,9 @@ async def _fire(socket: str, model: str, payloads: list[np.ndarray]) -> list[dic
     """Every payload at once, each on its own connection."""
     clients = [AsyncClient(socket, timeout=30) for _ in payloads]
     try:
-        return await asyncio.gather(*(c.infer(model, {"x": x}) for c, x in zip(clients, payloads)),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(c.infer(model, {"x": x}) for c, x in zip(clients, payloads)), return_exceptions=True
+        )
     finally:
         for c in clients:
             await c.close()
@@ -78,15 +85,28 @@ async def _fire(socket: str, model: str, payloads: list[np.ndarray]) -> list[dic
 
 def _payloads(count: int, rows: Callable[[int], int]) -> list[np.ndarray]:
     """Request i carries rows(i) rows, every value unique to the request."""
-    return [np.full((rows(i), FEATURES), i, np.float32) + np.arange(rows(i) * FEATURES, dtype=np.float32)
-            .reshape(rows(i), FEATURES) / 1000 for i in range(count)]
+    return [
+        np.full((rows(i), FEATURES), i, np.float32)
+        + np.arange(rows(i) * FEATURES, dtype=np.float32).reshape(rows(i), FEATURES) / 1000
+        for i in range(count)
+    ]
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(
-        daemon_factory: Callable[..., DaemonProcess], probe: Path) -> None:
-    d = daemon_factory({"probe": {"path": str(probe), "backend": "onnxruntime", "max_batch": MAX_BATCH,
-                                  # generous: the batcher waits for company rather than timing
-                                  "max_queue_delay_us": 50_000, "queue_depth": 128}}).start()
+    daemon_factory: Callable[..., DaemonProcess], probe: Path
+) -> None:
+    d = daemon_factory(
+        {
+            "probe": {
+                "path": str(probe),
+                "backend": "onnxruntime",
+                "max_batch": MAX_BATCH,
+                # generous: the batcher waits for company rather than timing
+                "max_queue_delay_us": 50_000,
+                "queue_depth": 128,
+            }
+        }
+    ).start()
     payloads = _payloads(48, lambda i: 1 + i % 3)  # 1, 2 or 3 rows each
     before = _requests(d, "probe")  # the daemon's own warm-up requests count too
     results = asyncio.run(_fire(str(d.socket), "probe", payloads))
@@ -112,15 +132,23 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(
 
 
 def test_a_request_alone_is_not_held_past_its_deadline(
-        daemon_factory: Callable[..., DaemonProcess], probe: Path, model_dir: Path) -> None:
+    daemon_factory: Callable[..., DaemonProcess], probe: Path, model_dir: Path
+) -> None:
     """The batcher waits for company for up to max_queue_delay_us, but the request's deadline
     (the model's timeout_ms) still holds: the client hears 504 at its deadline, and the daemon
     keeps serving."""
-    d = daemon_factory({
-        "probe": {"path": str(probe), "backend": "onnxruntime", "max_batch": MAX_BATCH,
-                  "max_queue_delay_us": 3_000_000, "timeout_ms": 100},
-        "tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"},
-    }).start()
+    d = daemon_factory(
+        {
+            "probe": {
+                "path": str(probe),
+                "backend": "onnxruntime",
+                "max_batch": MAX_BATCH,
+                "max_queue_delay_us": 3_000_000,
+                "timeout_ms": 100,
+            },
+            "tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"},
+        }
+    ).start()
     x = np.ones((1, FEATURES), np.float32)
     with Client(str(d.socket)) as c:
         t0 = time.monotonic()
@@ -133,12 +161,23 @@ def test_a_request_alone_is_not_held_past_its_deadline(
 
 
 def test_requests_that_cannot_share_a_batch_do_not_wait_for_company(
-        daemon_factory: Callable[..., DaemonProcess], probe: Path) -> None:
+    daemon_factory: Callable[..., DaemonProcess], probe: Path
+) -> None:
     """Requests of 5 rows with max_batch 8: no two fit one batch. A worker that sees the next
     compatible request cannot fit runs what it has instead of waiting out the 100 ms queue delay
     for each one (which would push 20 such requests far past their 250 ms deadline)."""
-    d = daemon_factory({"probe": {"path": str(probe), "backend": "onnxruntime", "max_batch": MAX_BATCH,
-                                  "max_queue_delay_us": 100_000, "timeout_ms": 250, "queue_depth": 128}}).start()
+    d = daemon_factory(
+        {
+            "probe": {
+                "path": str(probe),
+                "backend": "onnxruntime",
+                "max_batch": MAX_BATCH,
+                "max_queue_delay_us": 100_000,
+                "timeout_ms": 250,
+                "queue_depth": 128,
+            }
+        }
+    ).start()
     payloads = _payloads(20, lambda i: 5)
     before = _requests(d, "probe")
     results = asyncio.run(_fire(str(d.socket), "probe", payloads))

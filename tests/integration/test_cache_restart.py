@@ -19,8 +19,9 @@ def manifests(cache: Path) -> dict[str, dict[str, object]]:
     return {p.name: json.loads(p.read_text()) for p in cache.glob("*.json") if p.name != "digests.json"}
 
 
-def test_second_start_is_a_cache_hit(daemon_factory: Callable[..., DaemonProcess], model_dir: Path,
-                                     tmp_path: Path) -> None:
+def test_second_start_is_a_cache_hit(
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path, tmp_path: Path
+) -> None:
     d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
     d.start()
     assert "tiny: building" in d.log()
@@ -46,8 +47,9 @@ def test_second_start_is_a_cache_hit(daemon_factory: Callable[..., DaemonProcess
     assert not d.socket.exists()  # removed on a clean stop
 
 
-def test_corrupt_artifact_is_quarantined_and_rebuilt(daemon_factory: Callable[..., DaemonProcess],
-                                                     model_dir: Path, tmp_path: Path) -> None:
+def test_corrupt_artifact_is_quarantined_and_rebuilt(
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path, tmp_path: Path
+) -> None:
     d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
     d.start()
     assert d.stop() == 0
@@ -64,8 +66,9 @@ def test_corrupt_artifact_is_quarantined_and_rebuilt(daemon_factory: Callable[..
         assert c.infer("tiny", {"x": np.zeros((1, 16), np.float32)})["probs"].shape == (1, 4)
 
 
-def test_changed_model_rebuilds_and_manifest_mismatch(daemon_factory: Callable[..., DaemonProcess],
-                                                      tmp_path: Path) -> None:
+def test_changed_model_rebuilds_and_manifest_mismatch(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
     from edged.demo import make_tiny_mlp
 
     model = make_tiny_mlp(tmp_path / "m.onnx")
@@ -88,8 +91,9 @@ def test_changed_model_rebuilds_and_manifest_mismatch(daemon_factory: Callable[.
     assert len(list(cache.glob("m-*.onnx"))) == 2
 
 
-def test_artifact_that_does_not_load_is_rebuilt(daemon_factory: Callable[..., DaemonProcess],
-                                                model_dir: Path, tmp_path: Path) -> None:
+def test_artifact_that_does_not_load_is_rebuilt(
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path, tmp_path: Path
+) -> None:
     """An entry whose checksum matches but which the backend cannot load (a plan from another
     TensorRT, say) is moved aside and rebuilt at once; the daemon comes up ready."""
     from edged.cache import file_digest

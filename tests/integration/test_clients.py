@@ -48,8 +48,13 @@ def test_async_client_concurrent_requests(tiny_daemon: DaemonProcess) -> None:
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "edged", *args], capture_output=True, text=True,
-                          env=dict(os.environ, **(env or {})), timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "edged", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **(env or {})),
+        timeout=60,
+    )
 
 
 def test_command_line(tiny_daemon: DaemonProcess, tmp_path: Path) -> None:
@@ -59,8 +64,9 @@ def test_command_line(tiny_daemon: DaemonProcess, tmp_path: Path) -> None:
     models = cli("models", env={"EDGED_SOCKET": sock})  # the socket from the environment
     assert models.returncode == 0 and "tiny" in models.stdout and "ready" in models.stdout
     np.save(tmp_path / "x.npy", np.ones((2, 16), np.float32))
-    out = cli("infer", "tiny", "--input", f"x={tmp_path / 'x.npy'}", "--output", str(tmp_path / "o.npz"),
-              "--socket", sock)
+    out = cli(
+        "infer", "tiny", "--input", f"x={tmp_path / 'x.npy'}", "--output", str(tmp_path / "o.npz"), "--socket", sock
+    )
     assert out.returncode == 0, out.stderr
     with np.load(tmp_path / "o.npz") as saved:
         assert saved["probs"].shape == (2, 4)
@@ -80,8 +86,9 @@ def test_config_error_exits_78_and_names_the_key(tmp_path: Path) -> None:
     assert "bad.toml: server.sockett: unknown key" in out.stderr
 
 
-def test_stale_socket_from_a_crashed_run_is_replaced(daemon_factory: Callable[..., DaemonProcess],
-                                                     model_dir: Path) -> None:
+def test_stale_socket_from_a_crashed_run_is_replaced(
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path
+) -> None:
     import socket
 
     d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})

@@ -23,11 +23,16 @@ def test_demo_config_is_valid() -> None:
     assert cfg.models["ocr_det"].profiles["x"].opt == [1, 3, 640, 640]
 
 
-def test_detector_frame_through_shared_memory(daemon_factory: Callable[..., DaemonProcess],
-                                              demo_models: Path) -> None:
-    d = daemon_factory({"ocr_det": {"path": str(demo_models), "backend": "onnxruntime",
-                                    "profiles": {"x": {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640],
-                                                       "max": [1, 3, 1280, 1280]}}}})
+def test_detector_frame_through_shared_memory(daemon_factory: Callable[..., DaemonProcess], demo_models: Path) -> None:
+    d = daemon_factory(
+        {
+            "ocr_det": {
+                "path": str(demo_models),
+                "backend": "onnxruntime",
+                "profiles": {"x": {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640], "max": [1, 3, 1280, 1280]}},
+            }
+        }
+    )
     d.start()
     frame = np.random.default_rng(0).random((1, 3, 640, 640), dtype=np.float32)
     with d.client() as c:

@@ -39,10 +39,17 @@ def render_text_images(folder: Path, count: int, size: int = 160) -> Path:
 
 def detector(path: Path, data: Path, gate: dict[str, float] | None = None) -> dict[str, object]:
     return {
-        "path": str(path), "backend": "onnxruntime", "precision": "int8",
+        "path": str(path),
+        "backend": "onnxruntime",
+        "precision": "int8",
         "profiles": {"x": {"min": [1, 3, 32, 32], "opt": [1, 3, 160, 160], "max": [1, 3, 640, 640]}},
-        "calibration": {"data": str(data), "method": "minmax", "resize": [160, 160],
-                        "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
+        "calibration": {
+            "data": str(data),
+            "method": "minmax",
+            "resize": [160, 160],
+            "mean": [0.485, 0.456, 0.406],
+            "std": [0.229, 0.224, 0.225],
+        },
         "gate": gate or {},
     }
 
@@ -58,7 +65,8 @@ def status(d: DaemonProcess) -> dict[str, object]:
 
 
 def test_gate_pass_serves_int8_and_the_qdq_model_is_shared(
-        daemon_factory: Callable[..., DaemonProcess], demo_models: Path, pages: Path, tmp_path: Path) -> None:
+    daemon_factory: Callable[..., DaemonProcess], demo_models: Path, pages: Path, tmp_path: Path
+) -> None:
     # Thresholds for a segmentation map (the defaults suit classifiers); see the INT8 docs.
     d = daemon_factory({"det": detector(demo_models, pages, {"max_rel_l2": 0.5, "min_cosine": 0.9})})
     d.start(timeout=180)
@@ -76,7 +84,8 @@ def test_gate_pass_serves_int8_and_the_qdq_model_is_shared(
 
 
 def test_gate_fail_falls_back_to_fp32_and_says_why(
-        daemon_factory: Callable[..., DaemonProcess], demo_models: Path, pages: Path, tmp_path: Path) -> None:
+    daemon_factory: Callable[..., DaemonProcess], demo_models: Path, pages: Path, tmp_path: Path
+) -> None:
     d = daemon_factory({"det": detector(demo_models, pages, {"max_rel_l2": 0.001, "min_cosine": 0.99999})})
     d.start(timeout=180)
     st = status(d)
@@ -91,14 +100,19 @@ def test_gate_fail_falls_back_to_fp32_and_says_why(
     assert "building" not in d.log()
     assert status(d)["precision"] == "fp32"
     # edged plan shows it too.
-    out = subprocess.run([sys.executable, "-m", "edged", "plan", "--config", str(d.config), "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "edged", "plan", "--config", str(d.config), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     (model,) = json.loads(out.stdout)["models"]
     assert model["precision"] == "fp32" and "accuracy gate" in model["reason"]
 
 
 def test_calibration_data_change_rebuilds_and_build_check(
-        daemon_factory: Callable[..., DaemonProcess], demo_models: Path, tmp_path: Path) -> None:
+    daemon_factory: Callable[..., DaemonProcess], demo_models: Path, tmp_path: Path
+) -> None:
     data = render_text_images(tmp_path / "data", 4, size=96)
     d = daemon_factory({"det": detector(demo_models, data, {"max_rel_l2": 0.9, "min_cosine": 0.5})})
     build = [sys.executable, "-m", "edged", "build", "--config", str(d.config)]
@@ -113,13 +127,13 @@ def test_calibration_data_change_rebuilds_and_build_check(
     assert check.returncode == 1 and "det: needs a build" in check.stdout
 
 
-def test_killed_build_fails_only_its_model(daemon_factory: Callable[..., DaemonProcess], demo_models: Path,
-                                           model_dir: Path, tmp_path: Path) -> None:
+def test_killed_build_fails_only_its_model(
+    daemon_factory: Callable[..., DaemonProcess], demo_models: Path, model_dir: Path, tmp_path: Path
+) -> None:
     """A build child killed with SIGKILL (as the OOM killer would) while the daemon serves another
     model: the reload fails with the reason, the other model keeps serving, nothing partial stays."""
     data = render_text_images(tmp_path / "data", 6, size=320)
-    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}},
-                       extra={"lifecycle": {"watch_files": False}})
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}}, extra={"lifecycle": {"watch_files": False}})
     d.start()
     cfg = d.config.read_text()
     model = detector(demo_models, data)
@@ -157,9 +171,12 @@ def _build_child(parent: int) -> int | None:
 
 
 def test_build_waits_for_memory_headroom_then_fails_with_what_it_needs(
-        daemon_factory: Callable[..., DaemonProcess], model_dir: Path) -> None:
-    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}},
-                       extra={"build": {"headroom": "100TiB", "wait_for_memory_s": 0}})
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path
+) -> None:
+    d = daemon_factory(
+        {"tiny": {"path": str(model_dir / "tiny.onnx")}},
+        extra={"build": {"headroom": "100TiB", "wait_for_memory_s": 0}},
+    )
     d.start()
     with d.client() as c:
         st = c.status()["models"]["tiny"]

@@ -53,8 +53,9 @@ class Stream:
             t.join(30)
 
 
-def test_reload_under_load_swaps_with_zero_failures(daemon_factory: Callable[..., DaemonProcess],
-                                                    tmp_path: Path) -> None:
+def test_reload_under_load_swaps_with_zero_failures(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
     model = make_tiny_mlp(tmp_path / "m.onnx")
     d = daemon_factory({"m": {"path": str(model)}}, extra={"lifecycle": {"watch_files": False}})
     d.start()
@@ -105,11 +106,16 @@ def test_failed_reload_keeps_serving(daemon_factory: Callable[..., DaemonProcess
         assert c.ready()
 
 
-def test_sigterm_drains_in_flight_requests(daemon_factory: Callable[..., DaemonProcess],
-                                           demo_models: Path) -> None:
-    d = daemon_factory({"m": {"path": str(demo_models), "backend": "onnxruntime",
-                              "profiles": {"x": {"min": [1, 3, 32, 32], "opt": [1, 3, 64, 64],
-                                                 "max": [1, 3, 1280, 1280]}}}})
+def test_sigterm_drains_in_flight_requests(daemon_factory: Callable[..., DaemonProcess], demo_models: Path) -> None:
+    d = daemon_factory(
+        {
+            "m": {
+                "path": str(demo_models),
+                "backend": "onnxruntime",
+                "profiles": {"x": {"min": [1, 3, 32, 32], "opt": [1, 3, 64, 64], "max": [1, 3, 1280, 1280]}},
+            }
+        }
+    )
     d.start()
     frame = np.random.default_rng(0).random((1, 3, 960, 960), dtype=np.float32)
     results: list[object] = []
@@ -136,8 +142,9 @@ def test_sigterm_drains_in_flight_requests(daemon_factory: Callable[..., DaemonP
     assert "stopped in" in d.log()
 
 
-def test_sigterm_during_a_build_stops_promptly(daemon_factory: Callable[..., DaemonProcess], demo_models: Path,
-                                               tmp_path: Path) -> None:
+def test_sigterm_during_a_build_stops_promptly(
+    daemon_factory: Callable[..., DaemonProcess], demo_models: Path, tmp_path: Path
+) -> None:
     from tests.integration.test_int8 import detector, render_text_images
 
     data = render_text_images(tmp_path / "pages", 6, size=320)

@@ -24,7 +24,6 @@ pytestmark = pytest.mark.integration
 __all__ = ["module_broker"]  # a fixture: imported so that pytest finds it
 
 
-
 # --- models ------------------------------------------------------------------------------------
 
 
@@ -39,14 +38,22 @@ def make_slow_model(path: Path, size: int = 384, rounds: int = 40) -> Path:
     reps = numpy_helper.from_array(np.array([size, size // 16], np.int64), "reps")
     nodes = [helper.make_node("Tile", ["x", "reps"], ["m0"])]
     for i in range(rounds):
-        nodes += [helper.make_node("MatMul", [f"m{i}", "a"], [f"p{i}"]),
-                  helper.make_node("Tanh", [f"p{i}"], [f"m{i + 1}"])]
-    nodes += [helper.make_node("ReduceMean", [f"m{rounds}"], ["r"], axes=[0], keepdims=1),
-              helper.make_node("MatMul", ["r", "b"], ["logits"]),
-              helper.make_node("Softmax", ["logits"], ["probs"], axis=1)]
+        nodes += [
+            helper.make_node("MatMul", [f"m{i}", "a"], [f"p{i}"]),
+            helper.make_node("Tanh", [f"p{i}"], [f"m{i + 1}"]),
+        ]
+    nodes += [
+        helper.make_node("ReduceMean", [f"m{rounds}"], ["r"], axes=[0], keepdims=1),
+        helper.make_node("MatMul", ["r", "b"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=1),
+    ]
     graph = helper.make_graph(
-        nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
-        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 4])], [a, b, reps])
+        nodes,
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 4])],
+        [a, b, reps],
+    )
     save_graph(graph, path, opset=13)
     return path
 
@@ -57,12 +64,26 @@ def make_slow_model(path: Path, size: int = 384, rounds: int = 40) -> Path:
 class Edged(DaemonProcess):
     """``python -m edged serve`` with an [mqtt] table pointing at the test broker."""
 
-    def __init__(self, directory: Path, port: int, device: str, models: Mapping[str, Mapping[str, Any]],
-                 cache: Path, **mqtt_keys: Any) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        port: int,
+        device: str,
+        models: Mapping[str, Mapping[str, Any]],
+        cache: Path,
+        **mqtt_keys: Any,
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.device = device
-        mqtt = {"enabled": True, "host": "127.0.0.1", "port": port, "device_id": device,
-                "reconnect_min_s": 0.05, "reconnect_max_s": 0.5, **mqtt_keys}
+        mqtt = {
+            "enabled": True,
+            "host": "127.0.0.1",
+            "port": port,
+            "device_id": device,
+            "reconnect_min_s": 0.05,
+            "reconnect_max_s": 0.5,
+            **mqtt_keys,
+        }
         tables: dict[str, dict[str, Any]] = {
             "server": {"socket": str(directory / "edged.sock"), "log_level": "debug"},
             "cache": {"dir": str(cache)},
@@ -91,8 +112,10 @@ class Edged(DaemonProcess):
 
 
 def json_request(x: np.ndarray, rid: str = "", **extra: Any) -> bytes:
-    doc: dict[str, Any] = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
-                                       "data": x.reshape(-1).tolist()}], **extra}
+    doc: dict[str, Any] = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.reshape(-1).tolist()}],
+        **extra,
+    }
     if rid:
         doc["id"] = rid
     return json.dumps(doc).encode()
@@ -135,8 +158,9 @@ def model_table(mqtt_models: Path) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def edge(module_broker: Broker, mqtt_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edged]:
     d = tmp_path_factory.mktemp("edge")
-    daemon = Edged(d, module_broker.port, DEV, model_table(mqtt_models), d / "cache",
-                   telemetry_interval_s=1, fleet_group="g")
+    daemon = Edged(
+        d, module_broker.port, DEV, model_table(mqtt_models), d / "cache", telemetry_interval_s=1, fleet_group="g"
+    )
     daemon.start()
     yield daemon
     assert daemon.stop() == 0
@@ -189,8 +213,7 @@ def test_telemetry_reports_memory_counts_and_latency(peer: Peer) -> None:
 def test_json_round_trip_matches_the_socket(peer: Peer, edge: Edged) -> None:
     x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
     peer.subscribe("reply/json")
-    peer.request(f"{MODELS}/tiny/infer", json_request(x, "j-1"), "reply/json", b"corr-1",
-                 "application/json")
+    peer.request(f"{MODELS}/tiny/infer", json_request(x, "j-1"), "reply/json", b"corr-1", "application/json")
     r = peer.first("reply/json")
     assert r.correlation == b"corr-1"
     assert r.content_type == "application/json" and r.user["device"] == DEV
@@ -205,10 +228,12 @@ def test_raw_tensor_round_trip_replies_raw(peer: Peer, edge: Edged) -> None:
     topic = f"{MODELS}/tiny/infer"
     # The input name is optional for a single-input model; dtype and shape take either spelling.
     peer.request(topic, x.tobytes(), "reply/raw", b"r-1", OCTET, [("dtype", "FP32"), ("shape", "2,16")])
-    peer.request(topic, x.tobytes(), "reply/raw", b"r-2", OCTET,
-                 [("dtype", "float32"), ("shape", "[2, 16]"), ("input", "x")])
-    replies = peer.wait(lambda: len(peer.replies("reply/raw")) == 2 and peer.replies("reply/raw"), 10,
-                        "two raw replies")
+    peer.request(
+        topic, x.tobytes(), "reply/raw", b"r-2", OCTET, [("dtype", "float32"), ("shape", "[2, 16]"), ("input", "x")]
+    )
+    replies = peer.wait(
+        lambda: len(peer.replies("reply/raw")) == 2 and peer.replies("reply/raw"), 10, "two raw replies"
+    )
     want = socket_probs(edge, x)
     for corr in (b"r-1", b"r-2"):
         r = replies[corr]
@@ -219,44 +244,108 @@ def test_raw_tensor_round_trip_replies_raw(peer: Peer, edge: Edged) -> None:
 
 def test_binary_tensor_extension_as_on_the_socket(peer: Peer, edge: Edged) -> None:
     x = np.random.default_rng(3).standard_normal((1, 16)).astype(np.float32)
-    header = json.dumps({"id": "b-1", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16],
-                                                  "parameters": {"binary_data_size": 64}}],
-                         "parameters": {"binary_data_output": True}}).encode()
+    header = json.dumps(
+        {
+            "id": "b-1",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "parameters": {"binary_data_size": 64}}],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
     peer.subscribe("reply/bin")
-    peer.request(f"{MODELS}/tiny/infer", header + x.tobytes(), "reply/bin", b"b-1", OCTET,
-                 [("inference-header-content-length", str(len(header)))])
+    peer.request(
+        f"{MODELS}/tiny/infer",
+        header + x.tobytes(),
+        "reply/bin",
+        b"b-1",
+        OCTET,
+        [("inference-header-content-length", str(len(header)))],
+    )
     r = peer.first("reply/bin")
     n = int(r.user["inference-header-content-length"])
     doc = json.loads(r.payload[:n])
     assert doc["id"] == "b-1" and doc["outputs"][0]["parameters"]["binary_data_size"] == 16
-    np.testing.assert_array_equal(np.frombuffer(r.payload[n:], np.float32).reshape(1, 4),
-                                  socket_probs(edge, x))
+    np.testing.assert_array_equal(np.frombuffer(r.payload[n:], np.float32).reshape(1, 4), socket_probs(edge, x))
 
 
-def test_third_party_clients_mosquitto_rr_and_pub(module_broker: Broker, peer: Peer, edge: Edged,
-                                                  tmp_path: Path) -> None:
+def test_third_party_clients_mosquitto_rr_and_pub(
+    module_broker: Broker, peer: Peer, edge: Edged, tmp_path: Path
+) -> None:
     x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
     topic = f"{MODELS}/tiny/infer"
     rr = subprocess.run(
-        ["mosquitto_rr", "-p", str(module_broker.port), "-t", topic, "-e", "reply/rr", "-q", "1",
-         "-m", json_request(x, "rr-1").decode(), "-W", "10", "-N", "-F", "%C|%P|%p"],
-        capture_output=True, text=True, timeout=20, check=False)
+        [
+            "mosquitto_rr",
+            "-p",
+            str(module_broker.port),
+            "-t",
+            topic,
+            "-e",
+            "reply/rr",
+            "-q",
+            "1",
+            "-m",
+            json_request(x, "rr-1").decode(),
+            "-W",
+            "10",
+            "-N",
+            "-F",
+            "%C|%P|%p",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
     assert rr.returncode == 0, rr.stderr
     ctype, props, payload = rr.stdout.split("|", 2)
     assert ctype == "application/json" and f"device:{DEV}" in props
     body = json.loads(payload)
     assert body["id"] == "rr-1"
-    np.testing.assert_allclose(np.asarray(body["outputs"][0]["data"], np.float32).reshape(1, 4),
-                               socket_probs(edge, x), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(body["outputs"][0]["data"], np.float32).reshape(1, 4), socket_probs(edge, x), rtol=1e-6
+    )
     # A raw tensor from a client that is not paho: properties as mosquitto encodes them.
     (tmp_path / "x.bin").write_bytes(x.tobytes())
     peer.subscribe("reply/pub")
     subprocess.run(
-        ["mosquitto_pub", "-p", str(module_broker.port), "-V", "mqttv5", "-q", "1", "-t", topic,
-         "-f", str(tmp_path / "x.bin"), "-D", "publish", "content-type", OCTET,
-         "-D", "publish", "user-property", "dtype", "FP32", "-D", "publish", "user-property", "shape", "1,16",
-         "-D", "publish", "response-topic", "reply/pub", "-D", "publish", "correlation-data", "pub-1"],
-        check=True, timeout=20)
+        [
+            "mosquitto_pub",
+            "-p",
+            str(module_broker.port),
+            "-V",
+            "mqttv5",
+            "-q",
+            "1",
+            "-t",
+            topic,
+            "-f",
+            str(tmp_path / "x.bin"),
+            "-D",
+            "publish",
+            "content-type",
+            OCTET,
+            "-D",
+            "publish",
+            "user-property",
+            "dtype",
+            "FP32",
+            "-D",
+            "publish",
+            "user-property",
+            "shape",
+            "1,16",
+            "-D",
+            "publish",
+            "response-topic",
+            "reply/pub",
+            "-D",
+            "publish",
+            "correlation-data",
+            "pub-1",
+        ],
+        check=True,
+        timeout=20,
+    )
     r = peer.first("reply/pub")
     assert r.correlation == b"pub-1" and r.user["shape"] == "1,4"
     np.testing.assert_array_equal(np.frombuffer(r.payload, np.float32).reshape(1, 4), socket_probs(edge, x))
@@ -270,8 +359,9 @@ def test_mqtt311_client_uses_reply_to_and_id(module_broker: Broker, edge: Edged)
         v3.request(f"{MODELS}/nope/infer", json_request(x, "v3-err", reply_to="reply/v3"))
         v3.wait(lambda: len(v3.on("reply/v3")) >= 2, 10, "two replies")
         by_id = {r.json()["id"]: r.json() for r in v3.on("reply/v3")}
-    np.testing.assert_allclose(np.asarray(by_id["v3-ok"]["outputs"][0]["data"], np.float32).reshape(1, 4),
-                               socket_probs(edge, x), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(by_id["v3-ok"]["outputs"][0]["data"], np.float32).reshape(1, 4), socket_probs(edge, x), rtol=1e-6
+    )
     assert by_id["v3-err"]["code"] == "model_not_found" and "nope" in by_id["v3-err"]["error"]
 
 
@@ -282,8 +372,9 @@ def test_raw_request_without_input_name_loads_a_lazy_model(peer: Peer, edge: Edg
     x = np.random.default_rng(5).standard_normal((1, 16)).astype(np.float32)
     peer.subscribe("reply/lazy")
     # The input's name is only known once the model is loaded: edged loads it to find out.
-    peer.request(f"{MODELS}/lazy/infer", x.tobytes(), "reply/lazy", b"z-1", OCTET,
-                 [("dtype", "FP32"), ("shape", "1,16")])
+    peer.request(
+        f"{MODELS}/lazy/infer", x.tobytes(), "reply/lazy", b"z-1", OCTET, [("dtype", "FP32"), ("shape", "1,16")]
+    )
     r = peer.first("reply/lazy")
     assert r.content_type == OCTET, r.payload
     np.testing.assert_array_equal(np.frombuffer(r.payload, np.float32).reshape(1, 4), socket_probs(edge, x))
@@ -300,17 +391,25 @@ BAD: dict[str, tuple[str, bytes, str, list[tuple[str, str]], str]] = {
     "no-inputs": ("tiny", b'{"id": "n"}', "", [], "bad_request"),
     "wrong-input-name": ("tiny", json_request(_X).replace(b'"x"', b'"y"'), "", [], "invalid_input"),
     "wrong-json-dtype": ("tiny", json_request(_X).replace(b"FP32", b"INT32"), "", [], "invalid_input"),
-    "raw-fp64": ("tiny", _X.astype(np.float64).tobytes(), OCTET, [("dtype", "FP64"), ("shape", "1,16")],
-                 "invalid_input"),
+    "raw-fp64": (
+        "tiny",
+        _X.astype(np.float64).tobytes(),
+        OCTET,
+        [("dtype", "FP64"), ("shape", "1,16")],
+        "invalid_input",
+    ),
     "raw-unknown-dtype": ("tiny", _X.tobytes(), OCTET, [("dtype", "FP99"), ("shape", "1,16")], "bad_request"),
-    "raw-wrong-shape": ("tiny", _X[:, :15].tobytes(), OCTET, [("dtype", "FP32"), ("shape", "1,15")],
-                        "invalid_input"),
-    "raw-short-payload": ("tiny", _X.tobytes()[:10], OCTET, [("dtype", "FP32"), ("shape", "1,16")],
-                          "bad_request"),
+    "raw-wrong-shape": ("tiny", _X[:, :15].tobytes(), OCTET, [("dtype", "FP32"), ("shape", "1,15")], "invalid_input"),
+    "raw-short-payload": ("tiny", _X.tobytes()[:10], OCTET, [("dtype", "FP32"), ("shape", "1,16")], "bad_request"),
     "raw-no-dtype": ("tiny", _X.tobytes(), OCTET, [("shape", "1,16")], "bad_request"),
     "raw-bad-shape": ("tiny", _X.tobytes(), OCTET, [("dtype", "FP32"), ("shape", "one")], "bad_request"),
-    "raw-wrong-input": ("tiny", _X.tobytes(), OCTET, [("dtype", "FP32"), ("shape", "1,16"), ("input", "z")],
-                        "invalid_input"),
+    "raw-wrong-input": (
+        "tiny",
+        _X.tobytes(),
+        OCTET,
+        [("dtype", "FP32"), ("shape", "1,16"), ("input", "z")],
+        "invalid_input",
+    ),
     "unknown-model": ("nope", json_request(_X), "", [], "model_not_found"),
 }
 
@@ -319,8 +418,11 @@ def test_bad_payloads_get_the_socket_error_codes(peer: Peer, edge: Edged) -> Non
     peer.subscribe("reply/bad")
     for corr, (model, payload, ctype, user, _) in BAD.items():
         peer.request(f"{MODELS}/{model}/infer", payload, "reply/bad", corr.encode(), ctype, user)
-    replies = peer.wait(lambda: len(peer.replies("reply/bad")) == len(BAD) and peer.replies("reply/bad"),
-                        10, "an answer to every bad request")
+    replies = peer.wait(
+        lambda: len(peer.replies("reply/bad")) == len(BAD) and peer.replies("reply/bad"),
+        10,
+        "an answer to every bad request",
+    )
     for corr, (*_, code) in BAD.items():
         r = replies[corr.encode()]
         doc = r.json()
@@ -331,14 +433,16 @@ def test_bad_payloads_get_the_socket_error_codes(peer: Peer, edge: Edged) -> Non
     assert socket_err.value.code == BAD["raw-wrong-shape"][-1]  # the socket's code for the same input
 
 
-def test_requests_without_a_reply_path_are_logged_and_harmless(module_broker: Broker, peer: Peer,
-                                                               edge: Edged) -> None:
+def test_requests_without_a_reply_path_are_logged_and_harmless(module_broker: Broker, peer: Peer, edge: Edged) -> None:
     before = edge.metric("edged_dropped_total", model="tiny", reason="no_reply_to")
     peer.request(f"{MODELS}/tiny/infer", json_request(_X, "lost-1"))  # MQTT 5, no Response Topic
     with Peer(module_broker.port, v5=False) as v3:  # 3.1.1, unreadable, so no reply_to either
         v3.request(f"{MODELS}/tiny/infer", b"\xff\x00garbage")
-        wait_for(lambda: edge.metric("edged_dropped_total", model="tiny", reason="no_reply_to") >= before + 2,
-                   10, what="two dropped requests")
+        wait_for(
+            lambda: edge.metric("edged_dropped_total", model="tiny", reason="no_reply_to") >= before + 2,
+            10,
+            what="two dropped requests",
+        )
     log = edge.log()
     assert "request without a Response Topic or 'reply_to' dropped" in log
     assert "unreadable request without a reply topic dropped" in log
@@ -379,9 +483,15 @@ def test_expired_request_is_dropped_and_counted(peer: Peer, edge: Edged) -> None
     for i in range(blockers):
         peer.request(topic, json_request(_X), "reply/exp", f"blk-{i}".encode())
     peer.request(topic, json_request(_X), "reply/exp", b"late", expiry=1)
-    wait_for(lambda: edge.metric("edged_dropped_total", model="slowq", reason="expired") == 1, 30,
-             what="the expired request to be counted")
-    replies = peer.wait(lambda: len(peer.replies("reply/exp")) >= 4 + blockers and peer.replies("reply/exp"),
-                        30, "every blocker answered")
+    wait_for(
+        lambda: edge.metric("edged_dropped_total", model="slowq", reason="expired") == 1,
+        30,
+        what="the expired request to be counted",
+    )
+    replies = peer.wait(
+        lambda: len(peer.replies("reply/exp")) >= 4 + blockers and peer.replies("reply/exp"),
+        30,
+        "every blocker answered",
+    )
     assert b"late" not in replies
     assert all(code_of(r) == "ok" for r in replies.values())

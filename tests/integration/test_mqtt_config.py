@@ -23,6 +23,7 @@ X = np.full((1, 16), 0.25, np.float32)
 
 def _seconds_between(log: str, first: str, second: str) -> float:
     """Between the log lines holding ``first`` and ``second`` (their logging timestamps)."""
+
     def at(text: str) -> datetime.datetime:
         line = next(line for line in log.splitlines() if text in line)
         return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
@@ -40,9 +41,17 @@ def test_tls_client_certificate_password_prefix_and_default_device(tmp_path: Pat
     broker = Broker(tmp_path / "broker", tls=tls, users={"edge": "s3cret", "app": "app-pw"})
     broker.start()
     models = {"tiny": tiny, "broken": {"path": str(tmp_path / "missing.onnx")}}
-    d = Edged(tmp_path / "edge", broker.port, "", models, tmp_path / "cache", topic_prefix="plant/line1",
-              username="edge", password="s3cret",
-              tls={"ca": str(tls.ca), "cert": str(tls.client_cert), "key": str(tls.client_key)})
+    d = Edged(
+        tmp_path / "edge",
+        broker.port,
+        "",
+        models,
+        tmp_path / "cache",
+        topic_prefix="plant/line1",
+        username="edge",
+        password="s3cret",
+        tls={"ca": str(tls.ca), "cert": str(tls.client_cert), "key": str(tls.client_key)},
+    )
     try:
         d.start()
         base = f"plant/line1/{socket.gethostname()}"  # device_id defaults to the host name
@@ -82,10 +91,10 @@ def test_edged_starts_without_a_broker_and_connects_when_it_comes(tmp_path: Path
         broker.stop()
 
 
-@pytest.mark.parametrize(("key", "value"), [("device_id", "a/b"), ("device_id", "fleet"),
-                                            ("topic_prefix", "edged/#"), ("fleet_group", "g+")])
-def test_topic_keys_that_cannot_work_stop_the_start(tmp_path: Path, tiny: dict[str, Any], key: str,
-                                                    value: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "value"), [("device_id", "a/b"), ("device_id", "fleet"), ("topic_prefix", "edged/#"), ("fleet_group", "g+")]
+)
+def test_topic_keys_that_cannot_work_stop_the_start(tmp_path: Path, tiny: dict[str, Any], key: str, value: str) -> None:
     keys: dict[str, Any] = {"device_id": "dev-x", key: value}
     device = keys.pop("device_id")
     d = Edged(tmp_path / "edge", 1, device, {"tiny": tiny}, tmp_path / "cache", **keys)

@@ -58,8 +58,9 @@ def _send(peer: Peer, topic: str, reply: str, ids: range) -> None:
         peer.request(topic, json_request(X, f"s{i}"), reply, f"s{i}".encode())
 
 
-def test_broker_restart_mid_stream_loses_no_qos1_request(broker: Broker, tiny: dict[str, Any], cache: Path,
-                                                         tmp_path: Path, daemons: list[Edged]) -> None:
+def test_broker_restart_mid_stream_loses_no_qos1_request(
+    broker: Broker, tiny: dict[str, Any], cache: Path, tmp_path: Path, daemons: list[Edged]
+) -> None:
     topic, n = "edged/dev-r/models/tiny/infer", 400
     # After the outage the broker delivers the backlog at once: a queue that holds it answers
     # every request (a shorter one answers the overflow 'busy', which is an answer, not a loss).
@@ -74,17 +75,18 @@ def test_broker_restart_mid_stream_loses_no_qos1_request(broker: Broker, tiny: d
         p.wait(lambda: len(p.replies("reply/stream")) >= 20, 10, "the stream to be under way")
         broker.restart()
         _send(p, topic, "reply/stream", range(n // 2, n))  # queued by paho until it reconnects
-        replies = p.wait(lambda: len(p.replies("reply/stream")) == n and p.replies("reply/stream"), 60,
-                         f"all {n} answers")
+        replies = p.wait(
+            lambda: len(p.replies("reply/stream")) == n and p.replies("reply/stream"), 60, f"all {n} answers"
+        )
         assert p.connects >= 2
     bad = {c: r.payload[:200] for c, r in replies.items() if code_of(r) != "ok" or r.json()["id"] != c.decode()}
     assert not bad
     assert "session resumed" in d.log()
 
 
-def test_requests_sent_while_edged_is_away_are_answered(module_broker: Broker, tiny: dict[str, Any],
-                                                        cache: Path, tmp_path: Path,
-                                                        daemons: list[Edged]) -> None:
+def test_requests_sent_while_edged_is_away_are_answered(
+    module_broker: Broker, tiny: dict[str, Any], cache: Path, tmp_path: Path, daemons: list[Edged]
+) -> None:
     d = Edged(tmp_path / "edge", module_broker.port, "dev-p", tiny, cache)
     d.start()
     daemons.append(d)
@@ -94,17 +96,24 @@ def test_requests_sent_while_edged_is_away_are_answered(module_broker: Broker, t
         p.subscribe("reply/away")
         p.first(status, lambda r: r.payload == b"online")
         # Retained by mistake: answered when it is sent, never replayed at a reconnect.
-        p.client.publish(topic, json_request(X, "kept"), qos=1, retain=True,
-                         properties=_reply_props("reply/away", b"kept"))
+        p.client.publish(
+            topic, json_request(X, "kept"), qos=1, retain=True, properties=_reply_props("reply/away", b"kept")
+        )
         p.wait(lambda: b"kept" in p.replies("reply/away"), 10, "the retained request's answer")
         assert d.stop() == 0
         p.first(status, lambda r: r.payload == b"offline")  # published on a clean stop
         _send(p, topic, "reply/away", range(5))
         d.start()  # the persistent session delivers what arrived meanwhile
-        replies = p.wait(lambda: len(p.replies("reply/away")) == 6 and p.replies("reply/away"), 30,
-                         "the five requests sent while edged was away")
-        wait_for(lambda: "retained request on edged/dev-p/models/tiny/infer ignored" in d.log(), 10,
-                 what="the replayed retained request to be ignored")
+        replies = p.wait(
+            lambda: len(p.replies("reply/away")) == 6 and p.replies("reply/away"),
+            30,
+            "the five requests sent while edged was away",
+        )
+        wait_for(
+            lambda: "retained request on edged/dev-p/models/tiny/infer ignored" in d.log(),
+            10,
+            what="the replayed retained request to be ignored",
+        )
         assert sum(r.correlation == b"kept" for r in p.on("reply/away")) == 1
         p.client.publish(topic, b"", qos=1, retain=True)  # clear it for the other tests
     assert all(code_of(r) == "ok" for r in replies.values())
@@ -113,8 +122,9 @@ def test_requests_sent_while_edged_is_away_are_answered(module_broker: Broker, t
         assert late.first(status, lambda r: r.retain).payload == b"online"
 
 
-def test_last_will_marks_a_killed_daemon_offline(module_broker: Broker, tiny: dict[str, Any], cache: Path,
-                                                 tmp_path: Path, daemons: list[Edged]) -> None:
+def test_last_will_marks_a_killed_daemon_offline(
+    module_broker: Broker, tiny: dict[str, Any], cache: Path, tmp_path: Path, daemons: list[Edged]
+) -> None:
     # This daemon speaks MQTT 3.1.1 itself: replies go to the 'reply_to' of the JSON body.
     d = Edged(tmp_path / "edge", module_broker.port, "dev-k", tiny, cache, protocol="3.1.1")
     d.start()
@@ -135,10 +145,12 @@ def test_last_will_marks_a_killed_daemon_offline(module_broker: Broker, tiny: di
 
 
 def test_fleet_shared_subscription_spreads_a_burst_over_two_daemons(
-        module_broker: Broker, tiny: dict[str, Any], cache: Path, tmp_path: Path,
-        daemons: list[Edged]) -> None:
-    f1, f2 = (Edged(tmp_path / name, module_broker.port, name, tiny, cache, fleet_group="line1")
-              for name in ("dev-f1", "dev-f2"))
+    module_broker: Broker, tiny: dict[str, Any], cache: Path, tmp_path: Path, daemons: list[Edged]
+) -> None:
+    f1, f2 = (
+        Edged(tmp_path / name, module_broker.port, name, tiny, cache, fleet_group="line1")
+        for name in ("dev-f1", "dev-f2")
+    )
     daemons += [f1, f2]
     for d in (f1, f2):
         d.start(wait_ready=False)
@@ -148,8 +160,7 @@ def test_fleet_shared_subscription_spreads_a_burst_over_two_daemons(
     with Peer(module_broker.port) as p:
         p.subscribe("reply/fleet")
         _send(p, topic, "reply/fleet", range(60))
-        first = p.wait(lambda: len(p.replies("reply/fleet")) == 60 and p.replies("reply/fleet"), 20,
-                       "60 fleet answers")
+        first = p.wait(lambda: len(p.replies("reply/fleet")) == 60 and p.replies("reply/fleet"), 20, "60 fleet answers")
         by_device = collections.Counter(r.user["device"] for r in first.values())
         assert set(by_device) == {"dev-f1", "dev-f2"}, by_device
         assert all(code_of(r) == "ok" for r in first.values())
@@ -158,7 +169,10 @@ def test_fleet_shared_subscription_spreads_a_burst_over_two_daemons(
         p.subscribe("edged/dev-f2/status")
         p.first("edged/dev-f2/status", lambda r: r.payload == b"offline")
         _send(p, topic, "reply/fleet", range(100, 120))
-        replies = p.wait(lambda: len(p.replies("reply/fleet")) == 80 and p.replies("reply/fleet"), 20,
-                         "the 20 requests sent after dev-f2 died")
+        replies = p.wait(
+            lambda: len(p.replies("reply/fleet")) == 80 and p.replies("reply/fleet"),
+            20,
+            "the 20 requests sent after dev-f2 died",
+        )
     after = [replies[f"s{i}".encode()] for i in range(100, 120)]
     assert {r.user["device"] for r in after} == {"dev-f1"}

@@ -27,8 +27,9 @@ def reference(model: Path, x: np.ndarray) -> np.ndarray:
     return sess.run(None, {"x": x})[0]
 
 
-def raw(sock: Path, method: str, path: str, body: bytes = b"",
-        headers: dict[str, str] | None = None) -> tuple[int, bytes, http.client.HTTPResponse]:
+def raw(
+    sock: Path, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> tuple[int, bytes, http.client.HTTPResponse]:
     """A plain HTTP/1.1 request over the socket, as curl --unix-socket would send it."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)
@@ -48,13 +49,16 @@ def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     from tests.helpers import DaemonProcess, write_config
 
     tmp = tmp_path_factory.mktemp("api")
-    cfg = write_config(tmp / "edged.toml", {
-        "server": {"socket": str(tmp / "edged.sock"), "max_body": "1MiB"},
-        "cache": {"dir": str(tmp / "cache")},
-        "models.tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"},
-        "models.lazy": {"path": str(model_dir / "tiny_b.onnx"), "preload": "lazy"},
-        "models.broken": {"path": str(tmp / "missing.onnx")},
-    })
+    cfg = write_config(
+        tmp / "edged.toml",
+        {
+            "server": {"socket": str(tmp / "edged.sock"), "max_body": "1MiB"},
+            "cache": {"dir": str(tmp / "cache")},
+            "models.tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"},
+            "models.lazy": {"path": str(model_dir / "tiny_b.onnx"), "preload": "lazy"},
+            "models.broken": {"path": str(tmp / "missing.onnx")},
+        },
+    )
     d = DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
     yield d
     assert d.stop() == 0, d.log()
@@ -77,16 +81,18 @@ def test_health_and_metadata(served: DaemonProcess) -> None:
 
 def test_json_infer_matches_onnxruntime(served: DaemonProcess, model_dir: Path) -> None:
     x = np.arange(32, dtype=np.float32).reshape(2, 16) / 10
-    body = orjson.dumps({"id": "r1", "inputs": [
-        {"name": "x", "shape": [2, 16], "datatype": "FP32", "data": x.ravel().tolist()}]})
+    body = orjson.dumps(
+        {"id": "r1", "inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32", "data": x.ravel().tolist()}]}
+    )
     status, data, _ = raw(served.socket, "POST", "/v2/models/tiny/infer", body)
     assert status == 200, data
     doc = orjson.loads(data)
     assert doc["id"] == "r1" and doc["model_name"] == "tiny"
     out = doc["outputs"][0]
     assert out["shape"] == [2, 4] and out["datatype"] == "FP32"
-    np.testing.assert_allclose(np.array(out["data"]).reshape(2, 4), reference(model_dir / "tiny.onnx", x),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.array(out["data"]).reshape(2, 4), reference(model_dir / "tiny.onnx", x), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_binary_infer_with_client(served: DaemonProcess, model_dir: Path) -> None:
@@ -109,8 +115,14 @@ def test_shared_memory_input_and_output(served: DaemonProcess, model_dir: Path) 
         np.testing.assert_allclose(out2["probs"], reference(model_dir / "tiny.onnx", x * 2), rtol=1e-5)
         # Output into a region too (Triton's parameters on the output).
         region = c.shm_region("out", 64)
-        body = orjson.dumps({"inputs": [region_input(c, x)], "outputs": [
-            {"name": "probs", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 64}}]})
+        body = orjson.dumps(
+            {
+                "inputs": [region_input(c, x)],
+                "outputs": [
+                    {"name": "probs", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 64}}
+                ],
+            }
+        )
         status, data, _ = c.request("POST", "/v2/models/tiny/infer", body)
         assert status == 200, data
         assert orjson.loads(data)["outputs"][0]["parameters"]["shared_memory_byte_size"] == 16
@@ -123,23 +135,55 @@ def region_input(c: Client, x: np.ndarray) -> dict[str, object]:
     return c.shm_region("in", x.nbytes).put(x).meta("x")
 
 
-@pytest.mark.parametrize(("body", "status", "code", "needle"), [
-    (b"{not json", 400, "bad_request", "malformed JSON"),
-    (orjson.dumps({"inputs": []}), 400, "bad_request", "'inputs' must be a non-empty list"),
-    (orjson.dumps({"inputs": [{"name": "y", "shape": [1, 16], "datatype": "FP32", "data": [0] * 16}]}),
-     400, "invalid_input", "takes inputs [x]"),
-    (orjson.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "INT32", "data": [0] * 16}]}),
-     400, "invalid_input", "expected datatype FP32"),
-    (orjson.dumps({"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0] * 8}]}),
-     400, "invalid_input", "expected shape [-1, 16]"),
-    (orjson.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0] * 15}]}),
-     400, "bad_request", "needs 16 values"),
-    (orjson.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32",
-                               "parameters": {"shared_memory_region": "nope", "shared_memory_byte_size": 64}}]}),
-     400, "shm_region_not_found", "'nope' is not registered"),
-])
-def test_bad_input_is_a_precise_error(served: DaemonProcess, body: bytes, status: int, code: str,
-                                      needle: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "code", "needle"),
+    [
+        (b"{not json", 400, "bad_request", "malformed JSON"),
+        (orjson.dumps({"inputs": []}), 400, "bad_request", "'inputs' must be a non-empty list"),
+        (
+            orjson.dumps({"inputs": [{"name": "y", "shape": [1, 16], "datatype": "FP32", "data": [0] * 16}]}),
+            400,
+            "invalid_input",
+            "takes inputs [x]",
+        ),
+        (
+            orjson.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "INT32", "data": [0] * 16}]}),
+            400,
+            "invalid_input",
+            "expected datatype FP32",
+        ),
+        (
+            orjson.dumps({"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0] * 8}]}),
+            400,
+            "invalid_input",
+            "expected shape [-1, 16]",
+        ),
+        (
+            orjson.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0] * 15}]}),
+            400,
+            "bad_request",
+            "needs 16 values",
+        ),
+        (
+            orjson.dumps(
+                {
+                    "inputs": [
+                        {
+                            "name": "x",
+                            "shape": [1, 16],
+                            "datatype": "FP32",
+                            "parameters": {"shared_memory_region": "nope", "shared_memory_byte_size": 64},
+                        }
+                    ]
+                }
+            ),
+            400,
+            "shm_region_not_found",
+            "'nope' is not registered",
+        ),
+    ],
+)
+def test_bad_input_is_a_precise_error(served: DaemonProcess, body: bytes, status: int, code: str, needle: str) -> None:
     got, data, _ = raw(served.socket, "POST", "/v2/models/tiny/infer", body)
     doc = orjson.loads(data)
     assert (got, doc["code"]) == (status, code), doc
@@ -150,10 +194,16 @@ def test_bad_input_is_a_precise_error(served: DaemonProcess, body: bytes, status
 
 
 def test_binary_size_mismatch_and_body_limit(served: DaemonProcess) -> None:
-    header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32",
-                                       "parameters": {"binary_data_size": 64}}]})
-    status, data, _ = raw(served.socket, "POST", "/v2/models/tiny/infer", header + b"\0" * 60,
-                          {"Inference-Header-Content-Length": str(len(header))})
+    header = orjson.dumps(
+        {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "parameters": {"binary_data_size": 64}}]}
+    )
+    status, data, _ = raw(
+        served.socket,
+        "POST",
+        "/v2/models/tiny/infer",
+        header + b"\0" * 60,
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
     assert status == 400 and b"runs past the end" in data
     status, data, _ = raw(served.socket, "POST", "/v2/models/tiny/infer", b"x" * (2 << 20))
     assert status == 413 and orjson.loads(data)["code"] == "payload_too_large"
@@ -172,8 +222,18 @@ def test_shm_region_errors(served: DaemonProcess) -> None:
         with pytest.raises(errors.SharedMemoryNotFoundError, match="does not exist"):
             c.register_shm("r", "/edged-test-no-such-key", 64)
         region = c.shm_region("small", 16)
-        body = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "parameters": {
-            "shared_memory_region": "small", "shared_memory_byte_size": 64}}]})
+        body = orjson.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "x",
+                        "shape": [1, 16],
+                        "datatype": "FP32",
+                        "parameters": {"shared_memory_region": "small", "shared_memory_byte_size": 64},
+                    }
+                ]
+            }
+        )
         status, data, _ = c.request("POST", "/v2/models/tiny/infer", body)
         assert status == 400 and b"too small" in data
         assert region.byte_size == 16
@@ -229,9 +289,9 @@ def test_concurrent_clients(served: DaemonProcess, model_dir: Path) -> None:
     assert not any(t.is_alive() for t in threads)
 
 
-def test_socket_permissions_and_second_daemon_refused(served: DaemonProcess,
-                                                      daemon_factory: Callable[..., DaemonProcess],
-                                                      model_dir: Path) -> None:
+def test_socket_permissions_and_second_daemon_refused(
+    served: DaemonProcess, daemon_factory: Callable[..., DaemonProcess], model_dir: Path
+) -> None:
     mode = stat.S_IMODE(os.stat(served.socket).st_mode)
     assert mode == 0o660
     second = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}}, name="second")

@@ -18,9 +18,7 @@ def systemd_prerequisite() -> str | None:
 
 
 @pytest.fixture
-def boot_systemd(
-    systemd_prerequisite: str | None, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Boot]:
+def boot_systemd(systemd_prerequisite: str | None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Boot]:
     """``boot_systemd({"x.service": text, "x.service.d/y.conf": text}, BootOptions(...))`` boots
     a systemd whose edged-test.target wants those units; every namespace is torn down after the
     test (units stopped, then its init killed by PID, then its cgroup removed)."""

@@ -60,8 +60,9 @@ class StrictClient(Client):
     """Client without the retry on a closed keep-alive connection: a connection the daemon drops
     in the middle of a reload is a failed request here, not a silent second attempt."""
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: Mapping[str, str] | None = None) -> tuple[int, bytes, http.client.HTTPResponse]:
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes, http.client.HTTPResponse]:
         self._conn.request(method, path, body=body, headers=dict(headers or {}))
         resp = self._conn.getresponse()
         return resp.status, resp.read(), resp
@@ -131,9 +132,11 @@ class Edged:
 
     def diagnostics(self) -> str:
         console = self.ns.console_log.read_text(errors="replace")[-3000:]
-        return (f"--- systemctl status ---\n{self.ns.status(SERVICE)}\n"
-                f"--- daemon journal (last 4000 chars) ---\n{self.journal()[-4000:]}\n"
-                f"--- PID 1 console (last 3000 chars) ---\n{console}")
+        return (
+            f"--- systemctl status ---\n{self.ns.status(SERVICE)}\n"
+            f"--- daemon journal (last 4000 chars) ---\n{self.journal()[-4000:]}\n"
+            f"--- PID 1 console (last 3000 chars) ---\n{console}"
+        )
 
 
 def boot_edged(boot: Boot, *, socket_unit: bool = True, extra: str = "") -> Edged:
@@ -151,9 +154,7 @@ def boot_edged(boot: Boot, *, socket_unit: bool = True, extra: str = "") -> Edge
         units[SOCKET_UNIT] = (UNITS / SOCKET_UNIT).read_text()
     if extra:
         units[f"{SERVICE}.d/60-test.conf"] = extra
-    options = BootOptions(
-        private_etc=True, wants=(), tmpfs=("/tmp", "/var/tmp", "/var/lib", "/var/cache")
-    )
+    options = BootOptions(private_etc=True, wants=(), tmpfs=("/tmp", "/var/tmp", "/var/lib", "/var/cache"))
     ns = boot(units, options)
     ns.run("systemd-sysusers", str(UNITS / "edged.sysusers"), check=True)
     ns.run("systemd-tmpfiles", "--create", str(UNITS / "edged.tmpfiles"), check=True)
@@ -175,8 +176,7 @@ def onnx_reference(model: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.n
 
 def matches(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> bool:
     return set(got) == set(want) and all(
-        got[k].shape == want[k].shape and np.allclose(got[k], want[k], rtol=1e-4, atol=1e-5)
-        for k in want
+        got[k].shape == want[k].shape and np.allclose(got[k], want[k], rtol=1e-4, atol=1e-5) for k in want
     )
 
 
@@ -199,8 +199,7 @@ class Stream:
     def __enter__(self) -> Stream:
         for i in range(self.clients):
             self.answers.append([])
-            t = threading.Thread(target=self._run, args=(self.answers[i],), name=f"stream-{i}",
-                                 daemon=True)
+            t = threading.Thread(target=self._run, args=(self.answers[i],), name=f"stream-{i}", daemon=True)
             t.start()
             self._threads.append(t)
         return self

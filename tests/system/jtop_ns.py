@@ -173,8 +173,21 @@ class JtopNamespace:
             "CONFIG_BASE": str(overlay_base(jtop_config_dir())),
             "READY_MARK": READY_MARK,
         }
-        cmd = ["unshare", "--fork", "--kill-child", "--pid", "--mount", "--mount-proc",
-               "--propagation", "private", "sh", "-c", SETUP, "sh", *jtop_command()]  # fmt: skip
+        cmd = [
+            "unshare",
+            "--fork",
+            "--kill-child",
+            "--pid",
+            "--mount",
+            "--mount-proc",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            SETUP,
+            "sh",
+            *jtop_command(),
+        ]
         with self.log_path.open("wb") as out:
             self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.init_pid = wait_until(self._find_init, timeout, "the namespace's PID 1")

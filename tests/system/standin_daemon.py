@@ -47,19 +47,27 @@ def status_field(name: str) -> str:
 def report(fds: list[int]) -> dict[str, Any]:
     paths = ("/etc", "/usr", "/opt", "/var/lib/edged", "/var/cache/edged", "/run/edged", "/tmp")
     return {
-        "uid": os.getuid(), "gid": os.getgid(), "groups": sorted(os.getgroups()), "fds": fds,
-        "watchdog": sd.watchdog_interval(), "notify": "fallback" if sd._sd_daemon is None else "lib",
-        "env": {k: os.environ.get(k) for k in ("HOME", "EDGED_CONFIG", "CUDA_CACHE_PATH",
-                                               "LISTEN_FDS", "LISTEN_PID", "JOURNAL_STREAM")},
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+        "groups": sorted(os.getgroups()),
+        "fds": fds,
+        "watchdog": sd.watchdog_interval(),
+        "notify": "fallback" if sd._sd_daemon is None else "lib",
+        "env": {
+            k: os.environ.get(k)
+            for k in ("HOME", "EDGED_CONFIG", "CUDA_CACHE_PATH", "LISTEN_FDS", "LISTEN_PID", "JOURNAL_STREAM")
+        },
         "write": {p: can_write(p) for p in paths},
         "home": attempt(lambda: os.listdir("/root")),
         "netlink": attempt(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW).close()),
         "inet6": attempt(lambda: socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()),
         "dev_null": attempt(lambda: os.close(os.open("/dev/null", os.O_RDWR))),
         "dev_autofs": attempt(lambda: os.close(os.open("/dev/autofs", os.O_RDONLY))),
-        "cap_eff": status_field("CapEff"), "no_new_privs": status_field("NoNewPrivs"),
-        "seccomp": status_field("Seccomp"), "umask": status_field("Umask"),
-    }  # fmt: skip
+        "cap_eff": status_field("CapEff"),
+        "no_new_privs": status_field("NoNewPrivs"),
+        "seccomp": status_field("Seccomp"),
+        "umask": status_field("Umask"),
+    }
 
 
 class StandIn:

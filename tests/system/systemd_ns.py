@@ -74,9 +74,7 @@ def wait_until(check: Callable[[], T | None], timeout: float, what: str, poll: f
 def own_cgroup2_dir() -> Path:
     """This process's cgroup in the cgroup2 hierarchy, as a directory of the host's mount."""
     own = next(
-        line.split("::", 1)[1]
-        for line in Path("/proc/self/cgroup").read_text().splitlines()
-        if line.startswith("0::")
+        line.split("::", 1)[1] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")
     )
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields, _, fs = line.partition(" - ")
@@ -220,11 +218,15 @@ class SystemdNamespace:
         self._cgroup = own_cgroup2_dir() / f"edged-test-{uuid.uuid4().hex[:12]}"
         self._cgroup.mkdir()
         env = dict(
-            os.environ, WORK=str(self.work), KEEP=" ".join(self._keep()), CONSOLE=console.tty,
-            SYSTEMD=str(SYSTEMD), TMPFS=" ".join(self._tmpfs()),
+            os.environ,
+            WORK=str(self.work),
+            KEEP=" ".join(self._keep()),
+            CONSOLE=console.tty,
+            SYSTEMD=str(SYSTEMD),
+            TMPFS=" ".join(self._tmpfs()),
             PRIVATE_ETC="1" if self.options.private_etc else "0",
             UNIT_PATH_EXTRA="".join(f":{p}" for p in self.options.extra_unit_paths),
-        )  # fmt: skip
+        )
         outer = (
             'echo $$ > "$1/cgroup.procs" && exec unshare --fork --pid --mount --cgroup --uts '
             '--ipc --mount-proc --propagation private sh -c "$2"'
@@ -232,8 +234,11 @@ class SystemdNamespace:
         with (self.work / "setup.log").open("wb") as out:
             self._proc = subprocess.Popen(
                 ["sh", "-c", outer, "sh", str(self._cgroup), SETUP],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.init_pid = wait_until(self._find_init, BOOT_TIMEOUT, "systemd to exec as PID 1")
         wait_until(self._manager_up, BOOT_TIMEOUT, "systemd's manager to answer systemctl")
 
@@ -261,9 +266,7 @@ class SystemdNamespace:
             wants.insert(0, "systemd-journald.socket")
         for name in STUB_TARGETS:
             (self.unit_dir / name).write_text(f"[Unit]\nDescription=stub {name} for tests\n")
-        (self.unit_dir / TARGET).write_text(
-            f"[Unit]\nDescription=edged system test\nWants={' '.join(wants)}\n"
-        )
+        (self.unit_dir / TARGET).write_text(f"[Unit]\nDescription=edged system test\nWants={' '.join(wants)}\n")
         for name, text in self.units.items():
             self.add_unit(name, text)
 
@@ -328,20 +331,13 @@ class SystemdNamespace:
         """
         cmd = ["nsenter", "-t", str(self.init_pid), "-m", "-p", *argv]
         base = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LANG": "C"}
-        out = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env={**base, **(env or {})}
-        )
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**base, **(env or {})})
         if check and out.returncode != 0:
-            raise AssertionError(
-                f"{' '.join(argv)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
-            )
+            raise AssertionError(f"{' '.join(argv)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
         return out
 
-    def systemctl(
-        self, *args: str, check: bool = False, timeout: float = 30
-    ) -> subprocess.CompletedProcess[str]:
-        return self.run("systemctl", "--no-pager", "--no-ask-password", *args,
-                        check=check, timeout=timeout)  # fmt: skip
+    def systemctl(self, *args: str, check: bool = False, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return self.run("systemctl", "--no-pager", "--no-ask-password", *args, check=check, timeout=timeout)
 
     def state(self, unit: str) -> str:
         return self.systemctl("is-active", unit).stdout.strip()

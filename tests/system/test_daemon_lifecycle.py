@@ -55,8 +55,10 @@ def usec(seconds: float) -> int:
 def tiny_and_detector(edged: Edged, tmp_path: Path, detector: Path) -> dict[str, dict[str, Any]]:
     """tiny (loaded first: higher priority) and the demo detector, on ONNX Runtime."""
     return {
-        "models.tiny": {"path": edged.install(make_tiny_mlp(tmp_path / "tiny.onnx"), "models/tiny.onnx"),
-                        "priority": 90},
+        "models.tiny": {
+            "path": edged.install(make_tiny_mlp(tmp_path / "tiny.onnx"), "models/tiny.onnx"),
+            "priority": 90,
+        },
         "models.det": {"path": edged.install(detector, "models/det.onnx"), "backend": "onnxruntime"},
         "models.det.profiles.x": DET_PROFILE,
     }
@@ -98,10 +100,10 @@ class StatePoller:
 
 
 def test_active_only_once_warm_and_the_first_request_costs_what_later_ones_do(
-        boot_systemd: Boot, demo_models: Path, tmp_path: Path) -> None:
+    boot_systemd: Boot, demo_models: Path, tmp_path: Path
+) -> None:
     edged = boot_edged(boot_systemd)
-    edged.write_config(tiny_and_detector(edged, tmp_path, demo_models)
-                       | {"models.det.warmup": {"iterations": 5}})
+    edged.write_config(tiny_and_detector(edged, tmp_path, demo_models) | {"models.det.warmup": {"iterations": 5}})
     img = frame(320)
     want = onnx_reference(demo_models, {"x": img})
 
@@ -128,8 +130,10 @@ def test_active_only_once_warm_and_the_first_request_costs_what_later_ones_do(
     # (MODEL=/PHASE= fields) against the monotonic time systemd entered "active".
     shown = edged.show("ActiveEnterTimestampMonotonic", "ExecMainStartTimestampMonotonic")
     active_at = int(shown["ActiveEnterTimestampMonotonic"])
-    warming = {e["MODEL"]: int(e["__MONOTONIC_TIMESTAMP"])
-               for e in edged.ns.journal(f"_SYSTEMD_UNIT={SERVICE}", "PHASE=warming")}
+    warming = {
+        e["MODEL"]: int(e["__MONOTONIC_TIMESTAMP"])
+        for e in edged.ns.journal(f"_SYSTEMD_UNIT={SERVICE}", "PHASE=warming")
+    }
     assert set(warming) == {"tiny", "det"}, warming
     assert all(int(shown["ExecMainStartTimestampMonotonic"]) < t < active_at for t in warming.values())
 
@@ -142,8 +146,10 @@ def test_active_only_once_warm_and_the_first_request_costs_what_later_ones_do(
         assert matches(out, first)
     median = statistics.median(steady)
     ratio = first_s / median
-    print(f"\nsystemctl start blocked {blocked:.2f} s; det 320x320 first request {first_s * 1000:.1f} ms, "
-          f"steady median {median * 1000:.1f} ms (ratio {ratio:.2f})")
+    print(
+        f"\nsystemctl start blocked {blocked:.2f} s; det 320x320 first request {first_s * 1000:.1f} ms, "
+        f"steady median {median * 1000:.1f} ms (ratio {ratio:.2f})"
+    )
     assert ratio < 20, f"first request {first_s * 1000:.1f} ms vs steady {median * 1000:.1f} ms"
 
 
@@ -151,22 +157,33 @@ def test_active_only_once_warm_and_the_first_request_costs_what_later_ones_do(
 
 
 def test_status_text_follows_a_slow_build_while_activating(
-        boot_systemd: Boot, demo_models: Path, tmp_path: Path) -> None:
+    boot_systemd: Boot, demo_models: Path, tmp_path: Path
+) -> None:
     from tests.integration.test_int8 import render_text_images
 
     edged = boot_edged(boot_systemd)
     pages = edged.install(render_text_images(tmp_path / "pages", 10), "pages")
-    edged.write_config({
-        "models.det": {"path": edged.install(demo_models, "models/det.onnx"), "backend": "onnxruntime",
-                       "precision": "int8"},
-        "models.det.profiles.x": DET_PROFILE,
-        # "percentile" at 320x320: about 4 s here. ("entropy" took 50 s on 6 images; "minmax"
-        # at 160x160 under 2 s.)
-        "models.det.calibration": {"data": pages, "method": "percentile", "resize": [320, 320],
-                                   "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
-        # Thresholds for a segmentation map, as in tests/integration/test_int8.py.
-        "models.det.gate": {"max_rel_l2": 0.5, "min_cosine": 0.9},
-    })
+    edged.write_config(
+        {
+            "models.det": {
+                "path": edged.install(demo_models, "models/det.onnx"),
+                "backend": "onnxruntime",
+                "precision": "int8",
+            },
+            "models.det.profiles.x": DET_PROFILE,
+            # "percentile" at 320x320: about 4 s here. ("entropy" took 50 s on 6 images; "minmax"
+            # at 160x160 under 2 s.)
+            "models.det.calibration": {
+                "data": pages,
+                "method": "percentile",
+                "resize": [320, 320],
+                "mean": [0.485, 0.456, 0.406],
+                "std": [0.229, 0.224, 0.225],
+            },
+            # Thresholds for a segmentation map, as in tests/integration/test_int8.py.
+            "models.det.gate": {"max_rel_l2": 0.5, "min_cosine": 0.9},
+        }
+    )
 
     seen: list[tuple[float, str, str]] = []
 
@@ -182,11 +199,13 @@ def test_status_text_follows_a_slow_build_while_activating(
 
     texts = list(dict.fromkeys(text for _, state, text in seen if state == "activating"))
     print("\nStatusText while activating:\n  " + "\n  ".join(texts))
-    building = [(t, text) for t, state, text in seen
-                if state == "activating" and text.startswith("building det int8 (1/1)")]
+    building = [
+        (t, text) for t, state, text in seen if state == "activating" and text.startswith("building det int8 (1/1)")
+    ]
     assert building, f"no 'building det int8 (1/1)' status while activating; saw {texts}"
-    assert any(text.startswith("building det int8 (1/1): ") for _, text in building), \
+    assert any(text.startswith("building det int8 (1/1): ") for _, text in building), (
         f"no build progress phase in STATUS=; saw {texts}"
+    )
     print(f"building shown for {building[-1][0] - building[0][0]:.1f} s")
     assert edged.prop("StatusText") == "1 models ready"
     with edged.client() as c:
@@ -202,23 +221,24 @@ def per_client_switch_once(answers: list[list[str]]) -> None:
     atomic and nothing is answered by a half-swapped model."""
     for i, seq in enumerate(answers):
         if "new" in seq:
-            assert "old" not in seq[seq.index("new"):], f"client {i} went back to the old model"
+            assert "old" not in seq[seq.index("new") :], f"client {i} went back to the old model"
 
 
-def test_reload_under_load_swaps_the_model_without_failing_a_request(
-        boot_systemd: Boot, tmp_path: Path) -> None:
+def test_reload_under_load_swaps_the_model_without_failing_a_request(boot_systemd: Boot, tmp_path: Path) -> None:
     edged = boot_edged(boot_systemd)
     old_src = make_tiny_mlp(tmp_path / "tiny_a.onnx")
     new_src = make_tiny_mlp(tmp_path / "tiny_b.onnx", hidden=64)
     ref_old, ref_new = onnx_reference(old_src, {"x": X}), onnx_reference(new_src, {"x": X})
     assert not matches(ref_old, ref_new)
-    edged.write_config({
-        # Worker threads (not inline on the loop), so the old model's queue has to drain.
-        "server": {"inline_threshold_us": 0},
-        # Only `systemctl reload` may trigger the reload here, not the file watcher.
-        "lifecycle": {"watch_files": False},
-        "models.tiny": {"path": edged.install(old_src, "models/tiny.onnx")},
-    })
+    edged.write_config(
+        {
+            # Worker threads (not inline on the loop), so the old model's queue has to drain.
+            "server": {"inline_threshold_us": 0},
+            # Only `systemctl reload` may trigger the reload here, not the file watcher.
+            "lifecycle": {"watch_files": False},
+            "models.tiny": {"path": edged.install(old_src, "models/tiny.onnx")},
+        }
+    )
     edged.start()
     pid = edged.main_pid()
 
@@ -237,15 +257,17 @@ def test_reload_under_load_swaps_the_model_without_failing_a_request(
     per_client_switch_once(load.answers)
     states = collapse(poller.states)
     texts = list(dict.fromkeys(text for _, _, text in poller.samples))
-    print(f"\n{sum(map(len, load.answers))} requests on {load.clients} connections; "
-          f"states {states}; StatusText {texts}")
+    print(
+        f"\n{sum(map(len, load.answers))} requests on {load.clients} connections; states {states}; StatusText {texts}"
+    )
     assert states[0] == "active" and "reloading" in states and states[-1] == "active", states
     # ExecReload= alone shows "reloading" only while `kill -HUP` runs; edged's RELOADING=1 keeps
     # it there until READY=1. Every sample taken while edged said it was reloading (its STATUS=)
     # must show the unit reloading, never active.
     mid_reload = [state for _, state, text in poller.samples if text.startswith("reloading")]
-    assert mid_reload and set(mid_reload) == {"reloading"}, \
-        list(dict.fromkeys((state, text) for _, state, text in poller.samples))
+    assert mid_reload and set(mid_reload) == {"reloading"}, list(
+        dict.fromkeys((state, text) for _, state, text in poller.samples)
+    )
     assert edged.main_pid() == pid and edged.prop("NRestarts") == "0"
     assert edged.prop("StatusText") == "1 models ready"
     outcomes = request_outcomes(edged)
@@ -259,8 +281,7 @@ def test_failed_reload_keeps_serving_and_says_why(boot_systemd: Boot, tmp_path: 
     edged = boot_edged(boot_systemd)
     src = make_tiny_mlp(tmp_path / "tiny.onnx")
     ref = onnx_reference(src, {"x": X})
-    good = {"lifecycle": {"watch_files": False},
-            "models.tiny": {"path": edged.install(src, "models/tiny.onnx")}}
+    good = {"lifecycle": {"watch_files": False}, "models.tiny": {"path": edged.install(src, "models/tiny.onnx")}}
     edged.write_config(good)
     edged.start()
     pid = edged.main_pid()
@@ -275,8 +296,7 @@ def test_failed_reload_keeps_serving_and_says_why(boot_systemd: Boot, tmp_path: 
         wait_for(lambda: "reload failed" in edged.prop("StatusText"), 30, what="StatusText to say why")
         edged.ns.wait_state(SERVICE, "active")
         before = load.count("ok")
-        wait_for(lambda: load.failures or load.count("ok") >= before + 20, 30,
-                 what="requests after the failed reload")
+        wait_for(lambda: load.failures or load.count("ok") >= before + 20, 30, what="requests after the failed reload")
     assert not load.failures, load.failures[:5]
     assert {label for seq in load.answers for label in seq} == {"ok"}
     text = edged.prop("StatusText")
@@ -297,19 +317,24 @@ def test_failed_reload_keeps_serving_and_says_why(boot_systemd: Boot, tmp_path: 
 
 def test_watchdog_restarts_a_wedged_daemon(boot_systemd: Boot, tmp_path: Path) -> None:
     wedge = f"{TEST_RUN}/wedge"
-    edged = boot_edged(boot_systemd, extra=f"""[Service]
+    edged = boot_edged(
+        boot_systemd,
+        extra=f"""[Service]
 WatchdogSec=4s
 RestartSec=1s
 LimitCORE=0
 Environment=EDGED_TEST_WEDGE={wedge}
-""")
+""",
+    )
     src = make_tiny_mlp(tmp_path / "tiny.onnx")
     ref = onnx_reference(src, {"x": X})
-    edged.write_config({
-        "server": {"inline_threshold_us": 0},  # the wedge works on worker threads only
-        "lifecycle": {"stall_timeout_s": 1, "watch_files": False},
-        "models.tiny": {"path": edged.install(src, "models/tiny.onnx")},
-    })
+    edged.write_config(
+        {
+            "server": {"inline_threshold_us": 0},  # the wedge works on worker threads only
+            "lifecycle": {"stall_timeout_s": 1, "watch_files": False},
+            "models.tiny": {"path": edged.install(src, "models/tiny.onnx")},
+        }
+    )
     edged.start()
     assert edged.prop("WatchdogUSec") == "4s"
     pid = edged.main_pid()
@@ -330,8 +355,9 @@ Environment=EDGED_TEST_WEDGE={wedge}
 
         wait_for(hangs, 20, interval=0.05, what="a request to wedge a worker")
         wait_for(lambda: edged.prop("NRestarts") == "1", 30, what="systemd to restart edged")
-        new_pid = wait_for(lambda: edged.state() == "active" and edged.main_pid(), 60,
-                           what="the restarted edged to be active")
+        new_pid = wait_for(
+            lambda: edged.state() == "active" and edged.main_pid(), 60, what="the restarted edged to be active"
+        )
         assert new_pid != pid
     finally:
         wedge_file.unlink(missing_ok=True)
@@ -349,17 +375,21 @@ Environment=EDGED_TEST_WEDGE={wedge}
 
 
 @pytest.mark.parametrize("activation", ["socket", "self-bound"])
-def test_stop_drains_in_flight_requests(
-        boot_systemd: Boot, demo_models: Path, activation: str) -> None:
+def test_stop_drains_in_flight_requests(boot_systemd: Boot, demo_models: Path, activation: str) -> None:
     record_exit = f"""[Service]
 ExecStopPost=+/bin/sh -c 'echo "$SERVICE_RESULT $EXIT_CODE $EXIT_STATUS" > {EXIT_FILE}'
 """
     edged = boot_edged(boot_systemd, socket_unit=activation == "socket", extra=record_exit)
-    edged.write_config({
-        "models.det": {"path": edged.install(demo_models, "models/det.onnx"), "backend": "onnxruntime",
-                       "instances": 1},
-        "models.det.profiles.x": DET_PROFILE,
-    })
+    edged.write_config(
+        {
+            "models.det": {
+                "path": edged.install(demo_models, "models/det.onnx"),
+                "backend": "onnxruntime",
+                "instances": 1,
+            },
+            "models.det.profiles.x": DET_PROFILE,
+        }
+    )
     edged.start()
     assert edged.path(SOCKET).is_socket()
     img = frame(640)
@@ -398,8 +428,7 @@ ExecStopPost=+/bin/sh -c 'echo "$SERVICE_RESULT $EXIT_CODE $EXIT_STATUS" > {EXIT
     for i, r in enumerate(results):
         assert isinstance(r, dict) and matches(r, want), f"request {i}: {r!r}"
     drained = sum(1 for f in finished if f > stop_at)
-    print(f"\n{activation}: systemctl stop took {stopped_in:.2f} s, {drained} of {k} requests "
-          "finished after it began")
+    print(f"\n{activation}: systemctl stop took {stopped_in:.2f} s, {drained} of {k} requests finished after it began")
     assert drained >= 1, "no request was still in flight when the stop began"
     assert edged.state() == "inactive"
     # Read from ExecStopPost= (systemd may unload an unreferenced inactive unit, and with it
@@ -419,11 +448,11 @@ ExecStopPost=+/bin/sh -c 'echo "$SERVICE_RESULT $EXIT_CODE $EXIT_STATUS" > {EXIT
 
 
 def test_a_request_sent_before_the_daemon_exists_is_answered_once_warm(
-        boot_systemd: Boot, demo_models: Path, tmp_path: Path) -> None:
+    boot_systemd: Boot, demo_models: Path, tmp_path: Path
+) -> None:
     edged = boot_edged(boot_systemd)
     # A detector that warms for a while, so "answered once ready" differs from "answered at once".
-    edged.write_config(tiny_and_detector(edged, tmp_path, demo_models)
-                       | {"models.det.warmup": {"iterations": 20}})
+    edged.write_config(tiny_and_detector(edged, tmp_path, demo_models) | {"models.det.warmup": {"iterations": 20}})
     ref = onnx_reference(tmp_path / "tiny.onnx", {"x": X})
     edged.ns.systemctl("start", SOCKET_UNIT, check=True)
     assert edged.state() == "inactive"
@@ -438,8 +467,10 @@ def test_a_request_sent_before_the_daemon_exists_is_answered_once_warm(
     edged.ns.wait_state(SERVICE, "active")
     shown = edged.show("ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic", "NRestarts")
     started, active = int(shown["ExecMainStartTimestampMonotonic"]), int(shown["ActiveEnterTimestampMonotonic"])
-    print(f"\nsent -> daemon exec {(started - usec(sent_at)) / 1000:.0f} ms, "
-          f"-> READY=1 {(active - usec(sent_at)) / 1000:.0f} ms, -> answer {(answered_at - sent_at) * 1000:.0f} ms")
+    print(
+        f"\nsent -> daemon exec {(started - usec(sent_at)) / 1000:.0f} ms, "
+        f"-> READY=1 {(active - usec(sent_at)) / 1000:.0f} ms, -> answer {(answered_at - sent_at) * 1000:.0f} ms"
+    )
     assert usec(sent_at) < started, "the request was sent after the daemon had started"
     # READY=1 is sent just before waiting requests resume; allow for systemd reading it late.
     assert usec(answered_at) >= active - 250_000, "answered well before the daemon was ready"

@@ -18,8 +18,17 @@ import pytest
 from systemd_ns import REPO, Boot, BootOptions, SystemdNamespace
 
 SOCKET = "/run/edged/edged.sock"
-TOP_LEVEL_SKIP = {".git", ".venv", "build", "dist", "data", "bench-results", ".mypy_cache",
-                  ".ruff_cache", ".pytest_cache"}  # fmt: skip
+TOP_LEVEL_SKIP = {
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "data",
+    "bench-results",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+}
 
 
 def ignore(directory: str, names: list[str]) -> set[str]:
@@ -59,9 +68,11 @@ def checkout(tmp_path: Path) -> Path:
 @pytest.mark.timeout(1200)
 def test_install_upgrade_uninstall(boot_systemd: Boot, checkout: Path) -> None:
     options = BootOptions(
-        private_etc=True, wants=(), extra_unit_paths=("/etc/systemd/system",),
+        private_etc=True,
+        wants=(),
+        extra_unit_paths=("/etc/systemd/system",),
         tmpfs=("/tmp", "/var/tmp", "/opt", "/var/lib", "/var/cache"),
-    )  # fmt: skip
+    )
     ns = boot_systemd({}, options)
     script = str(checkout / "scripts" / "install.sh")
 

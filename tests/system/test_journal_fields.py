@@ -56,14 +56,13 @@ def test_stderr_fallback_keeps_priority_and_fields(boot_systemd: Boot) -> None:
 
     def entry() -> dict[str, str] | None:
         found = [
-            e for e in ns.journal("_SYSTEMD_UNIT=probe.service", "_TRANSPORT=stdout")
+            e
+            for e in ns.journal("_SYSTEMD_UNIT=probe.service", "_TRANSPORT=stdout")
             if "slow inference" in e.get("MESSAGE", "")
-        ]  # fmt: skip
+        ]
         return found[0] if found else None
 
     got = wait_until(entry, 20, "the stderr line in the journal")
     # The "<4>" prefix was parsed into PRIORITY= and removed; the time is journald's own.
     assert got["PRIORITY"] == "4"
-    assert got["MESSAGE"] == (
-        "WARNING edged.probe: slow inference model=detector request_id=r-42 phase=infer"
-    )
+    assert got["MESSAGE"] == ("WARNING edged.probe: slow inference model=detector request_id=r-42 phase=infer")

@@ -46,9 +46,10 @@ def host_state() -> dict[str, object]:
         "/etc/gshadow": Path("/etc/gshadow").read_bytes() if Path("/etc/gshadow").exists() else None,
         "jtop config dir": config_dir.exists(),
         "dmi": sorted(p.name for p in dmi.iterdir()) if dmi.is_dir() else None,
-        "jtop.service": [p for p in ("/etc/systemd/system/jtop.service", "/lib/systemd/system/jtop.service")
-                         if Path(p).exists()],
-    }  # fmt: skip
+        "jtop.service": [
+            p for p in ("/etc/systemd/system/jtop.service", "/lib/systemd/system/jtop.service") if Path(p).exists()
+        ],
+    }
 
 
 def edged_command() -> list[str]:

@@ -42,9 +42,7 @@ def shipped(boot_systemd: Boot) -> SystemdNamespace:
         "edged.socket": (UNITS / "edged.socket").read_text(),
         "edged.service.d/stand-in.conf": standin_drop_in(),
     }
-    options = BootOptions(
-        private_etc=True, wants=(), tmpfs=("/tmp", "/var/tmp", "/var/lib", "/var/cache")
-    )
+    options = BootOptions(private_etc=True, wants=(), tmpfs=("/tmp", "/var/tmp", "/var/lib", "/var/cache"))
     ns = boot_systemd(units, options)
     ns.run("systemd-sysusers", str(UNITS / "edged.sysusers"), check=True)
     ns.run("systemd-tmpfiles", "--create", str(UNITS / "edged.tmpfiles"), check=True)
@@ -101,9 +99,14 @@ def test_sandbox_is_what_the_unit_promises(shipped: SystemdNamespace) -> None:
     got = ask(ns)
     # Writable: only RuntimeDirectory=, StateDirectory=, CacheDirectory= and a private /tmp.
     assert got["write"] == {
-        "/etc": "EROFS", "/usr": "EROFS", "/opt": "EROFS", "/var/lib/edged": "ok",
-        "/var/cache/edged": "ok", "/run/edged": "ok", "/tmp": "ok",
-    }  # fmt: skip
+        "/etc": "EROFS",
+        "/usr": "EROFS",
+        "/opt": "EROFS",
+        "/var/lib/edged": "ok",
+        "/var/cache/edged": "ok",
+        "/run/edged": "ok",
+        "/tmp": "ok",
+    }
     assert got["home"] in ("EACCES", "ENOENT")  # ProtectHome=yes
     assert got["netlink"] == "EAFNOSUPPORT"  # RestrictAddressFamilies=
     assert got["inet6"] == "ok"  # MQTT

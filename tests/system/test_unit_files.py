@@ -21,9 +21,7 @@ UNITS = REPO / "systemd"
 EXEC = "/opt/edged/venv/bin/edged"
 MAX_EXPOSURE = 3.0
 
-needs_analyze = pytest.mark.skipif(
-    shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
-)
+needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 
 
 def analyze(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -50,8 +48,7 @@ def installed_copy(tmp_path: Path) -> Path:
 @needs_analyze
 def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
     unit_dir = installed_copy(tmp_path)
-    out = analyze(tmp_path, "verify", "--man=no",
-                  str(unit_dir / "edged.socket"), str(unit_dir / "edged.service"))  # fmt: skip
+    out = analyze(tmp_path, "verify", "--man=no", str(unit_dir / "edged.socket"), str(unit_dir / "edged.service"))
     assert out.returncode == 0, out.stderr
     # verify reports problems on stderr even when it exits 0 (unknown keys, bad values).
     assert out.stderr.strip() == "", out.stderr
@@ -59,8 +56,7 @@ def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
 
 @needs_analyze
 def test_security_exposure_is_low(tmp_path: Path) -> None:
-    out = analyze(tmp_path, "security", "--offline=yes", "--no-pager",
-                  str(UNITS / "edged.service"))  # fmt: skip
+    out = analyze(tmp_path, "security", "--offline=yes", "--no-pager", str(UNITS / "edged.service"))
     if "--offline" in out.stderr and out.returncode != 0:
         pytest.skip(f"systemd-analyze security --offline needs systemd 252+: {out.stderr.strip()}")
     m = re.search(r"Overall exposure level for edged\.service: (\d+\.\d+)", out.stdout)
@@ -72,10 +68,7 @@ def test_every_supplementary_group_is_declared() -> None:
     """SupplementaryGroups= that names a missing group stops the service from starting."""
     unit = (UNITS / "edged.service").read_text()
     line = next(ln for ln in unit.splitlines() if ln.startswith("SupplementaryGroups="))
-    declared = {
-        ln.split()[1] for ln in (UNITS / "edged.sysusers").read_text().splitlines()
-        if ln[:1] in ("g", "u")
-    }  # fmt: skip
+    declared = {ln.split()[1] for ln in (UNITS / "edged.sysusers").read_text().splitlines() if ln[:1] in ("g", "u")}
     assert {*line.split("=", 1)[1].split(), "edged"} <= declared
 
 

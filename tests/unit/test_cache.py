@@ -9,17 +9,29 @@ import pytest
 
 from edged.cache import EngineCache, SourceDigests, cache_key
 
-FIELDS = {"model_sha256": "a" * 64, "precision": "int8", "profiles": {"x": [[1], [2], [4]]},
-          "calibration": {"digest": "c", "method": "minmax"}, "backend": "onnxruntime",
-          "backend_version": "1.32", "device": {"cpu": "x"}, "options": {}}
+FIELDS = {
+    "model_sha256": "a" * 64,
+    "precision": "int8",
+    "profiles": {"x": [[1], [2], [4]]},
+    "calibration": {"digest": "c", "method": "minmax"},
+    "backend": "onnxruntime",
+    "backend_version": "1.32",
+    "device": {"cpu": "x"},
+    "options": {},
+}
 
 
 def test_key_is_stable_and_covers_every_field() -> None:
     base = cache_key(FIELDS)
     assert base == cache_key(dict(reversed(list(FIELDS.items()))))
-    for field, other in [("model_sha256", "b" * 64), ("precision", "fp32"), ("profiles", {}),
-                         ("calibration", {"digest": "d", "method": "minmax"}),
-                         ("backend_version", "1.33"), ("device", {"cpu": "y"})]:
+    for field, other in [
+        ("model_sha256", "b" * 64),
+        ("precision", "fp32"),
+        ("profiles", {}),
+        ("calibration", {"digest": "d", "method": "minmax"}),
+        ("backend_version", "1.33"),
+        ("device", {"cpu": "y"}),
+    ]:
         assert cache_key(dict(FIELDS, **{field: other})) != base, field
 
 
@@ -60,8 +72,9 @@ def test_damaged_entries_are_moved_aside(tmp_path: Path, damage: str) -> None:
     assert list((tmp_path / "quarantine").iterdir())
 
 
-def _hold_lock(directory: str, key: str, ready: multiprocessing.synchronize.Event,
-               release: multiprocessing.synchronize.Event) -> None:
+def _hold_lock(
+    directory: str, key: str, ready: multiprocessing.synchronize.Event, release: multiprocessing.synchronize.Event
+) -> None:
     with EngineCache(directory).lock("m", key):
         ready.set()
         release.wait(30)

@@ -21,8 +21,7 @@ def cfg(folder: Path, **kw: Any) -> CalibrationConfig:
     return CalibrationConfig(data=str(folder), **kw)
 
 
-def npy_folder(folder: Path, n: int, shape: tuple[int, ...] = (3, 4, 6),
-               dtype: Any = np.float32) -> Path:
+def npy_folder(folder: Path, n: int, shape: tuple[int, ...] = (3, 4, 6), dtype: Any = np.float32) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         np.save(folder / f"s{i:03d}.npy", np.full(shape, i, dtype=dtype))
@@ -94,8 +93,7 @@ def test_mismatched_samples_name_the_file_and_the_expectation(
         CalibrationSet.load(cfg(tmp_path / "d"), [IMG])
 
 
-@pytest.mark.parametrize(("name", "data"), [("junk.npy", b"not numpy"),
-                                            ("cut.npz", b"PK\x03\x04truncated")])
+@pytest.mark.parametrize(("name", "data"), [("junk.npy", b"not numpy"), ("cut.npz", b"PK\x03\x04truncated")])
 def test_unreadable_files_name_the_file(tmp_path: Path, name: str, data: bytes) -> None:
     (tmp_path / name).write_bytes(data)
     with pytest.raises(BuildError, match=rf"{name}: cannot read"):
@@ -188,10 +186,18 @@ def test_data_digest_covers_names_contents_and_preprocessing(tmp_path: Path) -> 
 
 def test_image_preprocessing_is_part_of_the_digest(tmp_path: Path) -> None:
     Image.new("RGB", (6, 4)).save(tmp_path / "a.png")
-    digests = {data_digest(tmp_path, cfg(tmp_path, **kw)) for kw in (
-        {}, {"color": "BGR"}, {"layout": "NHWC"}, {"resize": [4, 6]}, {"scale": 1.0},
-        {"mean": [0.5, 0.5, 0.5]}, {"std": [0.2, 0.2, 0.2]},
-    )}
+    digests = {
+        data_digest(tmp_path, cfg(tmp_path, **kw))
+        for kw in (
+            {},
+            {"color": "BGR"},
+            {"layout": "NHWC"},
+            {"resize": [4, 6]},
+            {"scale": 1.0},
+            {"mean": [0.5, 0.5, 0.5]},
+            {"std": [0.2, 0.2, 0.2]},
+        )
+    }
     assert len(digests) == 7
 
 
@@ -206,8 +212,7 @@ def test_split_is_deterministic_disjoint_and_never_empty(tmp_path: Path) -> None
     assert sorted(calib.names + held.names) == sorted(cs.names)
     assert held.names != ("s008.npy", "s009.npy")  # a spread, not the alphabetical tail
     assert len({cs.digest, calib.digest, held.digest}) == 3
-    assert [len(p) for p in CalibrationSet.load(cfg(npy_folder(tmp_path / "two", 2)),
-                                                [IMG]).split(0.01)] == [1, 1]
+    assert [len(p) for p in CalibrationSet.load(cfg(npy_folder(tmp_path / "two", 2)), [IMG]).split(0.01)] == [1, 1]
     with pytest.raises(BuildError, match="at least 2"):
         CalibrationSet.load(cfg(npy_folder(tmp_path / "one", 1)), [IMG]).split(0.2)
 

@@ -24,22 +24,29 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
     assert cfg.source == str(tmp_path / "edged.toml")
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    ({"models": {"det": {"path": "x", "precison": "fp32"}}}, "edged.toml: models.det.precison: unknown key"),
-    ({"models": {"det": {"path": "x", "priority": 101}}}, "models.det.priority: Expected `int` <= 100"),
-    ({"models": {"det": {"path": "x", "precision": "int4"}}}, "models.det.precision: Invalid enum value 'int4'"),
-    ({"models": {"det": {}}}, "models.det.path: required key is missing"),
-    ({"server": {"sockt": "x"}}, "server.sockt: unknown key"),
-    ({"memory": {"budget": "lots"}}, "memory.budget: expected a size"),
-    ({"memory": {"budget": "120%"}}, "memory.budget: a percentage must be in (0, 100]"),
-    ({"server": {"socket_mode": "0666"}}, "server.socket_mode: the socket must not be world-writable"),
-    ({"models": {"det": {"path": "x", "profiles": {"x": {"min": [1, 3], "opt": [1, 2], "max": [1, 4]}}}}},
-     "models.det.profiles.x: needs min <= opt <= max"),
-    ({"models": {"det": {"path": "x", "profiles": {"x": {"min": [1], "opt": [1, 2], "max": [1, 2]}}}}},
-     "models.det.profiles.x: min, opt and max must have equal rank"),
-    ({"models": {"bad name": {"path": "x"}}}, "models.bad name: a model name"),
-    ({"mqtt": {"port": 0}}, "mqtt.port: Expected `int` >= 1"),
-])
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"models": {"det": {"path": "x", "precison": "fp32"}}}, "edged.toml: models.det.precison: unknown key"),
+        ({"models": {"det": {"path": "x", "priority": 101}}}, "models.det.priority: Expected `int` <= 100"),
+        ({"models": {"det": {"path": "x", "precision": "int4"}}}, "models.det.precision: Invalid enum value 'int4'"),
+        ({"models": {"det": {}}}, "models.det.path: required key is missing"),
+        ({"server": {"sockt": "x"}}, "server.sockt: unknown key"),
+        ({"memory": {"budget": "lots"}}, "memory.budget: expected a size"),
+        ({"memory": {"budget": "120%"}}, "memory.budget: a percentage must be in (0, 100]"),
+        ({"server": {"socket_mode": "0666"}}, "server.socket_mode: the socket must not be world-writable"),
+        (
+            {"models": {"det": {"path": "x", "profiles": {"x": {"min": [1, 3], "opt": [1, 2], "max": [1, 4]}}}}},
+            "models.det.profiles.x: needs min <= opt <= max",
+        ),
+        (
+            {"models": {"det": {"path": "x", "profiles": {"x": {"min": [1], "opt": [1, 2], "max": [1, 2]}}}}},
+            "models.det.profiles.x: min, opt and max must have equal rank",
+        ),
+        ({"models": {"bad name": {"path": "x"}}}, "models.bad name: a model name"),
+        ({"mqtt": {"port": 0}}, "mqtt.port: Expected `int` >= 1"),
+    ],
+)
 def test_errors_name_file_and_key_path(raw: dict[str, object], message: str) -> None:
     assert message in err(raw)
 

@@ -55,8 +55,7 @@ def test_relative_error_and_cosine_are_measured_and_gated() -> None:
     assert result.cosine == pytest.approx(1 / math.sqrt(1 + 0.1**2), abs=0.01)
     assert not result.passed
     assert "'logits' relative L2 error 0.1" in result.reason and "> 0.05" in result.reason
-    loose = evaluate(classifier, scaled_noise(0.1),
-                     FEEDS, GateConfig(max_rel_l2=0.2, min_cosine=0.9, min_top1=0.0))
+    loose = evaluate(classifier, scaled_noise(0.1), FEEDS, GateConfig(max_rel_l2=0.2, min_cosine=0.9, min_top1=0.0))
     assert loose.passed, loose.reason
 
 
@@ -79,8 +78,10 @@ def test_top1_agreement_counts_rows_whose_argmax_changed() -> None:
 def test_maps_and_sequences_have_no_top1() -> None:
     def maps(feed: Feed) -> dict[str, np.ndarray]:
         x = feed["x"]
-        return {"map": np.tile(x[:, None, None, :], (1, 1, 3, 1)),  # (N, 1, 3, 4)
-                "seq": np.stack([x, x], axis=1)}  # (N, T, C)
+        return {
+            "map": np.tile(x[:, None, None, :], (1, 1, 3, 1)),  # (N, 1, 3, 4)
+            "seq": np.stack([x, x], axis=1),
+        }  # (N, T, C)
 
     result = evaluate(maps, maps, FEEDS, GateConfig())
     assert result.top1 is None and result.passed
@@ -152,7 +153,8 @@ def test_zero_reference_and_no_samples() -> None:
 
 def _model(path: Path, w: np.ndarray) -> Path:
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["logits"])], "g",
+        [helper.make_node("MatMul", ["x", "w"], ["logits"])],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 6])],
         [numpy_helper.from_array(w, "w")],

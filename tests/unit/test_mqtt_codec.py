@@ -13,11 +13,14 @@ from edged.errors import BadRequestError
 from edged.transports import mqtt_codec as codec
 
 
-@pytest.mark.parametrize(("ctype", "corr", "user"), [
-    ("application/json", b"c-1", [("device", "jetson-07")]),
-    ("application/octet-stream", None, [("device", "d"), ("dtype", "FP32"), ("shape", "1,4")]),
-    ("application/json", bytes(range(256)) * 2, [("é", "ü" * 70)]),  # a two-byte length, a long VBI
-])
+@pytest.mark.parametrize(
+    ("ctype", "corr", "user"),
+    [
+        ("application/json", b"c-1", [("device", "jetson-07")]),
+        ("application/octet-stream", None, [("device", "d"), ("dtype", "FP32"), ("shape", "1,4")]),
+        ("application/json", bytes(range(256)) * 2, [("é", "ü" * 70)]),  # a two-byte length, a long VBI
+    ],
+)
 def test_packed_properties_match_paho(ctype: str, corr: bytes | None, user: list[tuple[str, str]]) -> None:
     props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
     props.ContentType = ctype
@@ -35,19 +38,34 @@ def test_packed_properties_match_paho(ctype: str, corr: bytes | None, user: list
 def test_topics() -> None:
     assert codec.model_from_topic("plant/a/edged/dev/models/m1/infer", "plant/a/edged", "dev") == "m1"
     assert codec.model_from_topic("edged/fleet/models/m1/infer", "edged", "dev") == "m1"
-    for topic in ("edged/other/models/m1/infer", "edged/dev/models/m1/state", "edged/dev/models//infer",
-                  "edgedx/dev/models/m1/infer", "edged/dev/models/m1/infer/x"):
+    for topic in (
+        "edged/other/models/m1/infer",
+        "edged/dev/models/m1/state",
+        "edged/dev/models//infer",
+        "edgedx/dev/models/m1/infer",
+        "edged/dev/models/m1/infer/x",
+    ):
         assert codec.model_from_topic(topic, "edged", "dev") is None, topic
 
 
-@pytest.mark.parametrize(("text", "dtype"), [("FP32", "float32"), ("fp16", "float16"), ("float32", "float32"),
-                                             ("UINT8", "uint8"), (" int64 ", "int64"), ("BOOL", "bool")])
+@pytest.mark.parametrize(
+    ("text", "dtype"),
+    [
+        ("FP32", "float32"),
+        ("fp16", "float16"),
+        ("float32", "float32"),
+        ("UINT8", "uint8"),
+        (" int64 ", "int64"),
+        ("BOOL", "bool"),
+    ],
+)
 def test_dtype_names(text: str, dtype: str) -> None:
     assert codec.parse_dtype(text) == np.dtype(dtype)
 
 
-@pytest.mark.parametrize(("text", "shape"), [("1,16", (1, 16)), ("1x3x64x64", (1, 3, 64, 64)),
-                                             ("[2, 16]", (2, 16)), (" 4 ", (4,))])
+@pytest.mark.parametrize(
+    ("text", "shape"), [("1,16", (1, 16)), ("1x3x64x64", (1, 3, 64, 64)), ("[2, 16]", (2, 16)), (" 4 ", (4,))]
+)
 def test_shapes(text: str, shape: tuple[int, ...]) -> None:
     assert codec.parse_shape(text) == shape
 

@@ -30,12 +30,17 @@ def conv_net(path: Path, opset: int = 17) -> Path:
     rng = np.random.default_rng(3)
 
     def w(name: str, *shape: int, scale: float = 0.3) -> onnx.TensorProto:
-        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32),
-                                       name)
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
 
-    inits = [w("cw", C1, 3, 3, 3), w("cb", C1, scale=0.1), w("tw", C1, C2, 2, 2),
-             w("gw", HID, C2), w("gb", HID, scale=0.1), w("mw", HID, CLASSES),
-             w("mb", CLASSES, scale=0.1)]
+    inits = [
+        w("cw", C1, 3, 3, 3),
+        w("cb", C1, scale=0.1),
+        w("tw", C1, C2, 2, 2),
+        w("gw", HID, C2),
+        w("gb", HID, scale=0.1),
+        w("mw", HID, CLASSES),
+        w("mb", CLASSES, scale=0.1),
+    ]
     nodes = [
         helper.make_node("Conv", ["x", "cw", "cb"], ["c"], pads=[1, 1, 1, 1], name="conv"),
         helper.make_node("Relu", ["c"], ["r"]),
@@ -50,9 +55,15 @@ def conv_net(path: Path, opset: int = 17) -> Path:
         helper.make_node("Add", ["logits", "mb"], ["shifted"]),
     ]
     graph = helper.make_graph(
-        nodes, "convnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES]),
-         helper.make_tensor_value_info("shifted", TensorProto.FLOAT, ["N", CLASSES])], inits)
+        nodes,
+        "convnet",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES]),
+            helper.make_tensor_value_info("shifted", TensorProto.FLOAT, ["N", CLASSES]),
+        ],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     onnx.checker.check_model(model)
@@ -152,8 +163,7 @@ def test_graph_outputs_stay_float(qdq: tuple[Path, dict[str, Any]]) -> None:
     # ORT would end the model with Q/DQ on the logits: 256 levels for the answer, no speed
     model, _, _ = _graph(qdq[0])
     producer = {o: n for n in model.graph.node for o in n.output}
-    assert {o.name: producer[o.name].op_type for o in model.graph.output} == {
-        "logits": "MatMul", "shifted": "Add"}
+    assert {o.name: producer[o.name].op_type for o in model.graph.output} == {"logits": "MatMul", "shifted": "Add"}
 
 
 def test_activations_are_quantized_per_tensor(qdq: tuple[Path, dict[str, Any]]) -> None:
@@ -164,8 +174,7 @@ def test_activations_are_quantized_per_tensor(qdq: tuple[Path, dict[str, Any]]) 
     assert dq.op_type == "DequantizeLinear" and inits[dq.input[1]].ndim == 0
 
 
-def test_summary_counts_the_graph(qdq: tuple[Path, dict[str, Any]],
-                                  samples: CalibrationSet) -> None:
+def test_summary_counts_the_graph(qdq: tuple[Path, dict[str, Any]], samples: CalibrationSet) -> None:
     model, _, _ = _graph(qdq[0])
     summary = qdq[1]
     ops = [n.op_type for n in model.graph.node]
@@ -180,8 +189,7 @@ def test_summary_counts_the_graph(qdq: tuple[Path, dict[str, Any]],
     json.dumps(summary)
 
 
-def test_qdq_model_runs_close_to_fp32(fp32: Path, qdq: tuple[Path, dict[str, Any]],
-                                      samples: CalibrationSet) -> None:
+def test_qdq_model_runs_close_to_fp32(fp32: Path, qdq: tuple[Path, dict[str, Any]], samples: CalibrationSet) -> None:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     ref = ort.InferenceSession(str(fp32), so, providers=["CPUExecutionProvider"])
@@ -212,8 +220,9 @@ def _input_scale(path: Path) -> float:
     return float(inits[producer[conv.input[0]].input[1]])
 
 
-def test_methods_give_different_ranges(workdir: Path, fp32: Path, samples: CalibrationSet,
-                                       qdq: tuple[Path, dict[str, Any]]) -> None:
+def test_methods_give_different_ranges(
+    workdir: Path, fp32: Path, samples: CalibrationSet, qdq: tuple[Path, dict[str, Any]]
+) -> None:
     scales = {"minmax": _input_scale(qdq[0])}
     for method in ("entropy", "percentile"):
         out = workdir / f"net.{method}.onnx"
@@ -226,9 +235,13 @@ def test_methods_give_different_ranges(workdir: Path, fp32: Path, samples: Calib
     assert scales["entropy"] != scales["percentile"]
 
 
-def test_ranges_cache_is_reused_and_keyed(workdir: Path, fp32: Path, samples: CalibrationSet,
-                                          qdq: tuple[Path, dict[str, Any]],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranges_cache_is_reused_and_keyed(
+    workdir: Path,
+    fp32: Path,
+    samples: CalibrationSet,
+    qdq: tuple[Path, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cache = workdir / "net.ranges.json"
     data = json.loads(cache.read_bytes())
     assert data["edged"]["key"] == qdq[1]["ranges_key"] and data["edged"]["method"] == "minmax"
@@ -251,9 +264,9 @@ def test_ranges_cache_is_reused_and_keyed(workdir: Path, fp32: Path, samples: Ca
     assert json.loads(cache.read_bytes())["edged"]["key"] == other["ranges_key"]
 
 
-def test_without_ort_ranges_support_ort_calibrates(workdir: Path, fp32: Path,
-                                                   samples: CalibrationSet,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_ort_ranges_support_ort_calibrates(
+    workdir: Path, fp32: Path, samples: CalibrationSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(quantize, "_ORT_TAKES_RANGES", False)
     out = workdir / "net.fallback.onnx"
     summary = quantize_qdq(fp32, out, samples, "minmax", ranges_cache=workdir / "unused.json")

@@ -39,8 +39,9 @@ def test_batches_concurrent_requests_and_splits_results() -> None:
     inst = FakeInstance()
 
     async def main() -> list[np.ndarray]:
-        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=64, max_batch=8,
-                       max_queue_delay_us=200_000, batchable=True)
+        q = ModelQueue(
+            "m", [inst], asyncio.get_running_loop(), depth=64, max_batch=8, max_queue_delay_us=200_000, batchable=True
+        )
         inst.gate.clear()  # hold the worker so requests pile up
         q.start()
         tasks = [asyncio.ensure_future(q.submit({"x": np.full((1, 2), i, np.float32)}, 10)) for i in range(9)]
@@ -60,8 +61,9 @@ def test_different_shapes_are_not_mixed() -> None:
     inst = FakeInstance()
 
     async def main() -> None:
-        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=64, max_batch=8,
-                       max_queue_delay_us=50_000, batchable=True)
+        q = ModelQueue(
+            "m", [inst], asyncio.get_running_loop(), depth=64, max_batch=8, max_queue_delay_us=50_000, batchable=True
+        )
         inst.gate.clear()
         q.start()
         a = asyncio.ensure_future(q.submit({"x": np.ones((1, 2), np.float32)}, 10))

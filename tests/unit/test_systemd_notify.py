@@ -71,9 +71,15 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in (
-        "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
-        "LISTEN_FDNAMES", "INVOCATION_ID", "JOURNAL_STREAM",
-    ):  # fmt: skip
+        "NOTIFY_SOCKET",
+        "WATCHDOG_USEC",
+        "WATCHDOG_PID",
+        "LISTEN_FDS",
+        "LISTEN_PID",
+        "LISTEN_FDNAMES",
+        "INVOCATION_ID",
+        "JOURNAL_STREAM",
+    ):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -214,16 +220,19 @@ print(fds, flags, kinds, left)
 """
 
 
-@pytest.mark.parametrize(("owner", "expected"), [("self", "[3] [False] [True] []"),
-                                                 ("other", "[] [] [] []")])  # fmt: skip
+@pytest.mark.parametrize(("owner", "expected"), [("self", "[3] [False] [True] []"), ("other", "[] [] [] []")])
 def test_listen_fds(path: str, clean_env: pytest.MonkeyPatch, owner: str, expected: str) -> None:
     """In a child process, because sd_listen_fds takes over fds 3.. of the caller."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         env = dict(os.environ, LISTEN_FDS="1", LISTEN_FDNAMES="edged.socket", PYTHONPATH=str(REPO))
         out = subprocess.run(
             [sys.executable, "-c", _LISTEN_CHILD, path, str(listener.fileno()), owner],
-            env=env, pass_fds=[listener.fileno()], capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            env=env,
+            pass_fds=[listener.fileno()],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     assert out.returncode == 0, out.stderr
     # The fds are close-on-exec and LISTEN_* is gone, so a build child never inherits them.
     assert out.stdout.strip() == expected
@@ -260,9 +269,7 @@ def test_plain_logging_appends_fields(
     assert lines[1].endswith("WARNING edged.test: plain")
 
 
-def test_setup_logging_replaces_its_own_handler(
-    clean_env: pytest.MonkeyPatch, root_logger: logging.Logger
-) -> None:
+def test_setup_logging_replaces_its_own_handler(clean_env: pytest.MonkeyPatch, root_logger: logging.Logger) -> None:
     sd.setup_logging("info")
     sd.setup_logging("debug")
     assert [h.get_name() for h in root_logger.handlers].count("edged") == 1
@@ -307,7 +314,7 @@ def test_journal_handler_turns_extras_into_journal_fields() -> None:
     finally:
         log.removeHandler(handler)
         log.propagate = True
-    (msg, fields), = sent  # fmt: skip
+    ((msg, fields),) = sent
     assert msg == "slow x"
     assert fields["MODEL"] == "det"
     assert fields["REQUEST_ID"] == "r1"

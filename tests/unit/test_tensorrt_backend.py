@@ -81,11 +81,12 @@ def test_only_the_tensorrt_package_imports_tensorrt_or_pycuda() -> None:
 
 
 def test_importing_the_backend_loads_neither_library() -> None:
-    code = ("import sys, edged.backends.tensorrt as m; "
-            "bad = [k for k in sys.modules if k == 'tensorrt' or k.split('.')[0] == 'pycuda']; "
-            "print(m.TensorRTBackend.name, bad)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=REPO).stdout
+    code = (
+        "import sys, edged.backends.tensorrt as m; "
+        "bad = [k for k in sys.modules if k == 'tensorrt' or k.split('.')[0] == 'pycuda']; "
+        "print(m.TensorRTBackend.name, bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert out.strip() == "tensorrt []"
 
 
@@ -97,15 +98,22 @@ def _model(path: Path, nodes: list[str]) -> str:
     zero = helper.make_tensor("z", TensorProto.INT8, [], [0])
     made = {
         "relu": [helper.make_node("Relu", ["x"], ["y"])],
-        "qdq": [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
-                helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
-        "fp16": [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
-                 helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT)],
+        "qdq": [
+            helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
+        ],
+        "fp16": [
+            helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+            helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT),
+        ],
     }
     graph = helper.make_graph(
-        [n for kind in nodes for n in made[kind]], "g",
+        [n for kind in nodes for n in made[kind]],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [scale, zero])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [scale, zero],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return str(path)
 
@@ -134,12 +142,17 @@ def test_calibration_samples_from_npz_and_npy(tmp_path: Path) -> None:
     assert load_samples(str(npy), {"x": ("float32", 2)}, 10)[0]["x"].shape == (2, 16)
 
 
-@pytest.mark.parametrize("inputs, match", [
-    ({"image": ("float32", 4), "mask": ("float32", 4)}, "mask"),
-    ({"image": ("float32", 2)}, "rank"),
-])
+@pytest.mark.parametrize(
+    "inputs, match",
+    [
+        ({"image": ("float32", 4), "mask": ("float32", 4)}, "mask"),
+        ({"image": ("float32", 2)}, "rank"),
+    ],
+)
 def test_calibration_samples_that_do_not_fit_name_the_file(
-    tmp_path: Path, inputs: dict[str, tuple[str, int]], match: str,
+    tmp_path: Path,
+    inputs: dict[str, tuple[str, int]],
+    match: str,
 ) -> None:
     np.savez(tmp_path / "bad.npz", image=np.zeros((1, 3, 8, 8), np.float32))
     with pytest.raises(BuildError, match=match):
@@ -197,8 +210,7 @@ def _stubs(dest: Path) -> Path:
         dist = importlib.metadata.distribution("tensorrt-stubs")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("the tensorrt-stubs package is not installed")
-    for rel in ("tensorrt/__init__.pyi", "tensorrt_bindings/__init__.pyi",
-                "tensorrt_bindings/tensorrt.pyi"):
+    for rel in ("tensorrt/__init__.pyi", "tensorrt_bindings/__init__.pyi", "tensorrt_bindings/tensorrt.pyi"):
         text = Path(str(dist.locate_file(rel))).read_text()
         text = re.sub(r"([(,] ?)in: ", r"\1in_: ", text)
         text = re.sub(r"(= None, channel_axis: int)\)", r"\1 = ...)", text)
@@ -212,8 +224,9 @@ def _mypy(tmp_path: Path, *targets: str) -> subprocess.CompletedProcess[str]:
         pytest.skip("mypy is not installed")
     ini = tmp_path / "mypy.ini"
     ini.write_text(_MYPY_INI.format(stubs=_stubs(tmp_path / "stubs"), cache=tmp_path / "cache"))
-    return subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ini), *targets],
-                          capture_output=True, text=True, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ini), *targets], capture_output=True, text=True, cwd=REPO
+    )
 
 
 @pytest.mark.slow
@@ -229,7 +242,8 @@ def test_the_stub_check_catches_removed_apis(tmp_path: Path) -> None:
     """The control: code using the pre-8.5 bindings API and build_engine fails the same check,
     so a passing check above means the stubs were read, not silently skipped."""
     misuse = tmp_path / "trt_misuse.py"
-    misuse.write_text(textwrap.dedent("""\
+    misuse.write_text(
+        textwrap.dedent("""\
         import tensorrt as trt
 
         def old(builder: trt.Builder, network: trt.INetworkDefinition,
@@ -237,7 +251,8 @@ def test_the_stub_check_catches_removed_apis(tmp_path: Path) -> None:
             builder.build_engine(network, config)
             engine.get_binding_shape(0)
             engine.max_batch_size
-    """))
+    """)
+    )
     run = _mypy(tmp_path, str(misuse))
     for api in ("build_engine", "get_binding_shape", "max_batch_size"):
         assert f'has no attribute "{api}"' in run.stdout, run.stdout + run.stderr

@@ -11,28 +11,43 @@ from edged.backends.tensorrt.cuda import format_cuda_version
 from edged.backends.tensorrt.fingerprint import parse_driver_version, parse_tegra_release
 from edged.backends.tensorrt.trtlog import capture_errors, record, severity_level
 
-JP5 = ("# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64, "
-       "DATE: Tue Aug  1 19:57:35 UTC 2023\n")
-JP6 = ("# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64, "
-       "DATE: Wed Jan  8 01:49:37 UTC 2025\n# KERNEL_VARIANT: oot\n")
+JP5 = (
+    "# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64, "
+    "DATE: Tue Aug  1 19:57:35 UTC 2023\n"
+)
+JP6 = (
+    "# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64, "
+    "DATE: Wed Jan  8 01:49:37 UTC 2025\n# KERNEL_VARIANT: oot\n"
+)
 JP7 = "# R38 (release), REVISION: 2.0, GCID: 41844464, BOARD: generic, EABI: aarch64\n"
 
 
-@pytest.mark.parametrize("text, want", [(JP5, "35.4.1"), (JP6, "36.4.3"), (JP7, "38.2.0"),
-                                        ("", ""), ("garbage", "")])
+@pytest.mark.parametrize("text, want", [(JP5, "35.4.1"), (JP6, "36.4.3"), (JP7, "38.2.0"), ("", ""), ("garbage", "")])
 def test_l4t_release(text: str, want: str) -> None:
     assert parse_tegra_release(text) == want
 
 
-@pytest.mark.parametrize("text, want", [
-    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu Oct  9 2025\n"
-     "GCC version:  gcc version 12.2.0\n", "580.159.04"),
-    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "
-     "(dvs-builder@U16)  Thu Jan 23 2025\n", "570.86.15"),
-    ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  540.4.0  Release Build  "
-     "(buildbrain@mobile)  Tue Jan  7 2025\n", "540.4.0"),
-    ("", ""),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        (
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu Oct  9 2025\n"
+            "GCC version:  gcc version 12.2.0\n",
+            "580.159.04",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "
+            "(dvs-builder@U16)  Thu Jan 23 2025\n",
+            "570.86.15",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  540.4.0  Release Build  "
+            "(buildbrain@mobile)  Tue Jan  7 2025\n",
+            "540.4.0",
+        ),
+        ("", ""),
+    ],
+)
 def test_driver_version(text: str, want: str) -> None:
     assert parse_driver_version(text) == want
 
@@ -61,7 +76,12 @@ def test_errors_logged_inside_a_capture_are_collected(caplog: pytest.LogCaptureF
         record(1, "after the capture")
     assert errors == ["engine plan is from another version", "internal"]
     assert [r.levelno for r in caplog.records] == [
-        logging.WARNING, logging.WARNING, logging.ERROR, logging.CRITICAL, logging.ERROR]
+        logging.WARNING,
+        logging.WARNING,
+        logging.ERROR,
+        logging.CRITICAL,
+        logging.ERROR,
+    ]
 
 
 def test_captures_are_per_thread() -> None:

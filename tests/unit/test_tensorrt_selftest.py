@@ -40,11 +40,14 @@ def test_the_demo_is_the_configured_model_when_its_file_exists(tmp_path: Path) -
     from edged.demo import make_tiny_mlp
 
     model = make_tiny_mlp(tmp_path / "m.onnx")
-    cfg = from_mapping({"models": {
-        "gone": {"path": str(tmp_path / "gone.onnx")},
-        "mine": {"path": str(model), "profiles": {"x": {"min": [1, 16], "opt": [2, 16],
-                                                        "max": [4, 16]}}},
-    }})
+    cfg = from_mapping(
+        {
+            "models": {
+                "gone": {"path": str(tmp_path / "gone.onnx")},
+                "mine": {"path": str(model), "profiles": {"x": {"min": [1, 16], "opt": [2, 16], "max": [4, 16]}}},
+            }
+        }
+    )
     demo = _demo(cfg, tmp_path)
     assert demo.path == model and "mine" in demo.origin
     assert demo.profiles == {"x": ((1, 16), (2, 16), (4, 16))}

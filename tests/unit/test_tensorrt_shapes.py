@@ -33,12 +33,15 @@ def test_profile_for_an_unknown_input_is_refused() -> None:
         resolve_profiles([IMAGE], {"images": PROFILE, "imgs": PROFILE})
 
 
-@pytest.mark.parametrize("profile, match", [
-    (((1, 3, 32), (1, 3, 64), (1, 3, 64)), "rank 4"),
-    (((1, 4, 32, 32), (1, 4, 64, 64), (1, 4, 64, 64)), "fixes it at 3"),
-    (((1, 3, 64, 64), (1, 3, 32, 32), (1, 3, 64, 64)), "min <= opt <= max"),
-    (((0, 3, 32, 32), (1, 3, 32, 32), (1, 3, 32, 32)), "0 < min"),
-])
+@pytest.mark.parametrize(
+    "profile, match",
+    [
+        (((1, 3, 32), (1, 3, 64), (1, 3, 64)), "rank 4"),
+        (((1, 4, 32, 32), (1, 4, 64, 64), (1, 4, 64, 64)), "fixes it at 3"),
+        (((1, 3, 64, 64), (1, 3, 32, 32), (1, 3, 64, 64)), "min <= opt <= max"),
+        (((0, 3, 32, 32), (1, 3, 32, 32), (1, 3, 32, 32)), "0 < min"),
+    ],
+)
 def test_bad_profiles_are_refused(profile: tuple[tuple[int, ...], ...], match: str) -> None:
     with pytest.raises(BuildError, match=match):
         resolve_profiles([IMAGE], {"images": profile})  # type: ignore[dict-item]

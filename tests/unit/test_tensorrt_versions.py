@@ -111,7 +111,7 @@ def test_legacy_calibrator_up_to_10_is_weakly_typed_int8(version: tuple[int, int
     assert plan.calibrator
     assert not plan.strongly_typed
     assert "INT8" in plan.builder_flags
-    assert ("STRONGLY_TYPED" not in plan.network_flags)
+    assert "STRONGLY_TYPED" not in plan.network_flags
     assert any("deprecated" in n for n in plan.notes) == (version[0] == 10)
 
 
@@ -164,19 +164,32 @@ def test_newer_major_builds_as_11_with_a_note() -> None:
 
 
 def test_build_options_from_the_config_table() -> None:
-    opts = BuildOptions.from_mapping({
-        "workspace": "512MiB", "dla_core": 0, "legacy_calibrator": False,
-        "builder_optimization_level": 4, "unrelated": 1,
-    })
+    opts = BuildOptions.from_mapping(
+        {
+            "workspace": "512MiB",
+            "dla_core": 0,
+            "legacy_calibrator": False,
+            "builder_optimization_level": 4,
+            "unrelated": 1,
+        }
+    )
     assert opts.workspace == 512 * 1024**2
     assert (opts.dla_core, opts.builder_optimization_level) == (0, 4)
     assert BuildOptions.from_mapping({"workspace": 1 << 20}).workspace == 1 << 20
 
 
-@pytest.mark.parametrize("bad", [
-    {"workspace": "lots"}, {"workspace": True}, {"dla_core": "0"}, {"dla_core": -2},
-    {"builder_optimization_level": 9}, {"legacy_calibrator": 1}, {"max_samples": 0},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"workspace": "lots"},
+        {"workspace": True},
+        {"dla_core": "0"},
+        {"dla_core": -2},
+        {"builder_optimization_level": 9},
+        {"legacy_calibrator": 1},
+        {"max_samples": 0},
+    ],
+)
 def test_build_options_reject_bad_values(bad: dict[str, object]) -> None:
     with pytest.raises(BuildError, match="tensorrt option"):
         BuildOptions.from_mapping(bad)

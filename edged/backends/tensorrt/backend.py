@@ -54,7 +54,10 @@ class _TrtInstance(Instance):
     """One execution context with its own stream and buffers; one worker thread at a time."""
 
     def __init__(
-        self, backend: TensorRTBackend, ctx: trt.IExecutionContext, io: IOBuffers,
+        self,
+        backend: TensorRTBackend,
+        ctx: trt.IExecutionContext,
+        io: IOBuffers,
         outputs: tuple[str, ...],
     ) -> None:
         super().__init__(backend)
@@ -174,13 +177,16 @@ class TensorRTBackend(Backend):
             plans = _buffer_plans(ctx, specs, profiles)
         self._device, self._runtime, self._engine, self._spare = device, runtime, engine, ctx
         self._plans, self._profiles = plans, profiles
-        self._mapped = (device.integrated and device.can_map if self._mapped_option is None
-                        else self._mapped_option)
+        self._mapped = device.integrated and device.can_map if self._mapped_option is None else self._mapped_option
         v2 = uses_device_memory_v2(parse_version(trt.__version__))
         self._context_bytes = engine.device_memory_size_v2 if v2 else engine.device_memory_size
-        log.info("loaded %s: %d I/O tensors, %d bytes of activations per context%s",
-                 self.artifact.name, len(specs), self._context_bytes,
-                 ", mapped host buffers" if self._mapped else "")
+        log.info(
+            "loaded %s: %d I/O tensors, %d bytes of activations per context%s",
+            self.artifact.name,
+            len(specs),
+            self._context_bytes,
+            ", mapped host buffers" if self._mapped else "",
+        )
         inputs = tuple(s for s, is_in in specs if is_in)
         return inputs, tuple(s for s, is_in in specs if not is_in)
 
@@ -220,8 +226,7 @@ class TensorRTBackend(Backend):
             if ctx is None:
                 ctx = engine.create_execution_context()
                 if ctx is None:
-                    raise BackendError(f"{self.artifact.name}: no execution context "
-                                       "(out of device memory?)")
+                    raise BackendError(f"{self.artifact.name}: no execution context (out of device memory?)")
             io = IOBuffers(device, self._plans, mapped=self._mapped)
             for plan in self._plans:
                 if not ctx.set_tensor_address(plan.name, io.address(plan.name)):
@@ -280,8 +285,9 @@ def _io_specs(engine: trt.ICudaEngine) -> tuple[list[IOSpec], dict[str, Profile]
         name = engine.get_tensor_name(i)
         is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
         if engine.get_tensor_location(name) != trt.TensorLocation.DEVICE:
-            raise BackendError(f"tensor {name!r} lives on the host (a shape tensor); "
-                               "edged runs engines whose I/O is on the device")
+            raise BackendError(
+                f"tensor {name!r} lives on the host (a shape tensor); edged runs engines whose I/O is on the device"
+            )
         if engine.get_tensor_format(name) != trt.TensorFormat.LINEAR:
             raise BackendError(f"tensor {name!r} is not in linear layout")
         try:
@@ -313,8 +319,7 @@ def _buffer_plans(
         for spec, is_input in specs:
             if not is_input:
                 inferred = dims(ctx.get_tensor_shape(spec.name))
-                plans.append(TensorPlan(spec.name, spec.dtype,
-                                        max_shape(spec.name, inferred, None), False))
+                plans.append(TensorPlan(spec.name, spec.dtype, max_shape(spec.name, inferred, None), False))
     except ValueError as e:
         raise BackendError(str(e)) from None
     return tuple(plans)

@@ -39,17 +39,14 @@ log = logging.getLogger(__name__)
 NetworkInput = tuple[str, Shape, str]  # name, shape (-1 dynamic), numpy dtype
 
 
-def build_engine(
-    spec: BuildSpec, dest: Path, progress: Progress, fingerprint: Mapping[str, str]
-) -> dict[str, Any]:
+def build_engine(spec: BuildSpec, dest: Path, progress: Progress, fingerprint: Mapping[str, str]) -> dict[str, Any]:
     """Build ``spec`` into a serialized engine at ``dest``; return the manifest's extra fields."""
     import tensorrt as trt
 
     started = time.monotonic()
     opts = BuildOptions.from_mapping(spec.options)
     progress("parsing", None)
-    plan = plan_build(parse_version(trt.__version__), spec.precision, opts,
-                      read_model_traits(spec.source), spec.source)
+    plan = plan_build(parse_version(trt.__version__), spec.precision, opts, read_model_traits(spec.source), spec.source)
     for note in plan.notes:
         log.warning("%s: %s", spec.source, note)
     builder = trt.Builder(get_logger())
@@ -71,8 +68,9 @@ def build_engine(
         serialized = builder.build_serialized_network(network, config)
     del calibrator  # kept alive through the build: TensorRT calls back into it
     if serialized is None:
-        raise BuildError("TensorRT could not build the engine: "
-                         + ("; ".join(errors[-5:]) or "see the log for TensorRT's reasons"))
+        raise BuildError(
+            "TensorRT could not build the engine: " + ("; ".join(errors[-5:]) or "see the log for TensorRT's reasons")
+        )
     with open(dest, "wb") as f:
         f.write(serialized)
     _save_timing_cache(config, timing_path)
@@ -80,9 +78,7 @@ def build_engine(
     return _manifest(trt.__version__, plan, opts, timing_path, time.monotonic() - started)
 
 
-def _manifest(
-    version: str, plan: BuildPlan, opts: BuildOptions, timing_path: Path, seconds: float
-) -> dict[str, Any]:
+def _manifest(version: str, plan: BuildPlan, opts: BuildOptions, timing_path: Path, seconds: float) -> dict[str, Any]:
     return {
         "tensorrt": version,
         "strongly_typed": plan.strongly_typed,
@@ -135,14 +131,11 @@ def _network_inputs(network: trt.INetworkDefinition) -> list[NetworkInput]:
     inputs = []
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
-        inputs.append((tensor.name, dims(tensor.shape),
-                       numpy_dtype(tensor.dtype.name, tensor.name)))
+        inputs.append((tensor.name, dims(tensor.shape), numpy_dtype(tensor.dtype.name, tensor.name)))
     return inputs
 
 
-def _configure(
-    builder: trt.Builder, config: trt.IBuilderConfig, plan: BuildPlan, opts: BuildOptions
-) -> None:
+def _configure(builder: trt.Builder, config: trt.IBuilderConfig, plan: BuildPlan, opts: BuildOptions) -> None:
     import tensorrt as trt
 
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, opts.workspace)
@@ -153,8 +146,7 @@ def _configure(
     if plan.dla_core >= 0:
         cores = builder.num_DLA_cores
         if plan.dla_core >= cores:
-            raise BuildError(f"tensorrt.dla_core = {plan.dla_core}, but this device has "
-                             f"{cores} DLA core(s)")
+            raise BuildError(f"tensorrt.dla_core = {plan.dla_core}, but this device has {cores} DLA core(s)")
         config.default_device_type = trt.DeviceType.DLA
         config.DLA_core = plan.dla_core
 
@@ -209,14 +201,17 @@ def _save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
 
 
 def _attach_calibrator(
-    config: trt.IBuilderConfig, profile: trt.IOptimizationProfile | None,
-    inputs: list[NetworkInput], opts: BuildOptions, spec: BuildSpec, cache_dir: Path,
+    config: trt.IBuilderConfig,
+    profile: trt.IOptimizationProfile | None,
+    inputs: list[NetworkInput],
+    opts: BuildOptions,
+    spec: BuildSpec,
+    cache_dir: Path,
 ) -> trt.IInt8EntropyCalibrator2:
-    samples = load_samples(opts.calibration_data,
-                           {name: (dtype, len(shape)) for name, shape, dtype in inputs},
-                           opts.max_samples)
-    cache_path = opts.calibration_cache or str(
-        cache_dir / f"calib-{_calibration_digest(spec.source, opts)}.cache")
+    samples = load_samples(
+        opts.calibration_data, {name: (dtype, len(shape)) for name, shape, dtype in inputs}, opts.max_samples
+    )
+    cache_path = opts.calibration_cache or str(cache_dir / f"calib-{_calibration_digest(spec.source, opts)}.cache")
     calibrator = make_calibrator(samples, cache_path)
     config.int8_calibrator = calibrator
     if profile is not None:  # dynamic shapes: calibration runs at this profile's opt shapes

@@ -27,9 +27,7 @@ log = logging.getLogger(__name__)
 Sample = dict[str, np.ndarray]
 
 
-def load_samples(
-    folder: str, inputs: Mapping[str, tuple[str, int]], max_samples: int
-) -> list[Sample]:
+def load_samples(folder: str, inputs: Mapping[str, tuple[str, int]], max_samples: int) -> list[Sample]:
     """Calibration samples from a folder: ``.npz`` files keyed by input name, or, for a model with
     one input, ``.npy`` files. ``inputs`` maps each input to (numpy dtype, rank); a sample one
     rank short gets the batch dimension added."""

@@ -128,9 +128,7 @@ class IOBuffers:
     """One instance's stream and I/O buffers. Create, use and free it with the device active
     (``CudaDevice.activate``) on the calling thread; one thread uses it at a time."""
 
-    def __init__(
-        self, device: CudaDevice, plans: Sequence[TensorPlan], mapped: bool | None = None
-    ) -> None:
+    def __init__(self, device: CudaDevice, plans: Sequence[TensorPlan], mapped: bool | None = None) -> None:
         if mapped is None:
             mapped = device.integrated and device.can_map
         if mapped and not device.can_map:
@@ -151,8 +149,7 @@ class IOBuffers:
         # A zero-sized tensor still gets a real (one-element) buffer: TensorRT wants an address.
         count = max(1, plan.max_elements)
         if self.mapped:
-            host = cuda.pagelocked_empty(count, np.dtype(plan.dtype),
-                                         mem_flags=cuda.host_alloc_flags.DEVICEMAP)
+            host = cuda.pagelocked_empty(count, np.dtype(plan.dtype), mem_flags=cuda.host_alloc_flags.DEVICEMAP)
             pinned: Any = host.base
             return _Buffer(plan, host, pinned, None, int(pinned.get_device_pointer()))
         host = cuda.pagelocked_empty(count, np.dtype(plan.dtype))
@@ -181,8 +178,7 @@ class IOBuffers:
         for name, arr in inputs.items():
             buf = self._buffers[name]
             if arr.size > buf.host.size:
-                raise ValueError(f"input {name!r}: {arr.size} elements, buffer holds "
-                                 f"{buf.host.size}")
+                raise ValueError(f"input {name!r}: {arr.size} elements, buffer holds {buf.host.size}")
             view = buf.host[: arr.size]
             np.copyto(view.reshape(arr.shape), arr, casting="no")
             if buf.device is not None:

@@ -22,8 +22,13 @@ Profile = tuple[Shape, Shape, Shape]  # min, opt, max
 # TensorRT DataType member names → numpy dtype names. Names, not members, so the table holds for
 # every version (8.5 has no INT64, 11 may drop others) and is testable without TensorRT.
 TRT_DTYPES: dict[str, str] = {
-    "FLOAT": "float32", "HALF": "float16", "INT8": "int8", "INT32": "int32", "INT64": "int64",
-    "BOOL": "bool", "UINT8": "uint8",
+    "FLOAT": "float32",
+    "HALF": "float16",
+    "INT8": "int8",
+    "INT32": "int32",
+    "INT64": "int64",
+    "BOOL": "bool",
+    "UINT8": "uint8",
 }
 
 
@@ -52,9 +57,7 @@ def is_dynamic(shape: Iterable[int]) -> bool:
     return any(d < 0 for d in shape)
 
 
-def resolve_profiles(
-    inputs: Sequence[tuple[str, Shape]], profiles: Mapping[str, Profile]
-) -> dict[str, Profile]:
+def resolve_profiles(inputs: Sequence[tuple[str, Shape]], profiles: Mapping[str, Profile]) -> dict[str, Profile]:
     """The optimisation profile to give the builder, checked against the network's inputs.
 
     Every input with a dynamic dimension needs a profile; a profile must name a real input, have
@@ -63,8 +66,9 @@ def resolve_profiles(
     shapes = dict(inputs)
     unknown = sorted(set(profiles) - set(shapes))
     if unknown:
-        raise BuildError(f"profiles name inputs the model does not have: {', '.join(unknown)} "
-                         f"(inputs: {', '.join(shapes)})")
+        raise BuildError(
+            f"profiles name inputs the model does not have: {', '.join(unknown)} (inputs: {', '.join(shapes)})"
+        )
     resolved: dict[str, Profile] = {}
     for name, shape in inputs:
         prof = profiles.get(name)
@@ -83,8 +87,10 @@ def resolve_profiles(
 def _check_profile(name: str, shape: Shape, prof: Profile) -> None:
     lo, opt, hi = prof
     if not len(lo) == len(opt) == len(hi) == len(shape):
-        raise BuildError(f"profile of {name!r}: the input has rank {len(shape)} "
-                         f"({_fmt(shape)}), the profile gives {len(lo)}/{len(opt)}/{len(hi)}")
+        raise BuildError(
+            f"profile of {name!r}: the input has rank {len(shape)} "
+            f"({_fmt(shape)}), the profile gives {len(lo)}/{len(opt)}/{len(hi)}"
+        )
     for i, (want, a, b, c) in enumerate(zip(shape, lo, opt, hi)):
         if not 0 < a <= b <= c:
             raise BuildError(f"profile of {name!r}, dim {i}: needs 0 < min <= opt <= max")
@@ -97,8 +103,10 @@ def max_shape(name: str, shape: Shape, profile_max: Shape | None) -> Shape:
     if not is_dynamic(shape):
         return shape
     if profile_max is None or len(profile_max) != len(shape) or is_dynamic(profile_max):
-        raise ValueError(f"tensor {name!r} ({_fmt(shape)}) has no bounded maximum shape; "
-                         "TensorRT reports data-dependent outputs, which edged does not run")
+        raise ValueError(
+            f"tensor {name!r} ({_fmt(shape)}) has no bounded maximum shape; "
+            "TensorRT reports data-dependent outputs, which edged does not run"
+        )
     return tuple(profile_max)
 
 

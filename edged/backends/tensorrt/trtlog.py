@@ -22,8 +22,7 @@ log = logging.getLogger("edged.backends.tensorrt.trt")
 
 # ILogger.Severity values (stable since TensorRT 5): INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE.
 # TensorRT's INFO lines are memory-usage chatter, so they go to DEBUG and the journal stays calm.
-_LEVELS = {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING, 3: logging.DEBUG,
-           4: logging.DEBUG}
+_LEVELS = {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING, 3: logging.DEBUG, 4: logging.DEBUG}
 _ERROR_SEVERITY = 1
 
 _local = threading.local()

@@ -94,12 +94,7 @@ def read_model_traits(path: str) -> ModelTraits:
     has_fp16 = (
         any(v.type.tensor_type.elem_type == fp16 for v in typed)
         or any(t.data_type == fp16 for t in graph.initializer)
-        or any(
-            a.name == "to" and a.i == fp16
-            for n in graph.node
-            if n.op_type == "Cast"
-            for a in n.attribute
-        )
+        or any(a.name == "to" and a.i == fp16 for n in graph.node if n.op_type == "Cast" for a in n.attribute)
     )
     return ModelTraits(qdq=qdq, fp16=has_fp16)
 
@@ -119,8 +114,13 @@ def _size(value: Any, key: str) -> int:
 
 
 _OPTION_TYPES: dict[str, type] = {
-    "dla_core": int, "legacy_calibrator": bool, "builder_optimization_level": int,
-    "timing_cache": str, "calibration_data": str, "calibration_cache": str, "max_samples": int,
+    "dla_core": int,
+    "legacy_calibrator": bool,
+    "builder_optimization_level": int,
+    "timing_cache": str,
+    "calibration_data": str,
+    "calibration_cache": str,
+    "max_samples": int,
 }
 
 
@@ -153,8 +153,9 @@ class BuildOptions:
                 log.debug("tensorrt build ignores option %r", key)
         opts = cls(**values)
         if opts.workspace <= 0 or opts.dla_core < -1 or opts.max_samples < 1:
-            raise BuildError("tensorrt options: workspace and max_samples must be positive, "
-                             "dla_core -1 (GPU) or a core number")
+            raise BuildError(
+                "tensorrt options: workspace and max_samples must be positive, dla_core -1 (GPU) or a core number"
+            )
         if not 0 <= opts.builder_optimization_level <= 5:
             raise BuildError("tensorrt option builder_optimization_level: expected 0..5")
         return opts
@@ -221,9 +222,11 @@ def plan_build(
         if precision == "fp32":
             notes.append("DLA runs FP16 and INT8 only: with fp32 every layer falls back to the GPU")
         elif precision == "int8" and not calibrator and major < 11:
-            notes.append("DLA on TensorRT 8/10 takes INT8 scales from the calibrator; Q/DQ layers "
-                         "that DLA cannot run fall back to the GPU (legacy_calibrator = true "
-                         "calibrates for DLA)")
+            notes.append(
+                "DLA on TensorRT 8/10 takes INT8 scales from the calibrator; Q/DQ layers "
+                "that DLA cannot run fall back to the GPU (legacy_calibrator = true "
+                "calibrates for DLA)"
+            )
     level: int | None = opts.builder_optimization_level
     if version < (8, 6, 0):  # the optimisation level arrived in 8.6
         if level != BuildOptions.builder_optimization_level:
@@ -233,5 +236,4 @@ def plan_build(
         network_flags: tuple[str, ...] = ("EXPLICIT_BATCH",)
     else:  # 11 types every network strongly and ignores the (deprecated) flag
         network_flags = ("STRONGLY_TYPED",) if strongly and major == 10 else ()
-    return BuildPlan(network_flags, strongly, flags, calibrator, level, opts.dla_core,
-                     tuple(notes))
+    return BuildPlan(network_flags, strongly, flags, calibrator, level, opts.dla_core, tuple(notes))
