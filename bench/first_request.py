@@ -6,7 +6,7 @@ the benchmark see it), against the same with one GET /v2/health/live through the
 after READY=1 (what warming through the real socket would do). Each start reports, per model, the
 first request after a 0.5 s idle gap over the request after the same gap on the warm daemon.
 
-    .venv/bin/python -m bench.probe_first_request [--starts 6]
+    scripts/bench.sh first-request [--starts 6]
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from bench.servers import EdgedServer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=6)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     work = Path(tempfile.mkdtemp(prefix="edged-probe-"))
     ratios: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
