@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fuzz": ("bench.fuzz", "mutated requests against a live daemon: crashes, loop stalls, 5xx"),
     "soak": ("bench.soak", "mixed socket, shm and MQTT clients with a reload and a broker restart"),
     "llm": ("bench.llm", "language model: TTFT and tokens/s against llama.cpp's server and a lazy loader"),
+    "placement": ("bench.placement", "CPU placement and intra-op threads: tiny and frame against the floor"),
     "first-request": ("bench.first_request", "first request after READY=1, warmed through the socket or not"),
     "overhead": ("bench.overhead", "where a request's time goes outside the model, with trial fixes"),
     "spinning": ("bench.spinning", "ONNX Runtime's spinning intra-op threads on and off"),
