@@ -125,6 +125,16 @@ def start_daemon(
     return d
 
 
+def thread_affinities(pid: int) -> list[list[int]]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.append(sorted(os.sched_getaffinity(int(tid))))
+        except OSError:
+            continue  # the thread ended
+    return out
+
+
 def echo_limit(work: Path, x: np.ndarray, rounds: int, per: int) -> dict[str, float]:
     path = work / "echo.sock"
     proc = subprocess.Popen([sys.executable, "-c", ECHO_APP, str(path)])
@@ -146,23 +156,24 @@ def echo_limit(work: Path, x: np.ndarray, rounds: int, per: int) -> dict[str, fl
 Variant = tuple[str, "list[int] | None", int, dict[str, str]]
 SPIN_OFF = {"BENCH_ORT_SPIN": "0"}
 NATIVE = {"BENCH_ORT_THREADS": "native"}
+UNPINNED = {"BENCH_ORT_THREADS": "unpinned"}
 
 
 def variants(ncpu: int) -> list[Variant]:
     """(label, daemon CPUs or None for all, conv net intra-op threads (0 = edged's rule), trial env)."""
     rest = list(range(1, ncpu))
     out: list[Variant] = [
-        ("edged's rule (cores/instances)", None, 0, {}),
-        ("edged's rule, spin off", None, 0, SPIN_OFF),
+        ("edged: a pinned thread per CPU", None, 0, {}),
+        ("before: cores/instances, unpinned", None, 0, UNPINNED),
+        ("edged, spin off", None, 0, SPIN_OFF),
         ("ORT's own count, pinned per core", None, 0, NATIVE),
-        ("ORT's own count, spin off", None, 0, {**NATIVE, **SPIN_OFF}),
         ("1 thread", None, 1, {}),
-        ("ORT's own count, run on the loop (no hand-off)", None, -1, NATIVE),
+        ("edged, run on the loop (no hand-off)", None, -1, {}),
     ]
     if ncpu >= 4:
-        out += [("4 threads", None, 4, {}), ("4 threads, spin off", None, 4, SPIN_OFF)]
+        out += [("4 threads", None, 4, {})]
         out += [
-            (f"edged's rule on cpus 1-{ncpu - 1}", rest, 0, {}),
+            (f"edged on cpus 1-{ncpu - 1}", rest, 0, {}),
             (f"ORT's own on cpus 1-{ncpu - 1}", rest, 0, NATIVE),
         ]
     return out
@@ -220,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     lean_shm.close()
                     status = c.status()
+                    threads_cpus = thread_affinities(d.proc.pid)
             finally:
                 d.stop()
             row = {
@@ -234,13 +246,16 @@ def main(argv: list[str] | None = None) -> int:
                 "frame_request_only_ratio": p50_ms(f["request"]) / p50_ms(f["floor"]),
                 "producer_copy_p50_ms": p50_ms(f["copy"]),
                 "status": status,
+                "daemon_threads_pinned_to_one_cpu": sum(len(cpu_set) == 1 for cpu_set in threads_cpus),
+                "daemon_threads": len(threads_cpus),
             }
             rows.append(row)
             print(
                 f"{label:<34} tiny {row['tiny_edged_p50_ms']:.3f} ms (floor {row['tiny_floor_p50_ms']:.3f})"
                 f"  frame {row['frame_edged_p50_ms']:.3f} / {row['frame_floor_p50_ms']:.3f} ms"
                 f" = {row['frame_ratio']:.2f}x; request alone {row['frame_request_only_ratio']:.2f}x,"
-                f" producer copy {row['producer_copy_p50_ms']:.3f} ms",
+                f" producer copy {row['producer_copy_p50_ms']:.3f} ms;"
+                f" {row['daemon_threads_pinned_to_one_cpu']}/{row['daemon_threads']} threads pinned",
                 flush=True,
             )
         results["variants"] = rows
