@@ -156,17 +156,15 @@ def echo_limit(work: Path, x: np.ndarray, rounds: int, per: int) -> dict[str, fl
 Variant = tuple[str, "list[int] | None", int, dict[str, str]]
 SPIN_OFF = {"BENCH_ORT_SPIN": "0"}
 NATIVE = {"BENCH_ORT_THREADS": "native"}
-UNPINNED = {"BENCH_ORT_THREADS": "unpinned"}
 
 
 def variants(ncpu: int) -> list[Variant]:
     """(label, daemon CPUs or None for all, conv net intra-op threads (0 = edged's rule), trial env)."""
     rest = list(range(1, ncpu))
     out: list[Variant] = [
-        ("edged: a pinned thread per CPU", None, 0, {}),
-        ("before: cores/instances, unpinned", None, 0, UNPINNED),
+        ("edged: cores/instances threads", None, 0, {}),
         ("edged, spin off", None, 0, SPIN_OFF),
-        ("ORT's own count, pinned per core", None, 0, NATIVE),
+        ("ORT's own count, a pinned thread per core", None, 0, NATIVE),
         ("1 thread", None, 1, {}),
         ("edged, run on the loop (no hand-off)", None, -1, {}),
     ]

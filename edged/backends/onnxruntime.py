@@ -8,7 +8,7 @@ again skips the optimiser, which is most of a session's start-up time.
 from __future__ import annotations
 
 import hashlib
-import itertools
+import os
 import platform
 from collections.abc import Mapping
 from functools import cache
@@ -19,7 +19,6 @@ import numpy as np
 import onnxruntime as ort
 
 from edged.backends.base import Backend, BuildSpec, Instance, Progress, TensorSpec
-from edged.backends.ort_threads import affinity_config, allowed_cpus, cpu_slices
 
 # ONNX Runtime's own telemetry is off: the daemon writes nothing it was not asked to.
 ort.disable_telemetry_events()
@@ -117,7 +116,6 @@ class OnnxRuntimeBackend(Backend):
         super().__init__(artifact, options)
         self._first: ort.InferenceSession | None = None
         self._first_taken = False
-        self._slots = itertools.count()
 
     @staticmethod
     def specs_of(sess: ort.InferenceSession) -> tuple[TensorSpec, ...]:
@@ -161,26 +159,20 @@ class OnnxRuntimeBackend(Backend):
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         return _configure(so)
 
-    def _session(self) -> ort.InferenceSession:
-        """The next instance's session: an explicit ``threads`` is taken as it is; otherwise the
-        instance gets its own slice of this process's CPUs, one pinned pool thread per CPU
-        (edged/backends/ort_threads.py says why)."""
+    def _threads(self) -> int:
         if self.options.threads:
-            so = self._options(self.options.threads)
-        else:
-            slot = next(self._slots) % self.options.instances  # next() on a count is atomic under the GIL
-            cpus = cpu_slices(allowed_cpus(), self.options.instances)[slot]
-            so = self._options(len(cpus))
-            pinned = affinity_config(cpus)
-            if pinned:  # one CPU: no pool threads to place
-                so.add_session_config_entry("session.intra_op_thread_affinities", pinned)
+            return self.options.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        return max(1, cores // max(1, self.options.instances))
+
+    def _session(self) -> ort.InferenceSession:
+        so = self._options(self._threads())
         # The artefact is already optimised for this CPU: running the optimiser again only
         # lengthens the cold start.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         return ort.InferenceSession(str(self.artifact), so, providers=["CPUExecutionProvider"])
 
     def _load_impl(self) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-        self._slots = itertools.count()  # which CPU slice the next instance's session takes
         sess = self._session()
         self._first, self._first_taken = sess, False
         return (

@@ -2,10 +2,9 @@
 for one edged daemon): trials of ONNX Runtime session settings without touching edged's code.
 
 BENCH_ORT_SPIN=0          intra-op threads do not spin after a run
-BENCH_ORT_THREADS=native    intra_op_num_threads = 0: ONNX Runtime picks the count (physical
-                            cores) and pins each pool thread to its own core, as an in-process
-                            default session does
-BENCH_ORT_THREADS=unpinned  edged's rule before placement: cores / instances threads, unpinned
+BENCH_ORT_THREADS=native  intra_op_num_threads = 0: ONNX Runtime picks the count (physical
+                          cores) and pins each pool thread to its own core, as an in-process
+                          default session does; edged sets cores / instances, unpinned
 """
 
 from __future__ import annotations
@@ -19,10 +18,7 @@ def _patch() -> None:
 
     original = backend.OnnxRuntimeBackend._options
     spin = os.environ.get("BENCH_ORT_SPIN", "1")
-    mode = os.environ.get("BENCH_ORT_THREADS", "")
-    native = mode == "native"
-    if mode in ("native", "unpinned"):
-        backend.affinity_config = lambda cpus: ""  # type: ignore[assignment]
+    native = os.environ.get("BENCH_ORT_THREADS") == "native"
 
     def options(threads: int) -> Any:
         so = original(0 if native else threads)
