@@ -26,6 +26,11 @@ if [ "${1:-}" = prepare ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .whl "${pins[@]}"
+  # The hand-written FastAPI peer of `peers`, with what it needs (PyTriton needs its own venv and
+  # Triton's server binary: it is left out there, and `peers` says so).
+  python3 -m pip download -q --only-binary=:all: --python-version "$pyver" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl fastapi
   .venv/bin/python -m edged.demo data
   echo "ready: copy this checkout with .whl/ and data/, then run scripts/bench_offline.sh SUBCOMMAND there"
   exit 0
