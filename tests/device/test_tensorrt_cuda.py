@@ -31,6 +31,7 @@ from edged.backends.base import LoadOptions, TensorSpec
 from edged.backends.tensorrt import TensorRTBackend
 from edged.backends.tensorrt.cuda import CudaDevice, IOBuffers, shared_device
 from edged.backends.tensorrt.fingerprint import gpu_fingerprint
+from edged.backends.tensorrt.profiles import SHARED, ProfileSlots
 from edged.backends.tensorrt.shapes import TensorPlan, io_bytes
 from edged.errors import BackendError, InvalidInputError
 
@@ -325,6 +326,7 @@ def _fake_load(self: TensorRTBackend) -> tuple[tuple[TensorSpec, ...], tuple[Ten
     self._plans = tuple(plans(MAX))
     self._profiles = {"x": ((1, 1024, 1024), (1, 1024, 1024), MAX)}
     self._mapped = bool(self._mapped_option)
+    self._slots = ProfileSlots(SHARED, 1, True, "fake.engine")
     return (TensorSpec("x", "float32", (-1, 1024, 1024)),), (TensorSpec("y", "float32", (-1, 1024, 1024)),)
 
 
