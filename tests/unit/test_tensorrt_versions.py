@@ -258,3 +258,15 @@ def test_float_parts_go_fp16_only_on_strongly_typed_int8() -> None:
     assert not plan_build(TRT_10_3, "int8", BuildOptions(float_parts="fp32"), QDQ).fp16_float_parts
     assert not plan_build(TRT_8_6, "int8", DEFAULT, QDQ).fp16_float_parts  # the FP16 flag does it
     assert not plan_build(TRT_10_3, "fp32", DEFAULT, FP32_MODEL).fp16_float_parts
+
+
+def test_a_dla_model_with_a_dynamic_profile_is_refused_at_config_time() -> None:
+    from edged.config import from_mapping
+    from edged.errors import ConfigError
+
+    model = {"path": "m.onnx", "profiles": {"x": {"min": [1, 3], "opt": [2, 3], "max": [4, 3]}}}
+    from_mapping({"models": {"m": model}})  # on the GPU: fine
+    with pytest.raises(ConfigError, match=r"models.m.profiles.x: DLA .* set min = opt = max .* or dla_core = -1"):
+        from_mapping({"models": {"m": dict(model, tensorrt={"dla_core": 0})}})
+    static = {"x": {"min": [2, 3], "opt": [2, 3], "max": [2, 3]}}
+    assert from_mapping({"models": {"m": dict(model, profiles=static, tensorrt={"dla_core": 0})}}).models["m"]
