@@ -243,10 +243,13 @@ class TensorRTBackend(Backend):
     def _instance_impl(self) -> Instance:
         device, engine, slots = self._device, self._engine, self._slots
         assert device is not None and engine is not None and slots is not None
-        index = slots.acquire()  # raises when TensorRT 8.5 has no profile left for a context
         with self._instances_lock:
+            # Together, so the engine's first context (made at load, on profile 0 already) is the
+            # one that gets profile 0: with them apart, two threads could cross and one context
+            # ask for profile 0 while the first still holds it (TensorRT 8.5 refuses that).
+            index = slots.acquire()  # raises when TensorRT 8.5 has no profile left for a context
             ctx, self._spare = self._spare, None
-        first = ctx is not None  # the engine's first context starts on profile 0
+        first = ctx is not None
         try:
             with device.activate():
                 if ctx is None:
