@@ -58,19 +58,14 @@ def demo_model(cfg: Config, tmp: Path) -> Demo:
     models = sorted(cfg.models.items(), key=lambda kv: kv[0] != "ocr_det")
     for name, model in models:
         if Path(model.path).is_file():
+            if name == "ocr_det" and model.calibration is None:
+                # The demo detector with the config's own profiles and TensorRT options (a static
+                # profile with dla_core, legacy_calibrator): the demo's data and gate.
+                raw = msgspec.to_builtins(model)
+                return _detector(Path(model.path), raw["profiles"], raw["tensorrt"], tmp, "config model 'ocr_det'")
             return _configured(name, model, tmp)
     if DEMO.is_file():
-        data = render_pages(tmp / "pages", PAGES)
-        calibration = {
-            "data": str(data),
-            "resize": [640, 640],
-            "color": "BGR",
-            "mean": [0.5] * 3,
-            "std": [0.5] * 3,
-            "max_samples": PAGES,
-        }
-        raw = {"path": str(DEMO), "profiles": {"x": DEMO_PROFILE}, "calibration": calibration, "gate": _gate(DEMO_GATE)}
-        return Demo("ocr_det", DEMO, "demo detector", _int8(raw), f"{PAGES} rendered text pages (640x640)")
+        return _detector(DEMO, {"x": DEMO_PROFILE}, {}, tmp, "demo detector")
     from edged.demo import make_tiny_mlp
 
     path = make_tiny_mlp(tmp / "tiny.onnx")
@@ -78,6 +73,26 @@ def demo_model(cfg: Config, tmp: Path) -> Demo:
     profile = {"x": {"min": list(MLP_PROFILE[0]), "opt": list(MLP_PROFILE[1]), "max": list(MLP_PROFILE[2])}}
     raw = {"path": str(path), "profiles": profile, "calibration": {"data": str(folder)}}
     return Demo("tiny", path, "tiny MLP (no demo model found)", _int8(raw), f"{PAGES} synthetic samples")
+
+
+def _detector(path: Path, profiles: Any, tensorrt: Any, tmp: Path, origin: str) -> Demo:
+    data = render_pages(tmp / "pages", PAGES)
+    calibration = {
+        "data": str(data),
+        "resize": [640, 640],
+        "color": "BGR",
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "max_samples": PAGES,
+    }
+    raw = {
+        "path": str(path),
+        "profiles": profiles,
+        "tensorrt": tensorrt,
+        "calibration": calibration,
+        "gate": _gate(DEMO_GATE),
+    }
+    return Demo("ocr_det", path, origin, _int8(raw), f"{PAGES} rendered text pages (640x640)")
 
 
 def _gate(wanted: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +258,12 @@ def _build_note(manifest: dict[str, Any]) -> str:
     floats = manifest.get("fp16") or {}
     if floats:
         typing += f", float parts FP16 ({floats.get('fp16_nodes')} nodes; {floats.get('fp32_nodes')} kept FP32)"
+    if manifest.get("legacy_calibrator"):
+        typing += f", legacy calibrator on {manifest.get('calibration_samples')} samples"
+    dla = manifest.get("dla_gpu_fallback")
+    if dla:
+        names = ", ".join(dla["layers"][:5]) + (" ..." if dla["count"] > 5 else "")
+        typing += f", DLA core {manifest.get('dla_core')}: {dla['count']} of {dla['of']} layers on the GPU ({names})"
     return typing
 
 

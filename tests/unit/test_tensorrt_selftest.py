@@ -167,3 +167,35 @@ def test_the_qdq_recipe_gives_what_tensorrt_builds(tmp_path: Path) -> None:
 
     metrics = gate_metrics(run(fp32), run(qdq))
     assert metrics["cosine"] > 0.99, metrics
+
+
+def test_a_configured_ocr_det_keeps_its_tensorrt_options_and_gets_the_demo_data(tmp_path: Path) -> None:
+    from edged.selftest_checks import DEMO
+
+    if not DEMO.is_file():
+        pytest.skip(f"the demo detector {DEMO} is not here")
+    static = {"min": [1, 3, 640, 640], "opt": [1, 3, 640, 640], "max": [1, 3, 640, 640]}
+    model = {"path": str(DEMO), "profiles": {"x": static}, "tensorrt": {"dla_core": 0, "legacy_calibrator": True}}
+    demo = demo_model(from_mapping({"models": {"ocr_det": model}}), tmp_path)
+    assert demo.origin == "config model 'ocr_det'" and "rendered text pages" in demo.data_note
+    assert demo.model.tensorrt.dla_core == 0 and demo.model.tensorrt.legacy_calibrator
+    assert demo.model.profiles["x"].max == [1, 3, 640, 640]
+    assert demo.model.calibration is not None and demo.model.calibration.resize == [640, 640]
+
+
+def test_the_build_note_names_dla_fallback_and_the_float_parts() -> None:
+    from edged.selftest_checks import _build_note
+
+    manifest = {
+        "strongly_typed": True,
+        "fp16": {"fp16_nodes": 687, "fp32_nodes": 19},
+        "dla_core": 0,
+        "dla_gpu_fallback": {"layers": ["resize_1", "sigmoid"], "count": 2, "of": 90},
+    }
+    assert _build_note(manifest) == (
+        "strongly typed, float parts FP16 (687 nodes; 19 kept FP32), DLA core 0: 2 of 90 layers on the GPU "
+        "(resize_1, sigmoid)"
+    )
+    assert _build_note({"builder_flags": ["INT8", "FP16"], "legacy_calibrator": True, "calibration_samples": 32}) == (
+        "flags INT8+FP16, legacy calibrator on 32 samples"
+    )
