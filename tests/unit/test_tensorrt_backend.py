@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edged.backends import resolve
@@ -210,3 +211,23 @@ def test_the_stub_check_catches_removed_apis(tmp_path: Path) -> None:
     run = _mypy(tmp_path, str(misuse))
     for api in ("build_engine", "get_binding_shape", "max_batch_size"):
         assert f'has no attribute "{api}"' in run.stdout, run.stdout + run.stderr
+
+
+def test_int64_is_narrowed_for_an_input_tensorrt_8_made_int32() -> None:
+    """A loaded engine (its state set as ``_load_impl`` sets it) whose ``ids`` input TensorRT 8.x
+    typed INT32: the build's gate feeds INT64 and is served; values INT32 cannot hold are refused."""
+    from edged.backends.base import TensorSpec
+    from edged.errors import InvalidInputError
+
+    backend = TensorRTBackend(Path("fake.engine"))
+    spec = TensorSpec("ids", "int32", (-1, 4))
+    backend._inputs, backend._input_map, backend._loaded = (spec,), {"ids": spec}, True
+    backend._int32_inputs = frozenset({"ids"})
+    ids = np.arange(8, dtype=np.int64).reshape(2, 4)
+    backend.check_inputs({"ids": ids})
+    narrowed = backend.narrowed({"ids": ids})["ids"]
+    assert narrowed.dtype == np.int32 and narrowed.tolist() == ids.tolist()
+    with pytest.raises(InvalidInputError, match="outside int32"):
+        backend.check_inputs({"ids": np.full((1, 4), 2**40, np.int64)})
+    with pytest.raises(InvalidInputError, match="expected int32"):
+        backend.check_inputs({"ids": np.zeros((1, 4), np.float32)})  # only INT64 is narrowed

@@ -31,6 +31,7 @@ from edged.backends.tensorrt.shapes import (
     io_bytes,
     is_dynamic,
     max_shape,
+    narrow_int64,
     numpy_dtype,
     out_of_profile,
 )
@@ -80,6 +81,7 @@ class _TrtInstance(Instance):
         ctx = self._ctx
         if ctx is None:
             raise BackendError("this instance was closed")
+        inputs = self._trt.narrowed(inputs)
         with self.io.device.activate():
             for name, arr in inputs.items():
                 if not ctx.set_input_shape(name, arr.shape):
@@ -130,6 +132,7 @@ class TensorRTBackend(Backend):
         self._live: list[_TrtInstance] = []
         self._instances_lock = threading.Lock()
         self._slots: ProfileSlots | None = None
+        self._int32_inputs: frozenset[str] = frozenset()
 
     # --- class level ------------------------------------------------------------------------------
 
@@ -196,6 +199,7 @@ class TensorRTBackend(Backend):
             plans = _buffer_plans(ctx, specs, profiles)
         self._device, self._runtime, self._engine, self._spare = device, runtime, engine, ctx
         self._plans, self._profiles = plans, profiles
+        self._int32_inputs = frozenset(p.name for p in plans if p.is_input and p.dtype == "int32")
         version = parse_version(trt.__version__)
         self._slots = ProfileSlots(
             profile_scheme(version), engine.num_optimization_profiles, bool(profiles), self.artifact.name
@@ -231,12 +235,28 @@ class TensorRTBackend(Backend):
         return runtime, engine
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
-        super().check_inputs(inputs)
+        super().check_inputs(self.narrowed(inputs))
         for name, arr in inputs.items():
             prof = self._profiles.get(name)
             why = out_of_profile(arr.shape, prof) if prof else ""
             if why:
                 raise InvalidInputError(f"input '{name}': {why}")
+
+    def narrowed(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """INT64 arrays for the inputs TensorRT 8.x made INT32, as INT32 (range-checked): what a
+        direct caller holds for such a model (the build's accuracy gate feeds the ONNX model's
+        INT64). The wire takes the engine's INT32, as the model's metadata says."""
+        if not self._int32_inputs or not any(
+            arr.dtype == np.int64 and name in self._int32_inputs for name, arr in inputs.items()
+        ):
+            return inputs
+        try:
+            return {
+                name: narrow_int64(name, arr) if arr.dtype == np.int64 and name in self._int32_inputs else arr
+                for name, arr in inputs.items()
+            }
+        except ValueError as e:
+            raise InvalidInputError(str(e)) from None
 
     # --- instances ------------------------------------------------------------------------------
 
