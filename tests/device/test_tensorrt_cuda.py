@@ -376,6 +376,9 @@ def test_per_context_profiles_are_set_on_each_instance_stream(device: CudaDevice
     backend._load_impl = types.MethodType(_fake_load, backend)  # type: ignore[method-assign]
     backend.load()
     backend._slots = ProfileSlots(PER_CONTEXT, 3, True, "fake.engine")
+    # As the real load leaves it: the engine's first context, already on profile 0 (the fake
+    # load makes none, and then every context, rightly, is told its profile).
+    backend._spare = backend._engine.create_execution_context()  # type: ignore[union-attr, assignment]
     instances = run_threads(3, lambda i: backend.instance())
     calls = {inst.profile: inst._ctx.profile_calls for inst in instances}  # type: ignore[attr-defined]
     assert sorted(calls) == [0, 1, 2]
