@@ -147,6 +147,9 @@ def make_calibrator(feeder: BatchFeeder, cache_path: str) -> trt.IInt8EntropyCal
                 return None
 
         def write_calibration_cache(self, cache: Any) -> None:
+            if feeder.error is not None:  # scales from part of the data: the build fails, keep none
+                log.warning("not keeping the calibration cache: %s", feeder.error)
+                return
             os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
             atomic_write(Path(cache_path), bytes(cache))
 
