@@ -232,7 +232,10 @@ def to_mixed_fp16(src: Path, dst: Path, keep_fp32: Sequence[str] = ()) -> dict[s
             model = version_converter.convert_version(model, FP16_OPSET)
         model = onnx.shape_inference.infer_shapes(model)
     except Exception as e:  # onnx raises a zoo of errors for models it cannot convert
-        raise BuildError(f"{src.name}: cannot prepare the model for FP16 ({type(e).__name__}: {e})") from None
+        raise BuildError(
+            f"{src.name}: cannot prepare the model for FP16 ({type(e).__name__}: {e}); "
+            "set [models.NAME.tensorrt] float_parts = 'fp32' to build it as it is"
+        ) from None
     work = _Pass(model, keep_fp32)
     for i, node in enumerate(list(model.graph.node)):
         work.node(i, node)
@@ -241,7 +244,8 @@ def to_mixed_fp16(src: Path, dst: Path, keep_fp32: Sequence[str] = ()) -> dict[s
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:
         raise BuildError(
-            f"{src.name}: the FP16 conversion made an invalid model ({e}); set float_parts = 'fp32'"
+            f"{src.name}: the FP16 conversion made an invalid model ({e}); "
+            "set [models.NAME.tensorrt] float_parts = 'fp32' to build it as it is"
         ) from None
     onnx.save(model, str(dst))
     return {
