@@ -191,7 +191,10 @@ def _memory(report: Report, cfg: Config) -> None:
 def _exercise(report: Report, demo: Demo, tmp: Path) -> list[Check]:
     checks: list[Check] = []
     started = time.monotonic()
-    int8, entry, held = int8_check(demo, tmp, lambda phase: report.line("building", phase))
+    try:
+        int8, entry, held = int8_check(demo, tmp, lambda phase: report.line("building", phase))
+    except EdgedError as e:  # the build failed: a verdict on int8, and the other checks still run
+        int8, entry, held = Check("int8", "FAIL", f"the build failed: {e}"), None, []
     report.line("data", demo.data_note)
     checks.append(report.check(int8))
     if entry is not None:

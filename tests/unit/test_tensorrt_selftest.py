@@ -199,3 +199,23 @@ def test_the_build_note_names_dla_fallback_and_the_float_parts() -> None:
     assert _build_note({"builder_flags": ["INT8", "FP16"], "legacy_calibrator": True, "calibration_samples": 32}) == (
         "flags INT8+FP16, legacy calibrator on 32 samples"
     )
+
+
+def test_a_failed_int8_build_is_a_fail_and_the_other_checks_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fakes for the pure control flow: TensorRT 'usable', the int8 build raising as a TensorRT
+    build error would, the instances check passing."""
+    from edged.errors import BuildError
+
+    def failing_build(demo: object, tmp: object, say: object) -> None:
+        raise BuildError("TensorRT could not build the engine: out of memory")
+
+    monkeypatch.setattr(selftest, "_platform", lambda report, cfg: True)
+    monkeypatch.setattr(selftest, "int8_check", failing_build)
+    monkeypatch.setattr(selftest, "instances_check", lambda tmp: Check("instances", "PASS", "3 instances"))
+    out = io.StringIO()
+    assert run_selftest(None, out) == 1
+    text = out.getvalue()
+    assert "int8        : the build failed: TensorRT could not build the engine: out of memory -> FAIL" in text
+    assert "instances   : 3 instances -> PASS" in text
+    assert "buffers     : no engine was built -> SKIP" in text
+    assert text.splitlines()[-1] == "result      : FAIL: int8 (1 of 2 checks passed)"
