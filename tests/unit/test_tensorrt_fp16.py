@@ -143,7 +143,11 @@ def test_the_search_excluded_nodes_run_fp16(tmp_path: Path) -> None:
     from edged.demo import make_tiny_mlp
 
     mlp = make_tiny_mlp(tmp_path / "mlp.onnx")
-    first = next(n.name for n in onnx.load(str(mlp)).graph.node if n.op_type == "Gemm")
+    model = onnx.load(str(mlp))
+    for i, node in enumerate(model.graph.node):  # the search names nodes; the demo MLP has none
+        node.name = f"{node.op_type.lower()}_{i}"
+    onnx.save(model, str(mlp))
+    first = next(n.name for n in model.graph.node if n.op_type == "Gemm")
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(1)
@@ -153,14 +157,16 @@ def test_the_search_excluded_nodes_run_fp16(tmp_path: Path) -> None:
     qdq = tmp_path / "excluded.qdq.onnx"
     quantize_qdq(mlp, qdq, samples, nodes_to_exclude=[first])
     out = tmp_path / "mixed.onnx"
-    to_mixed_fp16(qdq, out)
+    summary = to_mixed_fp16(qdq, out, float_nodes=[first])  # as the pipeline names them
+    assert summary["float_nodes_fp16"] == "1 of 1"
     graph = onnx.load(str(out)).graph
     t = dtypes(out)
     gemms = [n for n in graph.node if n.op_type == "Gemm"]
     assert all(t[g.output[0]] == H for g in gemms)
-    excluded = next(g for g in gemms if g.name == first)
     feeding = {o: n.op_type for n in graph.node for o in n.output}
-    assert feeding.get(excluded.input[0]) != "DequantizeLinear"  # really left out of INT8
+    fed = {g.name: feeding.get(g.input[0]) for g in gemms}
+    assert fed[first] != "DequantizeLinear"  # really left out of INT8...
+    assert [f for name, f in fed.items() if name != first] == ["DequantizeLinear"]  # ...and only it
 
 
 def test_an_unreadable_model_is_a_build_error(tmp_path: Path) -> None:

@@ -127,7 +127,7 @@ def network_source(
         return
     with tempfile.TemporaryDirectory(prefix=".tmp-fp16-", dir=workdir) as tmp:
         converted = Path(tmp) / "mixed.onnx"
-        summary = to_mixed_fp16(Path(source), converted, opts.keep_fp32)
+        summary = to_mixed_fp16(Path(source), converted, opts.keep_fp32, opts.int8_float_nodes)
         yield str(converted), {"float_parts": "fp16", "fp16": summary}
 
 

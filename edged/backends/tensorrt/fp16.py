@@ -125,6 +125,7 @@ class _Pass:
         self.fp16_ops: collections.Counter[str] = collections.Counter()
         self.fp32_ops: collections.Counter[str] = collections.Counter()
         self.kept_named: list[str] = []
+        self.fp16_names: set[str] = set()
 
     def _schema(self, node: Any) -> Any:
         if node.domain not in ("", "ai.onnx") or any(a.type in (5, 10) for a in node.attribute):  # GRAPH(S)
@@ -174,6 +175,7 @@ class _Pass:
                 to.i = FLOAT16
             self.now[node.output[0]] = to.i
             self.fp16_ops[node.op_type] += 1
+            self.fp16_names.add(node.name)
             self.nodes.append(node)
             return
         for i, name in enumerate(node.input):
@@ -198,6 +200,8 @@ class _Pass:
             )
             self.now[name] = FLOAT16 if convert else orig
         (self.fp16_ops if fp16 else self.fp32_ops)[node.op_type] += floats
+        if fp16 and node.name:
+            self.fp16_names.add(node.name)
         self.nodes.append(node)
 
     def finish(self) -> None:
@@ -220,8 +224,12 @@ class _Pass:
         del g.value_info[:]
 
 
-def to_mixed_fp16(src: Path, dst: Path, keep_fp32: Sequence[str] = ()) -> dict[str, Any]:
-    """Write ``src`` with its float parts in FP16 to ``dst``; return a summary for the manifest."""
+def to_mixed_fp16(
+    src: Path, dst: Path, keep_fp32: Sequence[str] = (), float_nodes: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Write ``src`` with its float parts in FP16 to ``dst``; return a summary for the manifest.
+    ``float_nodes``: the nodes the mixed-precision search kept out of INT8; the summary says how
+    many of them run FP16 here (the rest are ones kept FP32 by the rules above)."""
     import onnx
     from onnx import version_converter
 
@@ -255,4 +263,9 @@ def to_mixed_fp16(src: Path, dst: Path, keep_fp32: Sequence[str] = ()) -> dict[s
         "fp32_ops": dict(work.fp32_ops.most_common(LISTED)),
         "kept_fp32": work.kept_named[:LISTED],
         "casts": sum(1 for n in model.graph.node if n.name.startswith("cast_")),
+        **(
+            {"float_nodes_fp16": f"{len(set(float_nodes) & work.fp16_names)} of {len(set(float_nodes))}"}
+            if float_nodes
+            else {}
+        ),
     }

@@ -124,6 +124,7 @@ _OPTION_TYPES: dict[str, type] = {
     "device": int,
     "keep_fp32": list,
     "float_parts": str,
+    "int8_float_nodes": list,
 }
 
 
@@ -142,6 +143,7 @@ class BuildOptions:
     device: int = 0  # the GPU ordinal the engine is built on, and later loaded on
     float_parts: str = "fp16"  # strongly typed int8: the unquantized float ops in fp16 or fp32
     keep_fp32: tuple[str, ...] = ()  # op types or node names kept FP32 (with float_parts fp16)
+    int8_float_nodes: tuple[str, ...] = ()  # the Q/DQ model's nodes the mixed-precision search kept float
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> BuildOptions:
