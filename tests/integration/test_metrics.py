@@ -17,9 +17,11 @@ from edged import errors
 from edged.demo import save_graph
 from edged.metrics import UNKNOWN
 from tests.helpers import DaemonProcess, wait_for
+from tests.integration.mosquitto import Broker, Peer, broker
 from tests.unit.test_metrics import FAMILIES, promtool_check
 
 pytestmark = pytest.mark.integration
+__all__ = ["broker"]  # a fixture: imported so that pytest finds it
 
 WIDTH, LAYERS = 256, 40
 
@@ -147,3 +149,28 @@ def test_queue_depth_follows_requests_in_flight(daemon: DaemonProcess) -> None:
     assert not failures, failures
     wait_for(lambda: sample(scrape(daemon), "edged_queue_depth", model="slow") == 0, 30, what="queue drained")
     assert sample(scrape(daemon), "edged_queue_depth", model="tiny") == 0
+
+
+def test_mqtt_outcomes_are_counted_like_the_sockets(
+    broker: Broker, daemon_factory: Callable[..., DaemonProcess], model_dir: Path
+) -> None:
+    d = daemon_factory(
+        {"tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"}},
+        extra={"mqtt": {"enabled": True, "host": broker.host, "port": broker.port, "device_id": "m1"}},
+    ).start()
+    text = scrape(d)
+    assert sample(text, "edged_requests_total", model="tiny", transport="mqtt", outcome="bad_request") == 0
+    good = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}]})
+    sent = {b"ok": ("tiny", good), b"unreadable": ("tiny", b"{not json"), b"unknown": ("nope", good)}
+    with Peer(broker.port) as peer:
+        peer.subscribe("reply/m")
+        for corr, (model, payload) in sent.items():
+            peer.request(f"edged/m1/models/{model}/infer", payload, "reply/m", corr, "application/json")
+        peer.wait(lambda: len(peer.replies("reply/m")) == len(sent), 30, "a reply to every request")
+    text = scrape(d)
+    mqtt = {
+        (model, result): sample(text, "edged_requests_total", model=model, transport="mqtt", outcome=result)
+        for model, result in (("tiny", "ok"), ("tiny", "bad_request"), (UNKNOWN, "model_not_found"))
+    }
+    assert mqtt == {("tiny", "ok"): 1, ("tiny", "bad_request"): 1, (UNKNOWN, "model_not_found"): 1}, mqtt
+    assert "nope" not in text
