@@ -313,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Unreachable as e:
         print(f"edged {args.command}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C: the shell's convention, without a traceback
     except (ConnectionError, TimeoutError) as e:
         # Connected once, then the exchange failed: the daemon stopped or is wedged.
         sock = getattr(args, "resolved_socket", None)

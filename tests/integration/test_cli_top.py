@@ -234,3 +234,32 @@ def test_top_on_a_terminal_redraws_fits_the_width_and_quits_on_q(tiny_daemon: Da
     wait_for(lambda: top_pty.proc.poll() is not None, 30, what="edged top to exit on q")
     assert top_pty.proc.returncode == 0
     wait_for(lambda: top_pty.text().endswith(LEAVE), 10, what="the terminal restored")
+
+
+def test_top_rides_out_a_daemon_restart(tiny_daemon: DaemonProcess, top_pty: Pty) -> None:
+    """The daemon stops under a running ``edged top``: it says so and keeps trying, then shows the
+    new daemon once it is back."""
+
+    def last_frame() -> list[str]:
+        frames = top_pty.frames()
+        return frames[-1] if frames else []
+
+    wait_for(lambda: any(line.startswith("tiny ") for line in last_frame()), 30, what="a frame with tiny")
+    assert tiny_daemon.stop() == 0
+
+    def no_status() -> str | None:
+        frame = last_frame()
+        return frame[0] if frame and frame[0].startswith("edged: no status") else None
+
+    assert "retrying" in wait_for(no_status, 30, what="a frame saying there is no status")
+    assert top_pty.proc.poll() is None
+    tiny_daemon.start()
+
+    def back() -> bool:
+        frame = last_frame()  # the new daemon answers while it warms up, then says ready
+        return bool(frame) and frame[0].startswith("edged ") and row(frame, "tiny")[1] == "ready"
+
+    wait_for(back, 60, what="tiny ready on the restarted daemon")
+    os.write(top_pty.master, b"q")
+    wait_for(lambda: top_pty.proc.poll() is not None, 30, what="edged top to exit on q")
+    assert top_pty.proc.returncode == 0
