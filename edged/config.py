@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from edged.errors import ConfigError
+from edged.paths import DEFAULT_SOCKET
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,7 +26,6 @@ else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
     import tomli as tomllib
 
 DEFAULT_CONFIG = "/etc/edged/edged.toml"
-DEFAULT_SOCKET = "/run/edged/edged.sock"
 DEFAULT_CACHE = "/var/cache/edged/engines"
 
 Backend = Literal["auto", "onnxruntime", "tensorrt"]
