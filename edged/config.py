@@ -90,6 +90,13 @@ class TlsConfig(_Table, frozen=True):
     insecure: bool = False
 
 
+class HomeAssistantConfig(_Table, frozen=True):
+    """Home Assistant MQTT discovery: edged announces itself and its models as sensors."""
+
+    enabled: bool = False
+    prefix: str = "homeassistant"
+
+
 class MqttConfig(_Table, frozen=True):
     enabled: bool = False
     host: str = "localhost"
@@ -107,6 +114,13 @@ class MqttConfig(_Table, frozen=True):
     telemetry_interval_s: NonNegInt = 30
     reconnect_min_s: PositiveFloat = 0.5
     reconnect_max_s: PositiveFloat = 30.0
+    # Requests in progress at once; MQTT 5 tells the broker (Receive Maximum) to send no more
+    # unacknowledged QoS 1/2 messages than this. Beyond it a message is dropped and counted.
+    max_inflight: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 64
+    # Answered messages remembered per session, so that a redelivery whose acknowledgement was
+    # lost is acknowledged again instead of run twice.
+    dedup_window: PositiveInt = 1024
+    homeassistant: HomeAssistantConfig = msgspec.field(default_factory=HomeAssistantConfig)
 
 
 class ShapeProfile(_Table, frozen=True):

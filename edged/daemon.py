@@ -174,6 +174,8 @@ class Daemon:
         if self.service is not None:
             self.service.status_line = text
         systemd.status(text)
+        if self.mqtt is not None:  # a reload may have added or removed models
+            self.mqtt.models_changed()
 
     def _on_reload_signal(self) -> None:
         if self.reloader is not None and not self.stop_event.is_set():
