@@ -128,7 +128,7 @@ class Deliveries:
             del self._running[d.key]
         for w in record.waiting if owner and record is not None else [d]:
             w.done = True
-        if owner:
+        if owner or d.verdict is Verdict.REDELIVERED:  # a further redelivery is a duplicate
             self._done[d.key] = None
             self._done.move_to_end(d.key)
             while len(self._done) > self._remember:
