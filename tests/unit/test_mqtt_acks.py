@@ -108,7 +108,7 @@ def test_a_reused_packet_id_is_a_new_message_and_keeps_its_own_record() -> None:
 
 
 def test_the_done_set_is_bounded() -> None:
-    d, acked = make(remember=2)
+    d, _ = make(remember=2)
     d.connected(False)
     for mid in range(1, 5):
         x = d.receive("t", mid, 1, False, 10, 0)
