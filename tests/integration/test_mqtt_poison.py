@@ -7,7 +7,6 @@ reconnect, and edged froze again, at every restart too, until its session was cl
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
