@@ -104,10 +104,11 @@ class Edged(DaemonProcess):
         """(Re)write the config with these models; the rest stays as constructed."""
         tables = {k: v for k, v in self.tables.items() if not k.startswith("models.")}
         for name, m in models.items():
-            tables[f"models.{name}"] = {k: v for k, v in m.items() if not isinstance(v, dict)}
+            key = f'"{name}"' if "." in name else name  # a TOML key with a dot is quoted
+            tables[f"models.{key}"] = {k: v for k, v in m.items() if not isinstance(v, dict)}
             for sub, values in m.items():
                 if isinstance(values, dict):
-                    tables[f"models.{name}.{sub}"] = values
+                    tables[f"models.{key}.{sub}"] = values
         self.tables = tables
         write_config(self.directory / "edged.toml", tables)
 
