@@ -265,10 +265,12 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         x = rng.standard_normal((1, 16)).astype(np.float32)
         frame = rng.random((1, 3, 64, 64), dtype=np.float32)
         want_tiny, want_sensor = reference(sock, x, frame)
-        tally, stop = Tally(), threading.Event()
-        threads: list[threading.Thread] = [SocketClient(sock, x, want_tiny, tally, stop) for _ in range(args.socket)]
-        threads += [ShmClient(sock, frame, want_sensor, tally, stop) for _ in range(args.shm)]
-        mqtts = [MqttClient(f"m{i}", broker.port, x, want_tiny, tally) for i in range(args.mqtt)]
+        tallies, stop = {"socket": Tally(), "shm": Tally(), "mqtt": Tally()}, threading.Event()
+        threads: list[threading.Thread] = [
+            SocketClient(sock, x, want_tiny, tallies["socket"], stop) for _ in range(args.socket)
+        ]
+        threads += [ShmClient(sock, frame, want_sensor, tallies["shm"], stop) for _ in range(args.shm)]
+        mqtts = [MqttClient(f"m{i}", broker.port, x, want_tiny, tallies["mqtt"]) for i in range(args.mqtt)]
         lost: list[int] = []
         threads += [threading.Thread(target=lambda m=m: lost.append(m.run(stop)), daemon=True) for m in mqtts]
         events: dict[str, Any] = {}
@@ -293,14 +295,16 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         elapsed = time.monotonic() - t0
         wait_for(lambda: "reload done" in d.log(), 30, what="the reload to finish")
         events["reload"]["log"] = next(line for line in d.log().splitlines() if "reload done" in line)[24:]
+        errors: Counter[str] = sum((t.errors for t in tallies.values()), Counter())
+        answered = sum(t.ok + t.bad_ok for t in tallies.values())
         result = {
             "seconds": round(elapsed, 1),
             "clients": {"socket": args.socket, "shm": args.shm, "mqtt": args.mqtt},
-            "good_answered": tally.ok,
-            "bad_answered_right": tally.bad_ok,
-            "requests_per_s": round((tally.ok + tally.bad_ok) / elapsed, 1),
-            "errors": sum(tally.errors.values()),
-            "error_kinds": dict(tally.errors.most_common(10)),
+            "good_answered": {kind: t.ok for kind, t in tallies.items()},
+            "bad_answered_right": tallies["socket"].bad_ok,
+            "requests_per_s": round(answered / elapsed, 1),
+            "errors": sum(errors.values()),
+            "error_kinds": dict(errors.most_common(10)),
             "mqtt_lost": sum(lost),
             "mqtt_answered_twice": sum(sum(v > 1 for v in m.replies.values()) for m in mqtts),
             "events": events,
