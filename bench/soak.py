@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -129,46 +130,47 @@ def slope(samples: list[tuple[float, int, int]]) -> dict[str, Any]:
 # --- clients -------------------------------------------------------------------------------------
 
 
-class SocketClient(threading.Thread):
-    def __init__(self, sock: str, x: np.ndarray, want: np.ndarray, tally: Tally, stop: threading.Event) -> None:
-        super().__init__(daemon=True)
-        self.sock, self.x, self.want, self.tally, self.stop = sock, x, want, tally, stop
-
-    def run(self) -> None:
-        bad = np.zeros((1, 15), np.float32)
-        with Client(self.sock, timeout=60) as c:
-            n = 0
-            while not self.stop.is_set():
-                n += 1
-                if n % 20 == 0:
-                    try:
-                        c.infer("tiny", {"x": bad})
-                        self.tally.add(False, "bad request answered ok", bad=True)
-                    except InvalidInputError:
-                        self.tally.add(True, bad=True)
-                    except Exception as e:
-                        self.tally.add(False, f"bad request: {type(e).__name__}: {e}")
-                    continue
+def socket_client(sock: str, x: np.ndarray, want: np.ndarray, tally: Tally, stop: Any) -> None:
+    bad = np.zeros((1, 15), np.float32)
+    with Client(sock, timeout=60) as c:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            if n % 20 == 0:
                 try:
-                    out = c.infer("tiny", {"x": self.x})["probs"]
-                    self.tally.add(bool(np.allclose(out, self.want, rtol=1e-5)), "socket: wrong answer")
-                except (EdgedError, OSError) as e:
-                    self.tally.add(False, f"socket: {type(e).__name__}: {e}")
+                    c.infer("tiny", {"x": bad})
+                    tally.add(False, "bad request answered ok", bad=True)
+                except InvalidInputError:
+                    tally.add(True, bad=True)
+                except Exception as e:
+                    tally.add(False, f"bad request: {type(e).__name__}: {e}")
+                continue
+            try:
+                out = c.infer("tiny", {"x": x})["probs"]
+                tally.add(bool(np.allclose(out, want, rtol=1e-5)), "socket: wrong answer")
+            except (EdgedError, OSError) as e:
+                tally.add(False, f"socket: {type(e).__name__}: {e}")
 
 
-class ShmClient(threading.Thread):
-    def __init__(self, sock: str, frame: np.ndarray, want: np.ndarray, tally: Tally, stop: threading.Event) -> None:
-        super().__init__(daemon=True)
-        self.sock, self.frame, self.want, self.tally, self.stop = sock, frame, want, tally, stop
+def shm_client(sock: str, frame: np.ndarray, want: np.ndarray, tally: Tally, stop: Any) -> None:
+    with Client(sock, timeout=60) as c:
+        while not stop.is_set():
+            try:
+                out = c.infer_shm("sensor", {"x": frame})["probs"]
+                tally.add(bool(np.allclose(out, want, rtol=1e-5)), "shm: wrong answer")
+            except (EdgedError, OSError) as e:
+                tally.add(False, f"shm: {type(e).__name__}: {e}")
 
-    def run(self) -> None:
-        with Client(self.sock, timeout=60) as c:
-            while not self.stop.is_set():
-                try:
-                    out = c.infer_shm("sensor", {"x": self.frame})["probs"]
-                    self.tally.add(bool(np.allclose(out, self.want, rtol=1e-5)), "shm: wrong answer")
-                except (EdgedError, OSError) as e:
-                    self.tally.add(False, f"shm: {type(e).__name__}: {e}")
+
+def _process(kind: str, target: Any, args: tuple[Any, ...], stop: Any, results: Any) -> None:
+    """A client in a process of its own (one Python process cannot drive the daemon at its
+    throughput: the GIL); its tally goes back through ``results``."""
+    tally = Tally()
+    try:
+        target(*args, tally, stop)
+    except Exception as e:  # a client that dies is an error of the run, not a hang
+        tally.add(False, f"client died: {type(e).__name__}: {e}")
+    results.put((kind, tally.ok, tally.bad_ok, dict(tally.errors)))
 
 
 class MqttClient:
@@ -265,17 +267,33 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         x = rng.standard_normal((1, 16)).astype(np.float32)
         frame = rng.random((1, 3, 64, 64), dtype=np.float32)
         want_tiny, want_sensor = reference(sock, x, frame)
-        tallies, stop = {"socket": Tally(), "shm": Tally(), "mqtt": Tally()}, threading.Event()
-        threads: list[threading.Thread] = [
-            SocketClient(sock, x, want_tiny, tallies["socket"], stop) for _ in range(args.socket)
+        tallies = {"socket": Tally(), "shm": Tally(), "mqtt": Tally()}
+        ctx = multiprocessing.get_context("fork")  # before any thread of this process starts
+        pstop, results = ctx.Event(), ctx.Queue()
+        kinds = ["socket"] * args.socket + ["shm"] * args.shm
+        procs = [
+            ctx.Process(
+                target=_process,
+                args=(
+                    kind,
+                    socket_client if kind == "socket" else shm_client,
+                    (sock, x, want_tiny) if kind == "socket" else (sock, frame, want_sensor),
+                    pstop,
+                    results,
+                ),
+                daemon=True,
+            )
+            for kind in kinds
         ]
-        threads += [ShmClient(sock, frame, want_sensor, tallies["shm"], stop) for _ in range(args.shm)]
+        stop = threading.Event()
         mqtts = [MqttClient(f"m{i}", broker.port, x, want_tiny, tallies["mqtt"]) for i in range(args.mqtt)]
         lost: list[int] = []
-        threads += [threading.Thread(target=lambda m=m: lost.append(m.run(stop)), daemon=True) for m in mqtts]
+        threads = [threading.Thread(target=lambda m=m: lost.append(m.run(stop)), daemon=True) for m in mqtts]
         events: dict[str, Any] = {}
         samples: list[tuple[float, int, int]] = []
         t0 = time.monotonic()
+        for p in procs:
+            p.start()
         for t in threads:
             t.start()
         while (now := time.monotonic() - t0) < args.seconds:
@@ -290,6 +308,14 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 events["broker_restart"] = {"at_s": round(now, 1), "down_s": round(time.monotonic() - started, 2)}
             time.sleep(SAMPLE_S)  # the sampling period of a measurement, not a synchronisation
         stop.set()
+        pstop.set()
+        for _ in kinds:
+            kind, ok, bad_ok, errs = results.get(timeout=MQTT_TIMEOUT_S + 30)
+            tallies[kind].ok += ok
+            tallies[kind].bad_ok += bad_ok
+            tallies[kind].errors.update(errs)
+        for p in procs:
+            p.join(10)
         for t in threads:
             t.join(MQTT_TIMEOUT_S + 10)
         elapsed = time.monotonic() - t0
