@@ -115,15 +115,25 @@ class Requests:
 
     def _refusal(self, d: Delivery, msg: mqtt.MQTTMessage, model: str | None, size: int) -> str:
         """Why a message is not run ('' when it is), decided without reading it."""
+        if d.verdict is Verdict.REDELIVERED:
+            log.warning(
+                "%s: message %d was running when edged last ended (killed, crashed or stopped before it "
+                "finished); dropped instead of run again",
+                msg.topic,
+                msg.mid,
+                extra={"model": model or "", "request_id": ""},
+            )
         if d.verdict is not Verdict.NEW:
             return d.verdict.value  # 'duplicate' or 'redelivered' (mqtt_acks.py)
         if model is None:
             return "bad_topic"
         if msg.retain:
             # Replayed by the broker at every (re)subscription, or forwarded live with its flag
-            # (MQTT 5 'retain as published'): never a request of the moment (docs/mqtt.md).
+            # (MQTT 5 'retain as published'): never a request of the moment.
+            if not size:
+                return "cleared"
             log.warning("retained request on %s ignored", msg.topic, extra={"model": model, "request_id": ""})
-            return "retained" if size else "cleared"
+            return "retained"
         if not size:
             return "cleared"  # how a client clears a retained message by mistake; nothing to answer
         if self.active >= self.cfg.max_inflight and (
