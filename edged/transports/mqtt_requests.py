@@ -21,6 +21,7 @@ import paho.mqtt.client as mqtt
 from edged.config import MqttConfig, max_body_bytes
 from edged.errors import (
     BusyError,
+    DeadlineExceededError,
     EdgedError,
     InvalidInputError,
     ModelNotFoundError,
@@ -83,6 +84,17 @@ class Requests:
         except UnicodeDecodeError:  # paho hands such a topic over but raises on reading it
             topic = ""
         d = link.deliveries.receive(topic, msg.mid, msg.qos, msg.dup, len(payload), len(raw_props))
+        try:
+            self._dispatch(link, d, msg, topic, payload, raw_props)
+        except Exception:
+            # A bug here must not hold back the acknowledgements of every later message.
+            log.exception("MQTT: cannot handle message %d on %s", msg.mid, topic)
+            self.drop(codec.model_from_topic(topic, self.prefix, self.device) or "", "internal", {})
+            link.deliveries.finish(d)
+
+    def _dispatch(
+        self, link: Link, d: Delivery, msg: mqtt.MQTTMessage, topic: str, payload: bytes, raw_props: bytes
+    ) -> None:
         model = codec.model_from_topic(topic, self.prefix, self.device)
         if d.verdict is Verdict.RUNNING:
             log.info("%s: message %d redelivered while it runs; acknowledged when it ends", model, msg.mid)
@@ -162,7 +174,10 @@ class Requests:
             refuse = ModelNotFoundError(f"unknown model '{model}'")
         elif self.closing:
             refuse = ShuttingDownError("edged is shutting down")
-        read = await self._run(inc.size, lambda: codec.read_request(inc, self.max_body, refuse))
+        try:
+            read = await self._run(inc.size, lambda: codec.read_request(inc, self.max_body, refuse))
+        except DeadlineExceededError as e:  # where to answer is known if the properties were read
+            read = codec.Unreadable(e, inc.response_topic, inc.user.get("id", ""))
         extra["request_id"] = codec.request_id(inc)
         if isinstance(read, codec.Unreadable):
             self._unreadable(link, inc, model, read, extra)
@@ -183,7 +198,15 @@ class Requests:
         self._publish_reply(link, inc, read.reply_to, reply, extra)
 
     async def _run(self, size: int, fn: Any) -> Any:
-        return await self.offload.run(fn) if size > OFFLOAD_BYTES else fn()
+        if size <= OFFLOAD_BYTES:
+            return fn()
+        # Bounded like the request itself: a decode that outlives it answers deadline_exceeded
+        # (the worker thread finishes on its own) instead of holding the acknowledgements back.
+        timeout = self.service.registry.cfg.server.request_timeout_ms / 1000
+        try:
+            return await asyncio.wait_for(self.offload.run(fn), timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"reading the message took over {timeout:g} s") from None
 
     async def _answer(self, model: str, dec: codec.Decoded, extra: dict[str, str]) -> codec.Reply:
         try:

@@ -146,3 +146,26 @@ def test_a_message_edged_dies_on_is_dropped_when_redelivered(
     assert stop_s < 10, f"SIGTERM took {stop_s:.1f} s"
     assert "left unacknowledged" in d.log()
     assert "request dropped (redelivered)" in d.log()
+
+
+def test_reading_a_message_is_bounded_by_the_request_timeout(
+    broker: Broker, tiny: dict[str, Any], tmp_path: Path, daemons: list[Edged]
+) -> None:
+    # A 1 ms request timeout: reading 4 MB of JSON (in a worker thread) takes longer than that.
+    d = Edged(
+        tmp_path / "edge",
+        broker.port,
+        "dev-p",
+        tiny,
+        tmp_path / "cache",
+        extra={"server": {"request_timeout_ms": 1}},
+    )
+    d.start()
+    daemons.append(d)
+    big = np.zeros((1, 16), np.float32)
+    payload = json_request(big, "big", parameters={"pad": "x" * (4 << 20)})
+    with Peer(broker.port) as p:
+        p.subscribe("reply/big")
+        p.request(TOPIC, payload, "reply/big", b"big")
+        reply = p.first("reply/big", timeout=30)
+    assert code_of(reply) == "deadline_exceeded" and "reading the message" in reply.json()["error"]
