@@ -133,5 +133,6 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
 def _gate_text(gate: dict[str, Any]) -> str:
     if not gate:
         return "-"
-    parts = [f"{k}={gate[k]:.4g}" for k in ("rel_l2", "cosine", "top1") if isinstance(gate.get(k), float)]
+    keys = ("rel_l2", "cosine", "top1", "mask_iou", "det_f1")
+    parts = [f"{k}={gate[k]:.4g}" for k in keys if isinstance(gate.get(k), float)]
     return ("pass " if gate.get("passed") else "FAIL ") + " ".join(parts)
