@@ -148,3 +148,28 @@ def test_combined_metrics_must_all_pass() -> None:
 def test_unknown_metric_is_a_config_error() -> None:
     with pytest.raises(msgspec.ValidationError, match=r"\$\.metric"):
         gate(metric="f1")
+
+
+def test_describe_and_precision_text_show_the_mixed_result() -> None:
+    from edged.build.gate import describe, precision_text
+
+    gate_dict = {
+        "passed": True,
+        "rel_l2": 0.15,
+        "cosine": 0.988,
+        "mask_iou": 0.9647,
+        "search": {"passed": True, "excluded": ["a", "b"], "int8_mac_fraction": 0.868, "trials": [{}, {}]},
+    }
+    assert describe(gate_dict) == "pass rel_l2=0.15 cosine=0.988 mask_iou=0.9647 mixed: 2 nodes float, 87% MACs int8"
+    assert precision_text("int8", gate_dict) == "int8 (mixed)"
+    missed = dict(gate_dict, passed=False, search={"passed": False, "excluded": [], "trials": [{}] * 8})
+    assert describe(missed).endswith("mixed: no pass in 8 trials") and precision_text("int8", missed) == "int8"
+    assert describe(None) == "-" and precision_text(None, None) == "-"
+
+
+def test_search_settings_are_validated() -> None:
+    assert gate().search == "auto" and gate().max_trials == 8
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.search"):
+        gate(search="always")
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.max_trials"):
+        gate(max_trials=0)
