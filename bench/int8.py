@@ -182,7 +182,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--method", default="minmax")
     p.add_argument("--pages", type=int, default=32, help="text detector: rendered 640x640 pages")
     p.add_argument("--lines", type=int, default=64, help="direction classifier: rendered text lines")
-    p.add_argument("--photos", type=int, default=64, help="YOLO detector: photo crops")
+    p.add_argument("--photos", type=int, default=128, help="YOLO detector: photo crops")
     p.add_argument("--holdout", type=float, default=0.25)
     p.add_argument("--max-trials", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads for the latency runs")

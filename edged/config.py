@@ -151,6 +151,7 @@ class GateConfig(_Table, frozen=True):
     min_mask_iou: Fraction = 0.95
     score_threshold: Fraction = 0.25  # det_f1: detections kept from this score on
     iou_threshold: Fraction = 0.45  # det_f1: NMS overlap
+    score_margin: Fraction = 0.0  # det_f1: a matching box may score this much under the threshold
     min_det_f1: Fraction = 0.95
     holdout: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
     # Mixed precision when all-INT8 fails: "auto" searches for nodes to keep in float.

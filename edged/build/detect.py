@@ -1,7 +1,9 @@
 """Detections from a detector's raw output, and how well one set of boxes matches another.
 
 The accuracy gate's ``det_f1`` metric decodes the FP32 and the INT8 outputs the same way and asks
-how many INT8 boxes find an FP32 box of the same class at IoU >= 0.5. The decoder reads the
+how many INT8 boxes find an FP32 box of the same class at IoU >= 0.5 (precision) and how many FP32
+boxes find an INT8 one (recall). With ``score_margin`` > 0 the partner may score that much under
+the threshold: a box whose score moved from 0.26 to 0.24 is then not counted as a disagreement. The decoder reads the
 YOLOv8 layout ``[N, 4 + classes, anchors]``: per anchor a box ``(cx, cy, w, h)`` and one score per
 class (already a probability; v8 has no objectness). Boxes under ``score_threshold`` are dropped,
 then NMS per class at ``iou_threshold`` (what ultralytics does before it reports boxes).
@@ -92,7 +94,19 @@ def match(reference: Detections, candidate: Detections, iou: float = MATCH_IOU) 
     return hits
 
 
-def f1(hits: int, n_reference: int, n_candidate: int) -> float:
-    """F1 of the candidate's boxes against the reference's; 1.0 when neither has any."""
-    total = n_reference + n_candidate
-    return 1.0 if total == 0 else 2.0 * hits / total
+def above(dets: Detections, score: float) -> Detections:
+    """The detections scoring at least ``score`` (greedy NMS keeps the same high boxes whatever
+    the lower threshold was, so decoding once at the lower one and filtering is exact)."""
+    keep = dets.scores >= score
+    return Detections(dets.boxes[keep], dets.scores[keep], dets.classes[keep])
+
+
+def f1(found: int, confirmed: int, n_reference: int, n_candidate: int) -> float:
+    """F1 of the candidate's boxes against the reference's: recall = found / reference boxes,
+    precision = confirmed / candidate boxes. 1.0 when neither has a box, 0.0 when one has none."""
+    if n_reference == 0 and n_candidate == 0:
+        return 1.0
+    if n_reference == 0 or n_candidate == 0:
+        return 0.0
+    recall, precision = found / n_reference, confirmed / n_candidate
+    return 0.0 if recall + precision == 0 else 2 * recall * precision / (recall + precision)

@@ -115,7 +115,7 @@ class _Accumulator:
         self.is_float: bool | None = None
         self.classifier = True
         self.inter = self.union = 0  # mask_iou
-        self.hits = self.ref_boxes = self.cand_boxes = 0  # det_f1
+        self.found = self.confirmed = self.ref_boxes = self.cand_boxes = 0  # det_f1
         self.detector = True
 
     def add(self, ref: np.ndarray, cand: np.ndarray) -> str:
@@ -152,12 +152,18 @@ class _Accumulator:
         self.detector = self.detector and detect.is_yolo_layout(ref.shape)
         if not self.detector:
             return
+        low = max(0.0, self.cfg.score_threshold - self.cfg.score_margin)
         for r_img, c_img in zip(ref, cand):
-            want = detect.decode_yolo(r_img, self.cfg.score_threshold, self.cfg.iou_threshold)
-            got = detect.decode_yolo(c_img, self.cfg.score_threshold, self.cfg.iou_threshold)
-            self.hits += detect.match(want, got)
-            self.ref_boxes += len(want.boxes)
-            self.cand_boxes += len(got.boxes)
+            want = detect.decode_yolo(r_img, low, self.cfg.iou_threshold)
+            got = detect.decode_yolo(c_img, low, self.cfg.iou_threshold)
+            want_hi = detect.above(want, self.cfg.score_threshold)
+            got_hi = detect.above(got, self.cfg.score_threshold)
+            # recall: FP32 boxes the candidate found; precision: candidate boxes FP32 confirms.
+            # A partner may score up to score_margin under the threshold.
+            self.found += detect.match(got, want_hi)
+            self.confirmed += detect.match(want, got_hi)
+            self.ref_boxes += len(want_hi.boxes)
+            self.cand_boxes += len(got_hi.boxes)
 
     def figures(self) -> OutputFigures:
         if not self.is_float:
@@ -174,7 +180,7 @@ class _Accumulator:
         top1 = self.agree / self.rows if self.classifier and self.rows else None
         iou = (self.inter / self.union if self.union else 1.0) if "mask_iou" in self.metrics else None
         det = "det_f1" in self.metrics and self.detector
-        f1 = detect.f1(self.hits, self.ref_boxes, self.cand_boxes) if det else None
+        f1 = detect.f1(self.found, self.confirmed, self.ref_boxes, self.cand_boxes) if det else None
         return OutputFigures(rel, cos, top1, iou, f1, self.ref_boxes if det else None)
 
 

@@ -173,3 +173,17 @@ def test_search_settings_are_validated() -> None:
         gate(search="always")
     with pytest.raises(msgspec.ValidationError, match=r"\$\.max_trials"):
         gate(max_trials=0)
+
+
+def test_score_margin_forgives_boxes_that_only_crossed_the_threshold() -> None:
+    cand = [*REF_BOXES[:3], (150, 150, 20, 40, 0, 0.22)]  # the 4th box scores 0.22, just under 0.25
+    exact = evaluate(fixed({"out": yolo(REF_BOXES)}), fixed({"out": yolo(cand)}), [{}], gate(metric="det_f1"))
+    assert exact.det_f1 == pytest.approx(2 * 3 / (4 + 3))  # recall 3/4, precision 3/3
+    cfg = gate(metric="det_f1", score_margin=0.05)
+    forgiving = evaluate(fixed({"out": yolo(REF_BOXES)}), fixed({"out": yolo(cand)}), [{}], cfg)
+    assert forgiving.det_f1 == 1.0 and forgiving.passed
+    # a box far under the threshold is still a miss
+    far = [*REF_BOXES[:3], (150, 150, 20, 40, 0, 0.1)]
+    assert evaluate(fixed({"out": yolo(REF_BOXES)}), fixed({"out": yolo(far)}), [{}], cfg).det_f1 == pytest.approx(
+        6 / 7
+    )
