@@ -56,7 +56,7 @@ CASES: dict[str, dict[str, Any]] = {
     "yolov8n_nudenet": {
         "data": lambda a, w: int8_data.photo_crops(w / "photos", a.wheels, a.photos),
         "calibration": {"resize": [320, 320], "color": "RGB"},
-        "gate": {"metric": "det_f1", "min_det_f1": 0.95},
+        "gate": {"metric": "det_f1", "min_det_f1": 0.95, "score_margin": 0.05},
     },
 }
 
