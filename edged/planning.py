@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from edged.build.gate import describe, precision_text
+from edged.build.figures import describe, precision_text
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache
 from edged.config import Config, format_size

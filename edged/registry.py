@@ -21,7 +21,7 @@ import numpy as np
 
 from edged import backends
 from edged.backends.base import Backend, Instance, LoadOptions, TensorSpec
-from edged.build.gate import describe, precision_text
+from edged.build.figures import describe, precision_text
 from edged.build.job import BuildJob, job_key, make_job
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache, Entry, SourceDigests

@@ -37,10 +37,13 @@ from typing import Any
 import numpy as np
 
 from edged.build import detect
+from edged.build.figures import describe, precision_text
 from edged.config import GateConfig
 from edged.errors import BuildError
 
 log = logging.getLogger(__name__)
+
+__all__ = ["GateResult", "OutputFigures", "describe", "evaluate", "precision_text"]
 
 RunFn = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
 
@@ -272,26 +275,3 @@ def evaluate(
 def _failed(why: str, count: int, cfg: GateConfig) -> GateResult:
     log.info("accuracy gate failed: %s", why)
     return GateResult(math.inf, 0.0, None, False, f"failed: {why}", count, metrics=cfg.metrics)
-
-
-def describe(gate: Mapping[str, Any] | None) -> str:
-    """One line for ``edged build``/``plan`` tables and the log: the verdict, the figures and
-    what a mixed-precision search chose."""
-    if not gate:
-        return "-"
-    keys = ("rel_l2", "cosine", "top1", "mask_iou", "det_f1")
-    parts = [f"{k}={gate[k]:.4g}" for k in keys if isinstance(gate.get(k), float)]
-    search = gate.get("search") or {}
-    if search.get("passed"):
-        parts.append(f"mixed: {len(search['excluded'])} nodes float, {search['int8_mac_fraction']:.0%} MACs int8")
-    elif search:
-        parts.append(f"mixed: no pass in {len(search.get('trials', []))} trials")
-    return ("pass " if gate.get("passed") else "FAIL ") + " ".join(parts)
-
-
-def precision_text(precision: str | None, gate: Mapping[str, Any] | None) -> str:
-    """``int8 (mixed)`` when a mixed-precision search chose nodes to keep in float."""
-    search = (gate or {}).get("search") or {}
-    if precision == "int8" and search.get("passed") and search.get("excluded"):
-        return "int8 (mixed)"
-    return precision or "-"

@@ -217,3 +217,8 @@ def test_failed_all_int8_searches_mixed_precision_once(
         [sys.executable, "-m", "edged", "build", "--config", str(d.config)], capture_output=True, text=True
     )
     assert out.returncode == 0 and "int8 (mixed)" in out.stdout, out.stdout
+    for cmd in (["plan"], ["status", "--socket", str(d.socket)]):
+        shown = subprocess.run(
+            [sys.executable, "-m", "edged", *cmd, "--config", str(d.config)], capture_output=True, text=True
+        )
+        assert shown.returncode == 0 and "int8 (mixed)" in shown.stdout, (cmd, shown.stdout, shown.stderr)
