@@ -44,6 +44,28 @@ def mixed_precision(
     tmp: Path,
     progress: Progress,
 ) -> Found:
+    """The search, or the all-INT8 verdict with the reason when the search itself fails (a model
+    the ranking cannot run, a trial the quantizer refuses): INT8 then falls back as before."""
+    try:
+        return _search(job, cls, cache, calib, held, reference, first, tmp, progress)
+    except Exception as e:  # a failed search must not cost the model its fallback
+        why = f"{type(e).__name__}: {e}"
+        log.warning("%s: mixed-precision search failed: %s", job.model, why, extra={"model": job.model})
+        gate = dict(first, reason=f"{first['reason']}; mixed precision: search failed ({why})")
+        return Found(gate, {"mixed_precision": {"passed": False, "error": why}})
+
+
+def _search(
+    job: BuildJob,
+    cls: type[Backend],
+    cache: EngineCache,
+    calib: Any,
+    held: Any,
+    reference: Any,
+    first: dict[str, Any],
+    tmp: Path,
+    progress: Progress,
+) -> Found:
     from edged.build import pipeline, search
     from edged.build.quantize import prepare, quantize_qdq
 
@@ -61,6 +83,9 @@ def mixed_precision(
         work = Path(workdir)
         feeds = [f for _, f in zip(range(RANK_SAMPLES), calib)]
         infos = search.rank(prepare(Path(job.source), work), all_int8, feeds)
+        if not infos:
+            gate = dict(first, reason=f"{first['reason']}; mixed precision: no weighted node to keep in float")
+            return Found(gate, {"mixed_precision": {"passed": False, "trials": []}})
         best: dict[str, Any] = {}
 
         def trial(excluded: list[str]) -> dict[str, Any]:

@@ -135,3 +135,42 @@ def test_the_budget_bounds_the_trials_and_a_miss_is_reported() -> None:
     calls = []
     partial = search.search(infos(64), fake_trial(5, calls), max_trials=5, first={"passed": False})
     assert partial.passed and len(partial.excluded) == 8 and calls == [1, 2, 4, 8]
+
+
+def test_a_failed_search_keeps_the_all_int8_verdict(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from edged.build import mixed
+    from edged.build.job import BuildJob
+    from edged.cache import EngineCache, file_digest
+
+    cache = EngineCache(setup["work"] / "cache")
+    cache.prepare()
+    job = BuildJob(
+        model="chain",
+        source=str(setup["model"]),
+        precision="int8",
+        backend="onnxruntime",
+        cache_dir=str(cache.dir),
+        source_digest=file_digest(setup["model"]),
+        calibration={"data": str(setup["work"] / "data"), "method": "minmax"},
+        gate={"metric": ["rel_l2"], "max_rel_l2": 0.2},
+    )
+    first = {"passed": False, "reason": "failed: 'y' relative L2 error 1 > 0.2", "rel_l2": 1.0}
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("ranking exploded")
+
+    monkeypatch.setattr(search, "rank", broken)
+    found = mixed.mixed_precision(
+        job,
+        OnnxRuntimeBackend,
+        cache,
+        setup["calib"],
+        setup["held"],
+        None,
+        first,
+        setup["work"] / "t.onnx",
+        lambda p, f: None,
+    )
+    assert not found.gate["passed"] and found.gate["rel_l2"] == 1.0
+    assert "mixed precision: search failed (RuntimeError: ranking exploded)" in found.gate["reason"]
+    assert found.extra["mixed_precision"] == {"passed": False, "error": "RuntimeError: ranking exploded"}
