@@ -137,12 +137,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"memory: {mem['source']}, {format_size(mem['total_bytes'])} total, "
         f"{format_size(mem['available_bytes'])} available, budget {format_size(mem['budget_bytes'])}"
     )
+    from edged.build.figures import precision_text
+
     rows = [
         (
             m["name"],
             m["decision"],
             m["backend"],
-            m["precision"],
+            precision_text(m["precision"], m.get("gate")),
             m["priority"],
             format_size(m["footprint_bytes"]) + ("" if m["measured"] else " (est.)"),
             "cached" if m["cached"] else "needs build",
@@ -181,12 +183,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _models_table(st: dict[str, Any]) -> None:
+    from edged.build.figures import precision_text
+
     rows = [
         (
             n,
             m["state"],
             m["backend"] or "-",
-            m["precision"] or "-",
+            precision_text(m["precision"], m.get("gate")),
             m["requests"],
             "-" if m["p50_ms"] is None else f"{m['p50_ms']:.3f}",
             m["reason"],

@@ -151,11 +151,30 @@ class CalibrationConfig(_Table, frozen=True):
     std: list[float] = msgspec.field(default_factory=lambda: [1.0, 1.0, 1.0])
 
 
+GateMetric = Literal["rel_l2", "cosine", "top1", "mask_iou", "det_f1"]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
 class GateConfig(_Table, frozen=True):
+    # What "close enough to FP32" means for the task; several metrics must all pass.
+    metric: GateMetric | list[GateMetric] = msgspec.field(default_factory=lambda: ["rel_l2", "cosine", "top1"])
     max_rel_l2: PositiveFloat = 0.05
     min_cosine: Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)] = 0.99
-    min_top1: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.99
+    min_top1: Fraction = 0.99
+    threshold: Fraction = 0.3  # mask_iou: probability maps are binarised at this value
+    min_mask_iou: Fraction = 0.95
+    score_threshold: Fraction = 0.25  # det_f1: detections kept from this score on
+    iou_threshold: Fraction = 0.45  # det_f1: NMS overlap
+    score_margin: Fraction = 0.0  # det_f1: a matching box may score this much under the threshold
+    min_det_f1: Fraction = 0.95
     holdout: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
+    # Mixed precision when all-INT8 fails: "auto" searches for nodes to keep in float.
+    search: Literal["auto", "off"] = "auto"
+    max_trials: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric,) if isinstance(self.metric, str) else tuple(self.metric)
 
 
 class TensorRTConfig(_Table, frozen=True):

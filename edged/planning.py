@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from edged.build.figures import describe, precision_text
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache
 from edged.config import Config, format_size
@@ -117,7 +118,7 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
             (
                 rt.name,
                 rt.state if rt.state == FAILED else "ok",
-                rt.precision or "-",
+                precision_text(rt.precision, rt.gate),
                 _gate_text(gate),
                 f"{time.monotonic() - started:.1f}s",
                 format_size(rt.footprint) if rt.footprint else "-",
@@ -130,7 +131,4 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
 
 
 def _gate_text(gate: dict[str, Any]) -> str:
-    if not gate:
-        return "-"
-    parts = [f"{k}={gate[k]:.4g}" for k in ("rel_l2", "cosine", "top1") if isinstance(gate.get(k), float)]
-    return ("pass " if gate.get("passed") else "FAIL ") + " ".join(parts)
+    return describe(gate)

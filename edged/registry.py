@@ -21,6 +21,7 @@ import numpy as np
 
 from edged import backends
 from edged.backends.base import Backend, Instance, LoadOptions, TensorSpec
+from edged.build.figures import describe, precision_text
 from edged.build.job import BuildJob, job_key, make_job
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache, Entry, SourceDigests
@@ -206,7 +207,8 @@ class Registry:
         rt.entry = self._lookup(rt)
         if rt.entry is None:
             raise CacheError(f"{rt.name}: the build finished but its cache entry does not check out")
-        log.info("%s: built in %.1f s", rt.name, time.monotonic() - started, extra={"model": rt.name})
+        secs, what = time.monotonic() - started, precision_text(rt.precision, rt.gate)
+        log.info("%s: built %s in %.1f s; gate %s", rt.name, what, secs, describe(rt.gate), extra={"model": rt.name})
         self._estimate(rt)
 
     # --- loading ---

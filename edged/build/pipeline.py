@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 Feed = dict[str, np.ndarray]
 RunFn = Callable[[Feed], Mapping[str, np.ndarray]]
+FLOAT_NODES_OPTION = "int8_float_nodes"
 
 
 def fallback_precision(cls: type[Backend], precision: str) -> str | None:
@@ -99,13 +100,24 @@ def _gate(
 
 
 def _build_artifact(
-    job: BuildJob, cls: type[Backend], source: str, tmp: Path, progress: Progress, calibration: Any = None
+    job: BuildJob,
+    cls: type[Backend],
+    source: str,
+    tmp: Path,
+    progress: Progress,
+    float_nodes: Sequence[str] = (),
+    calibration: Any = None,
 ) -> dict[str, Any]:
+    options = dict(job.options)
+    if float_nodes:
+        # The nodes a mixed-precision search kept out of INT8 (names of the Q/DQ model's nodes):
+        # ONNX Runtime runs them FP32 as written; TensorRT may run them FP16.
+        options[FLOAT_NODES_OPTION] = list(float_nodes)
     spec = BuildSpec(
         source=source,
         precision=job.precision,
         profiles={k: (tuple(v[0]), tuple(v[1]), tuple(v[2])) for k, v in job.profiles.items()},
-        options=job.options,
+        options=options,
         calibration=calibration,
     )
     return cls.build(spec, tmp, progress)
@@ -128,7 +140,7 @@ def build_precision(job: BuildJob, cls: type[Backend], cache: EngineCache, progr
 def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: str, progress: Progress) -> Entry:
     started = time.monotonic()
     reduced = job.precision != "fp32" and job.calibration is not None
-    source, held, reference, legacy = job.source, None, None, None
+    source, held, reference, calib, legacy = job.source, None, None, None, None
     extra: dict[str, Any] = {}
     if reduced:
         reference, specs = _reference(job.source)  # one FP32 session: input specs, then the gate
@@ -142,7 +154,7 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
     tmp = cache.temp_path(cls.artifact_suffix)
     try:
         progress(f"building {job.precision}", None)
-        extra = dict(extra, **_build_artifact(job, cls, source, tmp, progress, legacy))
+        extra = dict(extra, **_build_artifact(job, cls, source, tmp, progress, calibration=legacy))
         manifest: dict[str, Any] = dict(
             extra,
             key_fields=key_fields(job, cls),
@@ -153,6 +165,12 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
         )
         if held is not None and reference is not None:
             gate = _gate(job, cls, tmp, held, reference, progress)
+            if not gate["passed"] and job.precision == "int8" and GateConfig(**job.gate).search == "auto":
+                from edged.build.mixed import mixed_precision
+
+                found = mixed_precision(job, cls, cache, calib, held, reference, gate, tmp, progress)
+                gate, extra = found.gate, dict(found.extra)
+                manifest.update(extra)
             manifest["gate"] = gate
             if not gate["passed"]:
                 return _reject(job, cls, cache, key, manifest, gate)
