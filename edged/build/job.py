@@ -17,6 +17,10 @@ from edged.backends.base import Backend
 from edged.cache import cache_key
 from edged.config import ModelConfig
 
+# The build option naming the Q/DQ model's nodes a mixed-precision search kept out of INT8:
+# ONNX Runtime runs them FP32 as written; TensorRT may run them FP16.
+FLOAT_NODES_OPTION = "int8_float_nodes"
+
 
 @dataclass(frozen=True)
 class BuildJob:

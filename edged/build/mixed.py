@@ -13,18 +13,24 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edged.backends.base import Backend, Progress
-from edged.build.job import BuildJob
+from edged.build.job import FLOAT_NODES_OPTION, BuildJob
 from edged.cache import EngineCache
 from edged.config import GateConfig
 
 log = logging.getLogger(__name__)
 
 RANK_SAMPLES = 4  # calibration samples the sensitivity ranking runs (two models, every tensor)
+
+
+# (Q/DQ model, artefact path, nodes kept in float) -> (build summary, gate figures): the
+# pipeline's own build and gate, handed in so that this module needs nothing of the pipeline.
+BuildAndJudge = Callable[[Path, Path, list[str]], tuple[dict[str, Any], dict[str, Any]]]
 
 
 @dataclass
@@ -38,16 +44,16 @@ def mixed_precision(
     cls: type[Backend],
     cache: EngineCache,
     calib: Any,
-    held: Any,
-    reference: Any,
     first: dict[str, Any],
     tmp: Path,
     progress: Progress,
+    all_int8: Path,
+    build_and_judge: BuildAndJudge,
 ) -> Found:
     """The search, or the all-INT8 verdict with the reason when the search itself fails (a model
     the ranking cannot run, a trial the quantizer refuses): INT8 then falls back as before."""
     try:
-        return _search(job, cls, cache, calib, held, reference, first, tmp, progress)
+        return _search(job, cls, cache, calib, first, tmp, progress, all_int8, build_and_judge)
     except Exception as e:  # a failed search must not cost the model its fallback
         why = f"{type(e).__name__}: {e}"
         log.warning("%s: mixed-precision search failed: %s", job.model, why, extra={"model": job.model})
@@ -60,20 +66,19 @@ def _search(
     cls: type[Backend],
     cache: EngineCache,
     calib: Any,
-    held: Any,
-    reference: Any,
     first: dict[str, Any],
     tmp: Path,
     progress: Progress,
+    all_int8: Path,
+    build_and_judge: BuildAndJudge,
 ) -> Found:
-    from edged.build import pipeline, search
+    from edged.build import search
     from edged.build.quantize import prepare, quantize_qdq
 
     cfg = GateConfig(**job.gate)
     assert job.calibration is not None
     method = str(job.calibration.get("method", "minmax"))
     percentile = float(job.calibration.get("percentile", 99.999))
-    all_int8, _ = pipeline._qdq_model(job, cache, calib, progress)  # cached: the one just judged
     ranges = all_int8.with_suffix(".ranges.json")
     log.info(
         "%s: all-INT8 failed its gate; searching for nodes to keep in float", job.model, extra={"model": job.model}
@@ -103,8 +108,7 @@ def _search(
                 model_digest=job.source_digest,
             )
             artefact = work / f"artefact-{tag}{cls.artifact_suffix}"
-            built = pipeline._build_artifact(job, cls, str(qdq), artefact, progress, excluded)
-            gate = pipeline._gate(job, cls, artefact, held, reference, progress)
+            built, gate = build_and_judge(qdq, artefact, excluded)
             if gate["passed"] and (not best or len(excluded) < len(best["excluded"])):
                 best.update(excluded=excluded, qdq=qdq, artefact=artefact, extra=dict(summary, **built))
             return gate
@@ -129,5 +133,5 @@ def _search(
         extra={"model": job.model},
     )
     extra = dict(best["extra"], qdq_model=kept.name, mixed_precision=record)
-    extra[pipeline.FLOAT_NODES_OPTION] = result.excluded
+    extra[FLOAT_NODES_OPTION] = result.excluded
     return Found(gate, extra)

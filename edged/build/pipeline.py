@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from edged.backends.base import Backend, BuildSpec, LoadOptions, Progress, TensorSpec
-from edged.build.job import BuildJob, job_key, key_fields
+from edged.build.job import FLOAT_NODES_OPTION, BuildJob, job_key, key_fields
 from edged.cache import EngineCache, Entry
 from edged.config import CalibrationConfig, GateConfig
 from edged.errors import BuildError
@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 Feed = dict[str, np.ndarray]
 RunFn = Callable[[Feed], Mapping[str, np.ndarray]]
-FLOAT_NODES_OPTION = "int8_float_nodes"
 
 
 def fallback_precision(cls: type[Backend], precision: str) -> str | None:
@@ -168,7 +167,14 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
             if not gate["passed"] and job.precision == "int8" and GateConfig(**job.gate).search == "auto":
                 from edged.build.mixed import mixed_precision
 
-                found = mixed_precision(job, cls, cache, calib, held, reference, gate, tmp, progress)
+                def build_and_judge(
+                    qdq: Path, artefact: Path, excluded: list[str]
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+                    built = _build_artifact(job, cls, str(qdq), artefact, progress, excluded)
+                    return built, _gate(job, cls, artefact, held, reference, progress)
+
+                all_int8, _ = _qdq_model(job, cache, calib, progress)  # cached: the one just judged
+                found = mixed_precision(job, cls, cache, calib, gate, tmp, progress, all_int8, build_and_judge)
                 gate, extra = found.gate, dict(found.extra)
                 manifest.update(extra)
             manifest["gate"] = gate

@@ -165,11 +165,11 @@ def test_a_failed_search_keeps_the_all_int8_verdict(setup: dict[str, Any], monke
         OnnxRuntimeBackend,
         cache,
         setup["calib"],
-        setup["held"],
-        None,
         first,
         setup["work"] / "t.onnx",
         lambda p, f: None,
+        setup["model"],  # stands for the all-INT8 model: the ranking fails before reading it
+        lambda qdq, artefact, excluded: pytest.fail("no trial may run when the ranking fails"),
     )
     assert not found.gate["passed"] and found.gate["rel_l2"] == 1.0
     assert "mixed precision: search failed (RuntimeError: ranking exploded)" in found.gate["reason"]
