@@ -79,6 +79,10 @@ class Metrics:
             registry=r,
         )
         self.builds = Counter("edged_builds", "Engine builds by outcome", ["model", "outcome"], registry=r)
+        self.loop_lag = Gauge(
+            "edged_loop_lag_max_seconds", "Worst event-loop lateness over the last interval", registry=r
+        )
+        self.loop_stalls = Counter("edged_loop_stalls", "Event-loop stalls over lifecycle.loop_stall_ms", registry=r)
         self.stats: dict[str, ModelStats] = {}
         self._lock = threading.Lock()
         r.register(_StatsCollector(self))
