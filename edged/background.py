@@ -93,6 +93,10 @@ class BackgroundBuilds:
         if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._run())
 
+    def announce(self, target: ModelRuntime) -> None:
+        """Say on the serving runtime that ``target`` will build (before the build is queued)."""
+        self._describe(target, "queued", None)
+
     def cancel(self, name: str) -> None:
         self.targets.pop(name, None)
         if name == self._current and self._task is not None:

@@ -113,6 +113,7 @@ class Boot:
             reg.models[rt.name] = rt
             self.later.append((rt, True))
             return
+        self.background.announce(rt)
         self.later.append((rt, True))
 
     def start_later(self) -> None:
