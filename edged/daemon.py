@@ -45,8 +45,9 @@ from edged.warmpath import warm_request_path
 log = logging.getLogger(__name__)
 
 EX_CONFIG = 78  # sysexits.h: the unit's RestartPreventExitStatus= stops a restart loop on it
-# A boot model in one of these states is ready or degraded on purpose, with its reason.
-SETTLED = (READY, DEFERRED, LAZY, UNLOADED)
+# A boot model in one of these states has settled: it serves, or it is degraded with its reason
+# (deferred by the budget, lazy, unloaded by an operator, failed). Any other state is on its way.
+SETTLED = (READY, DEFERRED, LAZY, UNLOADED, FAILED)
 
 
 def isolate_library_files(cfg: Config) -> None:
@@ -320,16 +321,17 @@ class Daemon:
         return text
 
     def _unready(self) -> str:
-        """'' when every boot model serves (or is deferred, lazy or unloaded on purpose, with its
-        reason); otherwise which models do not and why."""
+        """'' when every boot model has settled (serves, or is degraded with its reason, which
+        the status line gives) and at least one of them serves; otherwise why not."""
         if self.registry is None:
             return "starting"
-        waiting = [
-            f"{rt.name} is {rt.state}" + (f" ({rt.reason})" if rt.reason else "")
-            for rt in self.registry.models.values()
-            if rt.cfg.preload == "boot" and rt.state not in SETTLED
-        ]
-        return "; ".join(waiting)
+        boot = [rt for rt in self.registry.models.values() if rt.cfg.preload == "boot"]
+        waiting = [f"{rt.name} is {rt.state}" for rt in boot if rt.state not in SETTLED]
+        if waiting:
+            return "; ".join(waiting)
+        if boot and not any(rt.state == READY for rt in boot):
+            return "no boot model serves"
+        return ""
 
     def _on_state(self, rt: ModelRuntime) -> None:
         if self.mqtt is not None:

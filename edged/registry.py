@@ -285,7 +285,9 @@ class Registry:
         queue.start(inline=inline)
         rt.queue = queue
         rt.last_used = time.monotonic()
-        self.set_state(rt, READY)
+        self.set_state(
+            rt, READY, f"serving on {rt.serving_on} while building {rt.stands_in_for}" if rt.stands_in_for else ""
+        )
 
     def _remember_footprint(self, entry: Entry, footprint: int) -> Entry:
         try:

@@ -200,7 +200,7 @@ class Reloader:
         for rt in candidates:
             old = reg.models.get(rt.name)
             if rt.entry is None and new_cfg.build.block_ready:
-                self._set_status(f"reloading: building {rt.name} {rt.precision}")
+                self._status(f"reloading: building {rt.name} {rt.precision}")
                 await reg.build(rt, self._progress(rt.name))
             if rt.entry is None:
                 self._plan_build(rt, old, txn)
@@ -210,7 +210,7 @@ class Reloader:
                 continue
             free = reg.budget - reg.used()
             if rt.footprint <= free:
-                self._set_status(f"reloading: warming {rt.name}")
+                self._status(f"reloading: warming {rt.name}")
                 await reg.load(rt, self.loop)
                 txn.loaded.append(rt)
                 txn.serve[rt.name] = rt
@@ -242,13 +242,17 @@ class Reloader:
         sub = await asyncio.to_thread(stand_in, reg, rt)
         if sub is None or sub.footprint > reg.budget - reg.used():
             return
-        self._set_status(f"reloading: warming {rt.name} on {sub.serving_on}")
+        self._status(f"reloading: warming {rt.name} on {sub.serving_on}")
         await reg.load(sub, self.loop)
         txn.loaded.append(sub)
         txn.serve[rt.name] = sub
 
     def _progress(self, name: str) -> Callable[[str, float | None], None]:
-        return lambda phase, fraction: self._set_status(f"reloading: {name}: {phase}")
+        return lambda phase, fraction: self._status(f"reloading: {name}: {phase}")
+
+    def _status(self, text: str) -> None:
+        """A step of this reload; the last failure stays visible until a reload succeeds."""
+        self._set_status(text + (f"; reload failed: {self.last_error}" if self.last_error else ""))
 
     async def _swap_queued(self, old: ModelRuntime, new: ModelRuntime, txn: _Txn) -> None:
         """Old and new do not fit together: hold this model's requests, unload, load, release.

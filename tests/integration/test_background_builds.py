@@ -22,9 +22,14 @@ import pytest
 
 from edged.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, wait_for
+from tests.integration.mosquitto import Broker, Peer, broker
 from tests.integration.test_faults import NotifySocket
 
+__all__ = ["broker"]  # a fixture: imported so that pytest finds it
+
 pytestmark = pytest.mark.integration
+
+BACKGROUND = {"block_ready": False}  # the default of edged; the test fixtures default to true
 
 X = np.ones((1, 16), np.float32)
 DELAY_ENV = "EDGED_TEST_BUILD_DELAY_S"
@@ -85,7 +90,7 @@ def test_a_slow_build_serves_on_its_stand_in_then_swaps_without_a_failed_request
     try:
         d = daemon_factory(
             {"m": {"path": str(model)}},
-            extra={"lifecycle": {"watch_files": False}},
+            extra={"lifecycle": {"watch_files": False}, "build": BACKGROUND},
             env={DELAY_ENV: "m=4", "NOTIFY_SOCKET": str(notify.path)},
         )
         d.start()  # READY=1 does not wait for the 4 s build
@@ -123,7 +128,11 @@ def test_a_new_generation_rebuilds_in_the_background_and_collects_the_old(
     cache = tmp_path / "cache"
     d = daemon_factory(
         {"m": {"path": str(model)}},
-        extra={"lifecycle": {"watch_files": False}, "cache": {"keep_generations": 1, "generation_tag": ""}},
+        extra={
+            "lifecycle": {"watch_files": False},
+            "cache": {"keep_generations": 1, "generation_tag": ""},
+            "build": BACKGROUND,
+        },
         env={DELAY_ENV: "m=3"},
     )
     d.start()
@@ -174,3 +183,57 @@ def test_a_restart_after_an_upgrade_serves_at_once(
     assert st["state"] == "ready" and st["fallback"], st  # serving within the start-up, not after the build
     assert first in cache_keys(tmp_path / "cache")
     wait_for(lambda: model_status(d)["cache_key"] not in (None, first), 60, what="the rebuilt engine")
+
+
+def test_mqtt_state_says_what_serves_while_the_engine_builds(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, broker: Broker
+) -> None:
+    model = make_tiny_mlp(tmp_path / "m.onnx")
+    d = daemon_factory(
+        {"m": {"path": str(model)}},
+        extra={
+            "lifecycle": {"watch_files": False},
+            "build": BACKGROUND,
+            "mqtt": {"enabled": True, "host": "127.0.0.1", "port": broker.port, "device_id": "dev1"},
+        },
+        env={DELAY_ENV: "m=3"},
+    )
+    with Peer(broker.port) as peer:
+        peer.subscribe("edged/dev1/models/m/state")
+        d.start()
+        building = peer.first(
+            "edged/dev1/models/m/state", lambda r: "while building" in r.json()["reason"], timeout=30
+        ).json()
+        assert building["state"] == "ready"
+        assert building["reason"].startswith("serving on onnxruntime fp32 while building onnxruntime fp32")
+        done = peer.first(
+            "edged/dev1/models/m/state",
+            lambda r: r.json()["state"] == "ready" and r.json()["reason"] == "",
+            timeout=60,
+        ).json()
+        assert done["model"] == "m"
+    assert not model_status(d)["fallback"]
+
+
+def test_a_model_added_by_a_reload_serves_on_its_stand_in_at_once(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    a, b = make_tiny_mlp(tmp_path / "a.onnx"), make_tiny_mlp(tmp_path / "m.onnx", hidden=20)
+    d = daemon_factory(
+        {"a": {"path": str(a)}},
+        extra={"lifecycle": {"watch_files": False}, "build": BACKGROUND},
+        env={DELAY_ENV: "m=4"},
+    )
+    d.start()
+    wait_for(lambda: model_status(d, "a")["cache_key"], 60, what="a built")
+    d.config.write_text(d.config.read_text() + f'\n[models.m]\npath = "{b}"\n')
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "reload done" in d.log(), 30, what="the reload, which does not wait for the build")
+    st = model_status(d)
+    assert st["state"] == "ready" and st["fallback"] and "while building" in st["reason"], st
+    with d.client() as c:
+        np.testing.assert_allclose(c.infer("m", {"x": X})["probs"], ref(b), rtol=1e-5)
+    wait_for(lambda: not model_status(d)["fallback"], 60, what="the swap to the built engine")
+    with d.client() as c:
+        np.testing.assert_allclose(c.infer("m", {"x": X})["probs"], ref(b), rtol=1e-5)

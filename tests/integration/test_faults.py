@@ -88,8 +88,8 @@ def test_build_timeout_fails_that_model_only(daemon_factory: Callable[..., Daemo
     slow = make_tiny_mlp(tmp_path / "slow.onnx", hidden=24)
     d = daemon_factory(
         {"good": {"path": str(good)}, "slow": {"path": str(slow)}},
-        extra={"build": {"timeout_s": 1, "block_ready": True}, "lifecycle": {"watch_files": False}},
-        env={DELAY_ENV: "slow=30"},
+        extra={"build": {"timeout_s": 8, "block_ready": True}, "lifecycle": {"watch_files": False}},
+        env={DELAY_ENV: "slow=120"},
     )
     d.start(wait_ready=False)
     with d.client(timeout=5) as c:
@@ -107,8 +107,8 @@ def test_build_timeout_during_reload_keeps_the_daemon_and_the_watcher(
     a = make_tiny_mlp(tmp_path / "a.onnx")
     d = daemon_factory(
         {"a": {"path": str(a)}},
-        extra={"build": {"timeout_s": 1, "block_ready": True}, "lifecycle": {"watch_interval_s": 0.2}},
-        env={DELAY_ENV: "b=30", "NOTIFY_SOCKET": str(notify.path)},
+        extra={"build": {"timeout_s": 8, "block_ready": True}, "lifecycle": {"watch_interval_s": 0.2}},
+        env={DELAY_ENV: "b=120", "NOTIFY_SOCKET": str(notify.path)},
     )
     d.start()
     b = make_tiny_mlp(tmp_path / "b.onnx", hidden=20)
@@ -119,7 +119,8 @@ def test_build_timeout_during_reload_keeps_the_daemon_and_the_watcher(
     assert "RELOADING=1" in lines and lines[len(lines) - 1 - lines[::-1].index("RELOADING=1") :].count("READY=1") == 1
     # The watcher lives on: the next change is picked up (and this time builds nothing).
     d.config.write_text(d.config.read_text().replace(f'\n[models.b]\npath = "{b}"\n', ""))
-    wait_for(lambda: "reload failed" not in status(d)["status"], 60, what="a later reload to succeed")
+    wait_for(lambda: "reload done" in d.log(), 60, what="a later reload to succeed")
+    assert "reload failed" not in status(d)["status"]
     with d.client() as c:
         assert c.infer("a", {"x": X})["probs"].shape == (1, 4)
     assert d.proc is not None and d.proc.poll() is None
@@ -225,7 +226,8 @@ def test_reload_is_transactional(daemon_factory: Callable[..., DaemonProcess], t
             np.testing.assert_allclose(c.infer("a", {"x": X})["probs"], ref(a), rtol=1e-5)
     d.config.write_text(good_cfg.replace(str(a), str(a2)))
     hup(d)
-    wait_for(lambda: "reload failed" not in status(d)["status"], 60, what="a good reload")
+    wait_for(lambda: "reload done" in d.log(), 60, what="a good reload")
+    assert "reload failed" not in status(d)["status"]
     with d.client() as c:
         np.testing.assert_allclose(c.infer("a", {"x": X})["probs"], ref(a2), rtol=1e-5)
         np.testing.assert_allclose(c.infer("b", {"x": X})["probs"], ref(b), rtol=1e-5)
@@ -257,20 +259,27 @@ def test_a_model_that_fails_warm_up_holds_no_memory(
 # --- readiness -------------------------------------------------------------------------------------
 
 
-def test_ready_means_every_boot_model_serves(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+def test_not_ready_while_no_boot_model_serves(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """It used to say ready with 0 models ready. A boot model that failed is degraded with its
+    reason (in the status); ready needs every boot model settled and at least one serving."""
     m = make_tiny_mlp(tmp_path / "m.onnx")
     d = daemon_factory(
-        {"m": {"path": str(m)}, "gone": {"path": str(tmp_path / "missing.onnx")}},
+        {"m": {"path": str(m), "preload": "lazy"}, "gone": {"path": str(tmp_path / "missing.onnx")}},
         extra={"lifecycle": {"watch_files": False}},
     )
     d.start(wait_ready=False)
     with d.client(timeout=5) as c:
-        wait_for(lambda: c.status()["models"]["m"]["state"] == "ready", 60, what="m ready")
-        wait_for(lambda: "1 failed" in c.status()["status"], 30, what="start-up done")
+        wait_for(lambda: "1 failed" in c.status()["status"], 60, what="start-up done")
         code, body, _ = c.request("GET", "/v2/health/ready")
         assert code == 503 and b"missing.onnx" in body, body
         assert c.live()
         assert c.infer("m", {"x": X})["probs"].shape == (1, 4)  # what can serve, serves
+    d.stop()
+    d.config.write_text(d.config.read_text().replace('preload = "lazy"', 'preload = "boot"'))
+    d.start()  # m serves at boot now: ready, with the failed model's reason in the status
+    with d.client(timeout=5) as c:
+        code, body, _ = c.request("GET", "/v2/health/ready")
+        assert code == 200 and b"missing.onnx" in body, body
 
 
 # --- drain -----------------------------------------------------------------------------------------
@@ -318,7 +327,9 @@ def test_a_full_cache_disk_says_so_and_leaves_the_cache_consistent(
     if os.geteuid() != 0:
         pytest.skip("needs root for a private mount namespace with a small tmpfs as the cache")
     big = make_tiny_mlp(tmp_path / "big.onnx", hidden=60_000)  # about 5 MB; the cache holds 2 MB
-    d = daemon_factory({"big": {"path": str(big)}}, extra={"lifecycle": {"watch_files": False}})
+    d = daemon_factory(
+        {"big": {"path": str(big)}}, extra={"lifecycle": {"watch_files": False}, "build": {"block_ready": False}}
+    )
     cache = tmp_path / "cache"
     cache.mkdir()
     script = f'mount -t tmpfs -o size=2m tmpfs "{cache}" && exec "$0" -m edged serve --config "{d.config}"'
