@@ -155,11 +155,14 @@ class BackgroundBuilds:
             return
         if not load:
             return
-        await reg.load(target, self.loop)
-        if reg.models.get(target.name) is not current:  # a reload replaced it meanwhile
-            await reg.unload(target, notify=False)
-            return
-        reg.models[target.name] = target  # the swap: the next request runs on the new engine
+        if target.footprint > reg.budget - reg.used():
+            await self._swap_held(current, target)
+        else:
+            await reg.load(target, self.loop)
+            if reg.models.get(target.name) is not current:  # a reload replaced it meanwhile
+                await reg.unload(target, notify=False)
+                return
+            reg.models[target.name] = target  # the swap: the next request runs on the new engine
         reg.set_state(target, READY)
         log.info(
             "%s: now serving on %s (was %s)",
@@ -170,6 +173,28 @@ class BackgroundBuilds:
         )
         await reg.retire(current, "replaced by its built engine")
         self._on_swap()
+
+    async def _swap_held(self, current: ModelRuntime, target: ModelRuntime) -> None:
+        """The serving runtime and the engine do not fit together: this model's requests wait
+        (they do not fail) while one replaces the other; a failed load puts the old one back."""
+        reg = self.registry
+        log.warning(
+            "%s: the stand-in and the built engine do not fit together; requests wait during the swap",
+            target.name,
+            extra={"model": target.name},
+        )
+        gate = reg.hold(target.name)
+        try:
+            await reg.retire(current, "replaced by its built engine")
+            reg.models[target.name] = target
+            try:
+                await reg.load(target, self.loop)
+            except BaseException:
+                reg.models[target.name] = current
+                await reg.load(current, self.loop)
+                raise
+        finally:
+            reg.release(target.name, gate)
 
     async def _settle_unserved(self, target: ModelRuntime, load: bool) -> None:
         """A model that had no stand-in (lazy, deferred, or its stand-in failed) is built."""

@@ -35,7 +35,8 @@ from edged.errors import ConfigError, EdgedError, SocketInUseError
 from edged.loopwatch import LoopWatch
 from edged.memory import MemoryInfo, budget_bytes, plan, probe
 from edged.metrics import Metrics
-from edged.registry import DEFERRED, FAILED, LAZY, READY, UNLOADED, ModelRuntime, Registry
+from edged.readiness import summary, unready
+from edged.registry import ModelRuntime, Registry
 from edged.reload import Reloader
 from edged.service import Service
 from edged.transports.http import App
@@ -45,9 +46,6 @@ from edged.warmpath import warm_request_path
 log = logging.getLogger(__name__)
 
 EX_CONFIG = 78  # sysexits.h: the unit's RestartPreventExitStatus= stops a restart loop on it
-# A boot model in one of these states has settled: it serves, or it is degraded with its reason
-# (deferred by the budget, lazy, unloaded by an operator, failed). Any other state is on its way.
-SETTLED = (READY, DEFERRED, LAZY, UNLOADED, FAILED)
 
 
 def isolate_library_files(cfg: Config) -> None:
@@ -300,38 +298,11 @@ class Daemon:
 
     def _summary(self) -> str:
         assert self.registry is not None
-        models = list(self.registry.models.values())
-        states = [rt.state for rt in models]
-        parts = [f"{states.count(READY)} models ready"]
-        standing = [rt for rt in models if rt.stands_in_for and rt.state == READY]
-        if standing:
-            parts[0] += " (" + "; ".join(f"{rt.name} {rt.reason}" for rt in standing) + ")"
-        for state in (LAZY, DEFERRED, FAILED):
-            n = states.count(state)
-            if n:
-                reasons = {rt.reason.split(":")[0] for rt in models if rt.state == state}
-                parts.append(f"{n} {state}" + (f": {', '.join(sorted(reasons))}" if state != LAZY else ""))
-        building = [t for t, _ in self._targets() if self.registry.models.get(t.name) is t]
-        if building:
-            parts.append(f"{len(building)} building")
-        text = ", ".join(parts)
-        if self.reloader is not None and self.reloader.last_error:
-            # Kept until a later reload succeeds: the running config is not the one on disk.
-            text += f"; reload failed: {self.reloader.last_error}"
-        return text
+        error = self.reloader.last_error if self.reloader is not None else ""
+        return summary(self.registry, (t for t, _ in self._targets()), error)
 
     def _unready(self) -> str:
-        """'' when every boot model has settled (serves, or is degraded with its reason, which
-        the status line gives) and at least one of them serves; otherwise why not."""
-        if self.registry is None:
-            return "starting"
-        boot = [rt for rt in self.registry.models.values() if rt.cfg.preload == "boot"]
-        waiting = [f"{rt.name} is {rt.state}" for rt in boot if rt.state not in SETTLED]
-        if waiting:
-            return "; ".join(waiting)
-        if boot and not any(rt.state == READY for rt in boot):
-            return "no boot model serves"
-        return ""
+        return unready(self.registry)
 
     def _on_state(self, rt: ModelRuntime) -> None:
         if self.mqtt is not None:
