@@ -90,8 +90,13 @@ class BuildRunner:
         )
         self._procs.add(proc)
         assert proc.stdin and proc.stdout and proc.stderr
-        proc.stdin.write(json.dumps(job.to_dict()).encode())
-        proc.stdin.close()
+        try:
+            proc.stdin.write(json.dumps(job.to_dict()).encode())
+            proc.stdin.close()
+        except (OSError, RuntimeError):
+            # The child died before it read its job (killed at once, say): its exit status,
+            # read below, says how; a closed pipe is not the daemon's error.
+            pass
         stderr_task = asyncio.ensure_future(proc.stderr.read())
         events: dict[str, Any] = {}
         try:
