@@ -38,7 +38,7 @@ def stand_in(reg: Registry, rt: ModelRuntime) -> ModelRuntime | None:
         other = job.at_precision(precision)
         entry = reg.cache.lookup(rt.name, job_key(other, cls), cls.artifact_suffix)
         if entry is not None and entry.manifest.get("artifact"):
-            return _make(rt, cls, precision, entry, wanted)
+            return _make(rt, cls, precision, entry, wanted, f"the {precision} engine already built")
     try:
         ort = backends.backend_class("onnxruntime")
     except BackendUnavailableError:
@@ -46,12 +46,12 @@ def stand_in(reg: Registry, rt: ModelRuntime) -> ModelRuntime | None:
     # The source model itself: ONNX Runtime loads it as it is. Its "entry" is not a cache entry
     # (no key, never rewritten).
     source = Path(rt.cfg.path)
-    return _make(rt, ort, "fp32", Entry("", source, source, {}), wanted)
+    return _make(rt, ort, "fp32", Entry("", source, source, {}), wanted, "the source model")
 
 
-def _make(rt: ModelRuntime, cls: type, precision: str, entry: Entry, wanted: str) -> ModelRuntime:
+def _make(rt: ModelRuntime, cls: type, precision: str, entry: Entry, wanted: str, what: str) -> ModelRuntime:
     sub = ModelRuntime(rt.name, rt.cfg, job=rt.job, stands_in_for=wanted)
-    sub.backend_cls, sub.backend_reason = cls, f"stand-in while {wanted} builds"
+    sub.backend_cls, sub.backend_reason = cls, f"stand-in: {what}, while {wanted} builds"
     sub.precision, sub.entry = precision, entry
     if entry.manifest.get("footprint"):
         sub.footprint, sub.measured = int(entry.manifest["footprint"]), True

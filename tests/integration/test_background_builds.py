@@ -237,3 +237,37 @@ def test_a_model_added_by_a_reload_serves_on_its_stand_in_at_once(
     wait_for(lambda: not model_status(d)["fallback"], 60, what="the swap to the built engine")
     with d.client() as c:
         np.testing.assert_allclose(c.infer("m", {"x": X})["probs"], ref(b), rtol=1e-5)
+
+
+def test_an_engine_of_another_precision_already_built_stands_in(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """A model switched from fp32 to int8 serves on its fp32 engine (no ONNX Runtime session on the
+    source model) while the int8 engine is calibrated and built."""
+    model = make_tiny_mlp(tmp_path / "m.onnx")
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(12):
+        np.save(samples / f"{i:02}.npy", rng.standard_normal((1, 16)).astype(np.float32))
+    d = daemon_factory({"m": {"path": str(model)}}, extra={"lifecycle": {"watch_files": False}})
+    d.start()  # block_ready (the fixture's default): the fp32 engine is built
+    fp32_key = model_status(d)["cache_key"]
+    assert d.stop() == 0
+    text = d.config.read_text().replace("block_ready = true", "block_ready = false")
+    d.config.write_text(
+        text + f'\n[models.m.calibration]\ndata = "{samples}"\n[models.m.gate]\nmax_rel_l2 = 0.5\nmin_cosine = 0.5\n'
+    )
+    d.config.write_text(d.config.read_text().replace(f'path = "{model}"', f'path = "{model}"\nprecision = "int8"'))
+    d.env[DELAY_ENV] = "m=3"
+    d.log_path.write_text("")
+    d.start()
+    st = model_status(d)
+    assert st["fallback"] and st["precision"] == "fp32", st
+    assert st["backend_reason"].startswith("stand-in: the fp32 engine already built"), st
+    assert st["reason"].startswith("serving on onnxruntime fp32 while building onnxruntime int8"), st
+    with d.client() as c:
+        np.testing.assert_allclose(c.infer("m", {"x": X})["probs"], ref(model), rtol=1e-5)
+    wait_for(lambda: not model_status(d)["fallback"], 90, what="the int8 build to be swapped in")
+    st = model_status(d)
+    assert st["cache_key"] != fp32_key or st["precision_reason"], st  # int8, or fp32 with the gate's reason
