@@ -111,6 +111,9 @@ EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus= stops a resta
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from edged import early_signals
+
+    early_signals.hold()  # SIGHUP/SIGTERM/SIGINT are remembered from here until the loop runs
     import faulthandler
 
     from edged.daemon import serve

@@ -59,6 +59,14 @@ class ServerConfig(_Table, frozen=True):
 
 class CacheConfig(_Table, frozen=True):
     dir: str = DEFAULT_CACHE
+    # Generations (builds for one model file, device and library version) kept per model; older
+    # ones are removed once a newer one passed its gate. Entries in use are always kept.
+    keep_generations: PositiveInt = 2
+    quarantine_max_files: NonNegInt = 16
+    quarantine_max_bytes: str = "1GiB"
+    # Added to every cache key: changing it rebuilds every engine (in the background), as a
+    # TensorRT, driver or L4T upgrade does.
+    generation_tag: str = ""
 
 
 class MemoryConfig(_Table, frozen=True):
@@ -73,6 +81,9 @@ class BuildConfig(_Table, frozen=True):
     headroom: str = "1GiB"
     wait_for_memory_s: NonNegInt = 60
     timeout_s: PositiveInt = 3600
+    # false: a model whose engine is missing serves at once from a fallback (ONNX Runtime fp32 on
+    # the CPU) while it builds, and READY=1 waits only for what can serve now. true: build first.
+    block_ready: bool = False
 
 
 class LifecycleConfig(_Table, frozen=True):
@@ -81,6 +92,10 @@ class LifecycleConfig(_Table, frozen=True):
     watch_interval_s: PositiveFloat = 2.0
     # A worker that has held one request this long without finishing stops the watchdog pings.
     stall_timeout_s: PositiveFloat = 30.0
+    # The event loop's own latency is sampled every loop_probe_ms; a timer later than
+    # loop_stall_ms is a stall (counted, logged once per stall).
+    loop_probe_ms: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 25
+    loop_stall_ms: PositiveInt = 100
 
 
 class TlsConfig(_Table, frozen=True):
@@ -334,6 +349,7 @@ def _check_sizes(cfg: Config, src: str) -> None:
         "server.max_body": cfg.server.max_body,
         "memory.reserve": cfg.memory.reserve,
         "build.headroom": cfg.build.headroom,
+        "cache.quarantine_max_bytes": cfg.cache.quarantine_max_bytes,
     }
     for name, model in cfg.models.items():
         sizes[f"models.{name}.tensorrt.workspace"] = model.tensorrt.workspace

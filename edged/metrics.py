@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -201,6 +201,11 @@ class Metrics:
         self.builds = LabelledValues()  # (model, outcome) -> count
         self.outcomes = request_outcomes()
         self.transports = tuple(transports)
+        # The event loop's own latency (edged/loopwatch.py): no model label, a sample from the start.
+        self.loop_lag = Gauge(
+            "edged_loop_lag_max_seconds", "Worst event-loop lateness over the last interval", registry=r
+        )
+        self.loop_stalls = Counter("edged_loop_stalls", "Event-loop stalls over lifecycle.loop_stall_ms", registry=r)
         self.stats: dict[str, ModelStats] = {}
         self._source: QueueSource | None = None
         self._lock = threading.Lock()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,11 +46,13 @@ class Service:
         self.warming = False
         self.started = time.time()
         self.status_line = "starting"
+        # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
+        self.unready: Callable[[], str] = lambda: ""
 
     # --- health and metadata ---
 
     def is_ready(self) -> bool:
-        return self.ready.is_set() and not self.stopping
+        return self.ready.is_set() and not self.stopping and not self.unready()
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "edged", "version": __version__, "extensions": EXTENSIONS}

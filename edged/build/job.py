@@ -35,6 +35,8 @@ class BuildJob:
     calibration: dict[str, Any] | None = None
     calibration_digest: str = ""
     gate: dict[str, Any] = field(default_factory=dict)
+    # cache.generation_tag: an operator's forced new generation (empty: not part of the key).
+    generation_tag: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +83,8 @@ def key_fields(job: BuildJob, cls: type[Backend]) -> dict[str, Any]:
     if job.precision != "fp32" and job.calibration is not None:
         # The held-out share decides which samples calibrate, the thresholds decide the verdict.
         fields["gate"] = job.gate
+    if job.generation_tag:
+        fields["generation_tag"] = job.generation_tag
     return fields
 
 
@@ -96,6 +100,7 @@ def make_job(
     cache_dir: str,
     digest: Callable[[str], str],
     calibration_digest: Callable[[ModelConfig], str] | None = None,
+    generation_tag: str = "",
 ) -> BuildJob:
     profiles = {k: [p.min, p.opt, p.max] for k, p in sorted(model.profiles.items())}
     cal = msgspec.structs.asdict(model.calibration) if model.calibration is not None else None
@@ -114,4 +119,5 @@ def make_job(
         calibration=cal,
         calibration_digest=cal_digest,
         gate=msgspec.structs.asdict(model.gate),
+        generation_tag=generation_tag,
     )

@@ -177,9 +177,11 @@ def test_build_waits_for_memory_headroom_then_fails_with_what_it_needs(
         {"tiny": {"path": str(model_dir / "tiny.onnx")}},
         extra={"build": {"headroom": "100TiB", "wait_for_memory_s": 0}},
     )
-    d.start()
+    d.start(wait_ready=False)  # not ready: its only boot model failed (it used to say ready with 0 models)
     with d.client() as c:
+        wait_for(lambda: c.status()["models"]["tiny"]["state"] == "failed", 60, what="the build to give up")
         st = c.status()["models"]["tiny"]
+        assert not c.ready()
     assert st["state"] == "failed"
     assert "needs 102400.0 GiB free (build.headroom)" in st["reason"] and "available" in st["reason"]
 

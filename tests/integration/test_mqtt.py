@@ -89,6 +89,7 @@ class Edged(DaemonProcess):
         tables: dict[str, dict[str, Any]] = {
             "server": {"socket": str(directory / "edged.sock"), "log_level": "debug"},
             "cache": {"dir": str(cache)},
+            "build": {"block_ready": True},  # engines built before READY=1
             "mqtt": {k: v for k, v in mqtt.items() if not isinstance(v, dict)},
         }
         tables.update({f"mqtt.{k}": v for k, v in mqtt.items() if isinstance(v, dict)})
