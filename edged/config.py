@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from edged.defaults import DEFAULT_SOCKET
 from edged.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -25,7 +26,6 @@ else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
     import tomli as tomllib
 
 DEFAULT_CONFIG = "/etc/edged/edged.toml"
-DEFAULT_SOCKET = "/run/edged/edged.sock"
 DEFAULT_CACHE = "/var/cache/edged/engines"
 
 Backend = Literal["auto", "onnxruntime", "tensorrt"]
@@ -55,6 +55,16 @@ class ServerConfig(_Table, frozen=True):
     # worker thread costs 40-95 us on a small board, more than the work itself.
     inline_threshold_us: NonNegInt = 60
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Limits that keep one hostile or broken client from starving the others (see configs/edged.toml).
+    max_header_size: str = "16KiB"
+    max_headers: PositiveInt = 100
+    read_timeout_s: PositiveFloat = 30.0
+    max_connections: PositiveInt = 512
+    max_regions: PositiveInt = 1024
+    max_regions_per_peer: PositiveInt = 256
+    max_region_size: str = "256MiB"
+    # "" = every client may load/unload models; else only members of this group (and root).
+    admin_group: str = ""
 
 
 class CacheConfig(_Table, frozen=True):
@@ -295,6 +305,8 @@ def _resolve(base: Path, value: str) -> str:
 def _check_sizes(cfg: Config, src: str) -> None:
     sizes = {
         "server.max_body": cfg.server.max_body,
+        "server.max_header_size": cfg.server.max_header_size,
+        "server.max_region_size": cfg.server.max_region_size,
         "memory.reserve": cfg.memory.reserve,
         "build.headroom": cfg.build.headroom,
     }
