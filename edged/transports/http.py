@@ -26,6 +26,7 @@ from edged.protocol import decode_infer, encode_infer
 from edged.service import Service
 from edged.transports.peer import PEER_KEY, Peer, in_group
 from edged.transports.shm import SharedMemoryRegistry, ShmLimits
+from edged.transports.shm_io import ShmRequest
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +143,16 @@ class App:
         for key, value in scope["headers"]:
             if key == b"inference-header-content-length":
                 header_len = _length(value, "Inference-Header-Content-Length")
-        shm = self.shm.request(scope.get(PEER_KEY))
+        peer = scope.get(PEER_KEY)
+        shm = ShmRequest(self.shm.region_for(peer), peer)
         try:
             req = decode_infer(body, header_len, shm.input)
-            await shm.fill()  # inputs are copied out of client memory before the model sees them
+            if shm.reads:
+                await shm.fill()  # inputs are copied out of client memory before the model sees them
             outputs = await self.service.infer(name, req.inputs, req.id)
             out, out_header_len = encode_infer(name, req, outputs, shm.output)
-            await shm.flush()
+            if shm.writes:
+                await shm.flush()
         finally:
             shm.release()
         if out_header_len is None:

@@ -144,8 +144,11 @@ class EdgedProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         log.info("closing a connection that did not deliver a request within %.1f s", self._limits.read_timeout_s)
-        if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
-            self.transport.close()  # an answer is half-written: nothing more can be said
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and (cycle.response_started or not cycle.more_body):
+            # An answer is being written, or is still to come for a request received whole (the
+            # stall is in a pipelined one): a 408 would land in the middle of it.
+            self.transport.close()
             return
         self._answer(
             408,

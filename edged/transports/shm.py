@@ -32,8 +32,6 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from edged.config import ServerConfig, parse_size
 from edged.errors import (
     SharedMemoryError,
@@ -41,7 +39,6 @@ from edged.errors import (
     SharedMemoryLimitError,
     SharedMemoryNotFoundError,
     SharedMemoryTooLargeError,
-    SharedMemoryTruncatedError,
 )
 from edged.transports.peer import Peer
 
@@ -50,8 +47,6 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 _KEY_RE = re.compile(r"^/?[A-Za-z0-9_.@-]{1,200}$")
 _NAME_MAX = 256
-# Copies up to this size run on the loop: handing them to a thread costs more than the copy.
-INLINE_COPY_BYTES = 256 * 1024
 _POLL_S = 2.0  # without pidfds (seccomp, old kernels) exited owners are found by polling
 
 
@@ -277,6 +272,10 @@ class SharedMemoryRegistry:
             return [r.status() for r in owner.regions.values()] if owner else []
         return [self._region(peer, name).status()]
 
+    def region_for(self, peer: Peer | None) -> Callable[[str], Region]:
+        """Look up regions of ``peer`` by name (for shm_io.ShmRequest)."""
+        return lambda name: self._region(_local(peer), name)
+
     def _region(self, peer: Peer, name: str) -> Region:
         owner = self._owners.get((peer.uid, peer.pid))
         region = owner.regions.get(name) if owner is not None else None
@@ -284,110 +283,8 @@ class SharedMemoryRegistry:
             raise SharedMemoryNotFoundError(f"shared memory region '{name}' is not registered")
         return region
 
-    def request(self, peer: Peer | None) -> ShmRequest:
-        return ShmRequest(self, peer)
-
     def count(self) -> int:
         return self._count
-
-
-class ShmRequest:
-    """The shared memory of one request: inputs are copied into daemon buffers before the model
-    runs (``fill``), outputs are encoded into daemon buffers and then written out (``flush``).
-    ``release`` must run at the end (it closes descriptors of regions unregistered meanwhile)."""
-
-    def __init__(self, registry: SharedMemoryRegistry, peer: Peer | None) -> None:
-        self._registry = registry
-        self._peer = peer
-        self._reads: list[tuple[Region, int, np.ndarray]] = []
-        self._writes: list[tuple[Region, int, np.ndarray]] = []
-        self._held: list[Region] = []
-
-    def _take(self, name: str, offset: int, size: int) -> Region:
-        region = self._registry._region(_local(self._peer), name)
-        if offset + size > region.byte_size:
-            raise SharedMemoryError(
-                f"shared memory region '{name}' is too small: offset {offset} + {size} bytes "
-                f"> its {region.byte_size} bytes"
-            )
-        region.users += 1
-        self._held.append(region)
-        return region
-
-    def input(self, name: str, offset: int, size: int) -> memoryview:
-        """Resolver for decode_infer: a daemon-owned buffer that ``fill`` loads."""
-        region = self._take(name, offset, size)
-        buf = np.empty(size, np.uint8)
-        self._reads.append((region, region.offset + offset, buf))
-        return buf.data
-
-    def output(self, name: str, offset: int, size: int) -> memoryview:
-        """Resolver for encode_infer: a daemon-owned buffer that ``flush`` writes out."""
-        region = self._take(name, offset, size)
-        buf = np.empty(size, np.uint8)
-        self._writes.append((region, region.offset + offset, buf))
-        return buf.data
-
-    async def fill(self) -> None:
-        await _run(self._reads, _read_all)
-
-    async def flush(self) -> None:
-        await _run(self._writes, _write_all)
-
-    def release(self) -> None:
-        for region in self._held:
-            region.users -= 1
-            region.close_if_idle()
-        self._held.clear()
-
-
-async def _run(jobs: list[tuple[Region, int, np.ndarray]], fn: Callable[[Region, int, np.ndarray], None]) -> None:
-    if not jobs:
-        return
-    if sum(buf.nbytes for _, _, buf in jobs) <= INLINE_COPY_BYTES:
-        for job in jobs:
-            fn(*job)
-        return
-
-    def all_jobs() -> None:
-        for job in jobs:
-            fn(*job)
-
-    await asyncio.get_running_loop().run_in_executor(None, all_jobs)
-
-
-def _read_all(region: Region, pos: int, buf: np.ndarray) -> None:
-    view = buf.data
-    done = 0
-    while done < len(view):
-        try:
-            n = os.preadv(region.fd, [view[done:]], pos + done)
-        except OSError as e:
-            raise SharedMemoryError(f"shared memory region '{region.name}' cannot be read: {e.strerror}") from None
-        if n == 0:
-            raise SharedMemoryTruncatedError(
-                f"shared memory region '{region.name}': its object '{region.key}' was shrunk to "
-                f"{pos + done} bytes after registration; register it again"
-            )
-        done += n
-
-
-def _write_all(region: Region, pos: int, buf: np.ndarray) -> None:
-    end = pos + buf.nbytes
-    size = os.fstat(region.fd).st_size
-    if size < end:
-        # pwrite past the end would grow the client's object instead of failing.
-        raise SharedMemoryTruncatedError(
-            f"shared memory region '{region.name}': its object '{region.key}' was shrunk to {size} "
-            f"bytes after registration; register it again"
-        )
-    view = buf.data
-    done = 0
-    while done < len(view):
-        try:
-            done += os.pwrite(region.fd, view[done:], pos + done)
-        except OSError as e:
-            raise SharedMemoryError(f"shared memory region '{region.name}' cannot be written: {e.strerror}") from None
 
 
 def _local(peer: Peer | None) -> Peer:
