@@ -65,6 +65,11 @@ class ServerConfig(_Table, frozen=True):
     max_region_size: str = "256MiB"
     # "" = every client may load/unload models; else only members of this group (and root).
     admin_group: str = ""
+    # Extra listeners: TCP addresses ("127.0.0.1:8000", "[::1]:8000") for the same API (a
+    # non-loopback one needs tcp_token_file), and a metrics-only address for Prometheus.
+    tcp: list[str] = msgspec.field(default_factory=list)
+    tcp_token_file: str = ""
+    metrics: str = ""
 
 
 class CacheConfig(_Table, frozen=True):
@@ -371,7 +376,11 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
         )
     return msgspec.structs.replace(
         cfg,
-        server=msgspec.structs.replace(cfg.server, socket=_resolve(base, cfg.server.socket)),
+        server=msgspec.structs.replace(
+            cfg.server,
+            socket=_resolve(base, cfg.server.socket),
+            tcp_token_file=_resolve(base, cfg.server.tcp_token_file),
+        ),
         cache=msgspec.structs.replace(cfg.cache, dir=_resolve(base, cfg.cache.dir)),
         mqtt=mqtt,
         models=models,

@@ -7,6 +7,7 @@ is a split of the path, not a framework, because the infer route is on every req
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeGuard
@@ -24,7 +25,7 @@ from edged.errors import (
 )
 from edged.protocol import decode_infer, encode_infer
 from edged.service import Service
-from edged.transports.peer import PEER_KEY, Peer, in_group
+from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
 from edged.transports.shm import SharedMemoryRegistry, ShmLimits
 from edged.transports.shm_io import ShmRequest
 
@@ -43,6 +44,11 @@ class HttpError(EdgedError):
 
     code = "method_not_allowed"
     http_status = 405
+
+
+class UnauthorizedError(EdgedError):
+    code = "unauthorized"
+    http_status = 401
 
 
 class ClientGoneError(BadRequestError):
@@ -65,9 +71,14 @@ class App:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are not served
         try:
+            door: Door | None = scope.get(DOOR_KEY)
+            if door is not None:
+                _check_door(door, scope)
             status, body, headers = await self._dispatch(scope, receive)
         except EdgedError as e:
             status, body, headers = e.http_status, orjson.dumps(e.to_dict()), _JSON
+            if status == 401:
+                headers = [*_JSON, (b"www-authenticate", b"Bearer")]
         except Exception as e:  # a bug must answer 500, never drop the connection silently
             log.exception("unhandled error on %s", scope.get("path"))
             status, body, headers = 500, orjson.dumps({"error": str(e), "code": "internal"}), _JSON
@@ -246,6 +257,18 @@ class App:
         if not _is_int(offset) or not _is_int(size):
             raise BadRequestError("'offset' and 'byte_size' must be integers")
         self.shm.register(peer, name, doc["key"], offset, size)
+
+
+def _check_door(door: Door, scope: Scope) -> None:
+    """What the listener the request came through lets in (listener.py)."""
+    if door.token is not None:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if not hmac.compare_digest(given, b"Bearer " + door.token):
+            raise UnauthorizedError("this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)")
+    if door.metrics_only:
+        path = scope["path"]
+        if path != "/metrics" and not path.startswith("/v2/health/"):
+            raise NotFoundError(f"{door.label} serves only /metrics and /v2/health")
 
 
 def _is_int(value: object) -> TypeGuard[int]:

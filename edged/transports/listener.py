@@ -1,252 +1,40 @@
-"""The listening sockets and the connection layer: uvicorn's httptools protocol with edged's bounds.
+"""The listening sockets: which ones, what each lets through, and uvicorn serving all of them.
 
-uvicorn parses HTTP and runs the ASGI app; this module adds what a daemon facing untrusted local
-clients needs and uvicorn does not do (design section 2):
+- the Unix socket (the config's, or every socket systemd passes by socket activation: told apart
+  by FileDescriptorName, "metrics" serving only metrics and health, any other name the API);
+- ``[server] tcp``: TCP listeners for the same API (tritonclient.http and other tools speak only
+  host:port). One on an address that is not loopback is refused unless ``tcp_token_file`` gives
+  a token that its requests must carry (``Authorization: Bearer``, compared in constant time);
+- ``[server] metrics``: a TCP listener that serves only ``/metrics`` and ``/v2/health/*``.
 
-- a read timeout: a connection must deliver a whole request within ``read_timeout_s`` of its start
-  (or of the first byte of a following request). Connections that never send a byte, or stall
-  mid-headers or mid-body, are answered 408 and closed; idle keep-alive uses ``keepalive_s``;
-- header bounds: the request line plus headers above ``max_header_size`` bytes, or more than
-  ``max_headers`` fields, are answered 431 before httptools buffers more;
-- a connection limit shared by every listener: one more is answered 503 and closed, the others
-  keep being served;
-- the peer's credentials (SO_PEERCRED and a pidfd) in the ASGI scope as ``edged.peer``, which the
-  shared memory extension and ``admin_group`` use.
-
-uvicorn is driven through internals it does not promise to keep (HttpToolsProtocol's parser
-callbacks and fields, Server.servers/lifespan/shutdown): pyproject.toml bounds its version and
-``check_uvicorn`` fails the start loudly, naming what moved, if they change.
+All listeners share one uvicorn Server (so one drain stops them all) and one connection limit;
+each connection gets the bounds of connection.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import os
 import socket
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import httptools
-import orjson
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from edged import systemd
-from edged.config import Config, parse_size
-from edged.transports.peer import PEER_KEY, Peer, close_peer, peer_of
+from edged.config import Config
+from edged.errors import ConfigError
+from edged.transports.connection import ConnectionLimits, EdgedProtocol, Gate, check_uvicorn
+from edged.transports.peer import Door
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_header_size: int = 16 * 1024
-    max_headers: int = 100
-    read_timeout_s: float = 30.0
-    max_connections: int = 512
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> ConnectionLimits:
-        s = cfg.server
-        return cls(parse_size(s.max_header_size), s.max_headers, s.read_timeout_s, s.max_connections)
-
-
-class _Gate:
-    """Open connections across every listener."""
-
-    def __init__(self, limits: ConnectionLimits) -> None:
-        self.limits = limits
-        self.open = 0
-
-
-class _Reject(Exception):
-    """Raised from a parser callback to stop parsing; data_received answers it."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-def error_response(status: int, code: str, message: str, reason: str) -> bytes:
-    body = orjson.dumps({"error": message, "code": code})
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
-
-
-class EdgedProtocol(HttpToolsProtocol):
-    def __init__(self, *args: Any, gate: _Gate, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._gate = gate
-        self._limits = gate.limits
-        self._counted = False
-        self._peer: Peer | None = None
-        self._read_timer: asyncio.TimerHandle | None = None
-        self._in_headers = True  # between requests counts as the header phase of the next one
-        self._raw_header_bytes = 0
-        self._header_bytes = 0
-        self._header_count = 0
-
-    # --- connection ---
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        if self._gate.open >= self._limits.max_connections:
-            log.warning("connection refused: %d connections open (server.max_connections)", self._gate.open)
-            self._answer(
-                503,
-                "too_many_connections",
-                f"edged serves at most {self._limits.max_connections} connections "
-                "(server.max_connections); retry later",
-            )
-            return
-        self._gate.open += 1
-        self._counted = True
-        try:
-            self._peer = peer_of(transport.get_extra_info("socket"))
-        except OSError as e:
-            log.warning("cannot read the peer's credentials: %s", e)
-        self._arm_read_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._counted:
-            self._gate.open -= 1
-            self._counted = False
-        self._cancel_read_timer()
-        close_peer(self._peer)
-        self._peer = None
-        super().connection_lost(exc)
-
-    def _answer(self, status: int, code: str, message: str) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(error_response(status, code, message, _REASONS.get(status, "")))
-            self.transport.close()
-
-    # --- read timeout ---
-
-    def _arm_read_timer(self) -> None:
-        if self._read_timer is None:
-            self._read_timer = self.loop.call_later(self._limits.read_timeout_s, self._on_read_timeout)
-
-    def _cancel_read_timer(self) -> None:
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
-
-    def _on_read_timeout(self) -> None:
-        self._read_timer = None
-        if self.transport.is_closing():
-            return
-        log.info("closing a connection that did not deliver a request within %.1f s", self._limits.read_timeout_s)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and (cycle.response_started or not cycle.more_body):
-            # An answer is being written, or is still to come for a request received whole (the
-            # stall is in a pipelined one): a 408 would land in the middle of it.
-            self.transport.close()
-            return
-        self._answer(
-            408,
-            "request_timeout",
-            f"the request was not received within {self._limits.read_timeout_s:g} s (server.read_timeout_s)",
-        )
-
-    # --- parsing, with bounds ---
-
-    def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():
-            return  # refused or timed out: whatever else arrives is not read
-        self._unset_keepalive_if_required()
-        if self._in_headers:
-            self._raw_header_bytes += len(data)
-        try:
-            self.parser.feed_data(data)
-            if self._in_headers and self._raw_header_bytes > self._limits.max_header_size:
-                # A single header line still being received is buffered by httptools, not seen by
-                # on_header: bound the bytes fed while the header section is incomplete.
-                raise _Reject(431, "header_too_large", self._too_large())
-        except _Reject as r:
-            self._reject(r)
-        except httptools.HttpParserCallbackError as e:
-            if isinstance(e.__context__, _Reject):
-                self._reject(e.__context__)
-            else:
-                log.warning("invalid HTTP request: %r", e.__context__)
-                self._answer(400, "bad_request", "invalid HTTP request")
-        except httptools.HttpParserError:
-            self._answer(400, "bad_request", "invalid HTTP request")
-        except httptools.HttpParserUpgrade:
-            self._answer(400, "bad_request", "protocol upgrades are not supported")
-
-    def _reject(self, r: _Reject) -> None:
-        log.warning("refused a request: %s", r.message)
-        self._answer(r.status, r.code, r.message)
-
-    def _too_large(self) -> str:
-        return f"request headers exceed {self._limits.max_header_size} bytes (server.max_header_size)"
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.scope[PEER_KEY] = self._peer  # type: ignore[literal-required]
-        self._header_bytes = 0
-        self._header_count = 0
-        self._arm_read_timer()
-
-    def on_url(self, url: bytes) -> None:
-        self._header_bytes += len(url)
-        if self._header_bytes > self._limits.max_header_size:
-            raise _Reject(431, "header_too_large", self._too_large())
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_count += 1
-        self._header_bytes += len(name) + len(value) + 4
-        if self._header_count > self._limits.max_headers:
-            raise _Reject(431, "too_many_headers", f"more than {self._limits.max_headers} headers (server.max_headers)")
-        if self._header_bytes > self._limits.max_header_size:
-            raise _Reject(431, "header_too_large", self._too_large())
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        self._in_headers = False
-        super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._cancel_read_timer()
-        self._in_headers = True
-        self._raw_header_bytes = 0
-        super().on_message_complete()
-
-
-# --- uvicorn internals relied on ---------------------------------------------------------------
-
-_PROTOCOL_ATTRS = (
-    "connection_made",
-    "connection_lost",
-    "data_received",
-    "on_message_begin",
-    "on_url",
-    "on_header",
-    "on_headers_complete",
-    "on_message_complete",
-    "_unset_keepalive_if_required",
-)
-
-
-def check_uvicorn() -> None:
-    """Fail at start, naming what moved, if uvicorn no longer has what this module relies on."""
-    missing = [a for a in _PROTOCOL_ATTRS if not hasattr(HttpToolsProtocol, a)]
-    missing += [f"Server.{a}" for a in ("startup", "shutdown") if not hasattr(uvicorn.Server, a)]
-    if missing:
-        raise RuntimeError(f"uvicorn {uvicorn.__version__} lacks what edged relies on: {', '.join(missing)}")
-
-
-# --- listeners ---------------------------------------------------------------------------------
+METRICS_NAME = "metrics"  # FileDescriptorName of an activated metrics-only socket
 
 
 @dataclass
@@ -255,22 +43,108 @@ class Listener:
     created (removed at stop)."""
 
     sock: socket.socket
-    label: str
+    door: Door
     owned_path: str | None = None
 
 
+def parse_address(text: str, key: str) -> tuple[str, int]:
+    """ "127.0.0.1:8000", "[::1]:8000", "localhost:8000" -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        raise ConfigError(f"server.{key}: expected host:port such as '127.0.0.1:8000', got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name that resolves elsewhere: treat as exposed
+
+
+def read_token(path: str) -> bytes:
+    try:
+        st = os.stat(path)
+        token = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"server.tcp_token_file: cannot read {path}: {e.strerror}") from None
+    if len(token) < 16:
+        raise ConfigError(f"server.tcp_token_file: {path} must hold a token of at least 16 characters")
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("server.tcp_token_file %s is readable by others than its owner; chmod 600 it", path)
+    return token
+
+
+def _tcp(text: str, key: str, token: bytes | None, metrics_only: bool) -> Listener:
+    host, port = parse_address(text, key)
+    exposed = not is_loopback(host)
+    if exposed and token is None:
+        raise ConfigError(
+            f"server.{key}: {text} is not a loopback address; set server.tcp_token_file so that "
+            "requests must carry a bearer token"
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=256)
+    except OSError as e:
+        raise ConfigError(f"server.{key}: cannot listen on {text}: {e.strerror}") from None
+    sock.setblocking(False)
+    what = "metrics and health only" if metrics_only else "the API"
+    auth = ", bearer token required" if exposed else ""
+    return Listener(sock, Door(f"tcp {text} ({what}{auth})", metrics_only, token if exposed else None))
+
+
+def _activated(fds: list[int], names: list[str], token: bytes | None) -> list[Listener]:
+    out = []
+    for i, fd in enumerate(fds):
+        name = names[i] if i < len(names) else ""
+        sock = socket.socket(fileno=fd)
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
+            log.warning("socket activation passed fd %d (%s), not a stream socket edged can serve: closed", fd, name)
+            sock.close()
+            continue
+        sock.setblocking(False)
+        metrics_only = name == METRICS_NAME
+        exposed = sock.family != socket.AF_UNIX and not is_loopback(str(sock.getsockname()[0]))
+        if exposed and token is None:
+            log.warning("activated socket '%s' (fd %d) is not loopback and no tcp_token_file is set: closed", name, fd)
+            sock.close()
+            continue
+        if name not in ("", METRICS_NAME, "http", "edged", "api", "tcp"):
+            log.warning("activated socket '%s' (fd %d) has an unexpected FileDescriptorName; serving the API", name, fd)
+        what = "metrics and health only" if metrics_only else "the API"
+        out.append(
+            Listener(
+                sock, Door(f"activated socket '{name}' (fd {fd}, {what})", metrics_only, token if exposed else None)
+            )
+        )
+    return out
+
+
 def listeners_from(cfg: Config, bind_unix: Callable[[str, int, str], socket.socket]) -> list[Listener]:
-    """The sockets systemd passed (socket activation), else the Unix socket of the config."""
-    fds = systemd.listen_fds()
-    if fds:
-        out = []
-        for fd in fds:
-            sock = socket.socket(fileno=fd)
-            sock.setblocking(False)
-            out.append(Listener(sock, f"the socket systemd passed (fd {fd})"))
-        return out
+    """Every listener the config and socket activation ask for; ConfigError for a bad one."""
     s = cfg.server
-    return [Listener(bind_unix(s.socket, int(s.socket_mode, 8), s.socket_group), s.socket, s.socket)]
+    token = read_token(s.tcp_token_file) if s.tcp_token_file else None
+    # Read before systemd.listen_fds(), which removes LISTEN_* from the environment.
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
+    fds = systemd.listen_fds()
+    out: list[Listener] = []
+    try:
+        if fds:
+            out += _activated(fds, names, token)
+        else:
+            path = s.socket
+            out.append(Listener(bind_unix(path, int(s.socket_mode, 8), s.socket_group), Door(path), path))
+        out += [_tcp(addr, "tcp", token, False) for addr in s.tcp]
+        if s.metrics:
+            out.append(_tcp(s.metrics, "metrics", token, True))
+    except BaseException:
+        for listener in out:
+            listener.sock.close()
+        raise
+    return out
 
 
 async def start(app: Any, cfg: Config, listeners: list[Listener]) -> uvicorn.Server:
@@ -292,17 +166,20 @@ async def start(app: Any, cfg: Config, listeners: list[Listener]) -> uvicorn.Ser
     # Set after construction: uvicorn types it as int, and int() would turn 0.5 s into no drain.
     config.timeout_graceful_shutdown = cfg.lifecycle.drain_timeout_s  # type: ignore[assignment]
     config.load()
+    # What Server.serve() would do, per listener; edged drives startup and shutdown itself so that
+    # the lifecycle (and its signal handling) stays in one place.
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
-    gate = _Gate(ConnectionLimits.from_config(cfg))
+    gate = Gate(ConnectionLimits.from_config(cfg))
     loop = asyncio.get_running_loop()
-
-    def protocol() -> EdgedProtocol:
-        return EdgedProtocol(config=config, server_state=server.server_state, app_state={}, _loop=loop, gate=gate)
-
     server.servers = []
     for listener in listeners:
+
+        def protocol(door: Door = listener.door) -> EdgedProtocol:
+            state = server.server_state
+            return EdgedProtocol(config=config, server_state=state, app_state={}, _loop=loop, gate=gate, door=door)
+
         server.servers.append(await loop.create_server(protocol, sock=listener.sock, backlog=config.backlog))
-        log.info("serving on %s", listener.label)
+        log.info("serving on %s", listener.door.label)
     server.started = True
     return server

@@ -19,6 +19,7 @@ from typing import Any
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+; older kernels answer ENOPROTOOPT
 _CRED = struct.Struct("3i")
 PEER_KEY = "edged.peer"  # where the protocol puts the Peer in the ASGI scope
+DOOR_KEY = "edged.door"  # ... and the Door it came through
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,16 @@ class Peer:
     gid: int
     # Owned by the connection (closed when it closes); None where no pidfd could be had.
     pidfd: int | None = None
+
+
+@dataclass(frozen=True)
+class Door:
+    """What a listener lets through: the whole API or only metrics and health, and the bearer
+    token its requests must carry (TCP listeners on a non-loopback address)."""
+
+    label: str
+    metrics_only: bool = False
+    token: bytes | None = None
 
 
 def peer_of(sock: Any) -> Peer | None:
