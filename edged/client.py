@@ -23,6 +23,7 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -140,10 +141,15 @@ class ShmTensor:
         }
 
 
+# POSIX ACL xattr (linux/posix_acl_xattr.h): version 2, then (tag, perm, id) entries by tag.
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_UNDEFINED = 0xFFFFFFFF
+
+
 class ShmRegion:
     """A POSIX shared memory object this process created (``/dev/shm/<key>``), mapped once."""
 
-    def __init__(self, name: str, byte_size: int, mode: int = 0o660) -> None:
+    def __init__(self, name: str, byte_size: int, mode: int = 0o600) -> None:
         self.name = name
         # Unique, never derived from the region name alone: a key left by a killed process, or
         # one a second client of this process holds, must not collide with this one.
@@ -157,6 +163,19 @@ class ShmRegion:
         finally:
             os.close(fd)
         self.array_view = np.frombuffer(self._map, dtype=np.uint8)
+
+    def grant(self, uid: int) -> bool:
+        """Let user ``uid`` (the daemon's) read and write this object, and nobody else: a POSIX
+        ACL entry, not a group mode (every member of a group could open the object directly).
+        False where the file system has no ACLs."""
+        entries = [(_ACL_USER_OBJ, 6, _ACL_UNDEFINED), (_ACL_USER, 6, uid), (_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED)]
+        entries += [(_ACL_MASK, 6, _ACL_UNDEFINED), (_ACL_OTHER, 0, _ACL_UNDEFINED)]
+        blob = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+        try:
+            os.setxattr(f"/dev/shm{self.key}", "system.posix_acl_access", blob)
+        except OSError:
+            return False
+        return True
 
     def put(self, arr: np.ndarray, offset: int = 0) -> ShmTensor:
         data = np.ascontiguousarray(arr)
@@ -193,6 +212,13 @@ class _UnixConnection(http.client.HTTPConnection):
         sock.settimeout(self.timeout)
         sock.connect(self._path)
         self.sock = sock
+
+    def server_uid(self) -> int:
+        """The daemon's user id, from the kernel (SO_PEERCRED), not from anything it says."""
+        if self.sock is None:
+            self.connect()
+        cred = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", cred)[1])
 
 
 class _Regions:
@@ -319,6 +345,7 @@ class Client:
             region.close()
         region = ShmRegion(name, byte_size)
         try:
+            self._share(region)
             self.register_shm(name, region.key, byte_size)
         except BaseException:
             region.close()
@@ -328,6 +355,12 @@ class Client:
         region.unlink()
         regions[slot] = region
         return region
+
+    def _share(self, region: ShmRegion) -> None:
+        """The object is created 0600; a daemon running as another user gets an ACL entry."""
+        uid = self._conn.server_uid()
+        if uid != os.getuid() and not region.grant(uid):
+            os.chmod(f"/dev/shm{region.key}", 0o660)  # no ACLs here: the group must do
 
     def infer_shm(
         self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None, request_id: str = ""

@@ -7,6 +7,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ import onnxruntime as ort
 import orjson
 import pytest
 
-from edged.client import Client
+from edged.client import Client, ShmRegion
 from tests.helpers import DaemonProcess, wait_for
 from tests.integration.users import AsUser, need_root, temp_group, temp_user
 
@@ -315,3 +316,33 @@ def test_regions_of_a_killed_process_are_released(
             holder.wait(10)
         wait_for(lambda: all(r["name"] != name for r in c.shm_status()), 10, what="the region to be released")
         wait_for(lambda: fd_count(d.proc.pid) <= fds_before, 10, what="its descriptors to be closed")
+
+
+def test_client_objects_are_shared_with_the_daemon_user_alone() -> None:
+    """The client creates its objects 0600 and grants the daemon's user (when edged runs as
+    another user) an ACL entry: the daemon can open it, no other user can."""
+    need_root()
+    region = ShmRegion("acl", 4096)
+    path = f"/dev/shm{region.key}"
+
+    def can_open() -> bool:
+        try:
+            os.close(os.open(path, os.O_RDWR))
+        except PermissionError:
+            return False
+        return True
+
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with temp_user() as daemon_user, temp_user() as other:
+            if not region.grant(daemon_user.uid):
+                pytest.skip("/dev/shm has no POSIX ACLs here (tmpfs without CONFIG_TMPFS_POSIX_ACL)")
+            as_daemon, as_other = AsUser(daemon_user, [can_open]), AsUser(other, [can_open])
+            try:
+                assert as_daemon.call(can_open) is True
+                assert as_other.call(can_open) is False
+            finally:
+                as_daemon.close()
+                as_other.close()
+    finally:
+        region.close()
