@@ -135,17 +135,18 @@ def test_cancelled_copy_keeps_the_descriptor_until_the_thread_is_done(key: str) 
     asyncio.run(main())
 
 
-def test_exited_process_regions_are_released(key: str) -> None:
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "polling (no pidfd: seccomp, old kernel)"])
+def test_exited_process_regions_are_released(key: str, pidfd: bool) -> None:
     async def main() -> None:
         reg = SharedMemoryRegistry()
         child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-        peer = Peer(child.pid, os.getuid(), os.getgid(), os.pidfd_open(child.pid))
+        peer = Peer(child.pid, os.getuid(), os.getgid(), os.pidfd_open(child.pid) if pidfd else None)
         reg.register(peer, "in", key, 0, 16)
         assert reg.count() == 1
         assert child.stdin is not None
         child.stdin.close()
         child.wait(10)
-        for _ in range(500):
+        for _ in range(1000):
             if reg.count() == 0:
                 break
             await asyncio.sleep(0.01)
