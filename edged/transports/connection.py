@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +52,25 @@ class ConnectionLimits:
 
 
 class Gate:
-    """Open connections across every listener."""
+    """Open connections across every listener, and the log of refusals: at most one line per
+    kind every LOG_EVERY_S seconds (with the count since), so a flood cannot fill the journal."""
+
+    LOG_EVERY_S = 10.0
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
         self.open = 0
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def note(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.LOG_EVERY_S) < self.LOG_EVERY_S:
+            self._quiet[kind] = self._quiet.get(kind, 0) + 1
+            return
+        more = self._quiet.pop(kind, 0)
+        self._last[kind] = now
+        log.warning("%s%s", message, f" (and {more} more like it)" if more else "")
 
 
 class _Reject(Exception):
@@ -97,7 +112,7 @@ class EdgedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if self._gate.open >= self._limits.max_connections:
-            log.warning("connection refused: %d connections open (server.max_connections)", self._gate.open)
+            self._gate.note("limit", f"connection refused: {self._gate.open} connections open (server.max_connections)")
             self._answer(
                 503,
                 "too_many_connections",
@@ -110,7 +125,7 @@ class EdgedProtocol(HttpToolsProtocol):
         try:
             self._peer = peer_of(transport.get_extra_info("socket"))
         except OSError as e:
-            log.warning("cannot read the peer's credentials: %s", e)
+            self._gate.note("cred", f"cannot read the peer's credentials: {e}")
         self._arm_read_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -142,7 +157,9 @@ class EdgedProtocol(HttpToolsProtocol):
         self._read_timer = None
         if self.transport.is_closing():
             return
-        log.info("closing a connection that did not deliver a request within %.1f s", self._limits.read_timeout_s)
+        self._gate.note(
+            "timeout", f"closed a connection that sent no whole request within {self._limits.read_timeout_s:g} s"
+        )
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and (cycle.response_started or not cycle.more_body):
             # An answer is being written, or is still to come for a request received whole (the
@@ -175,7 +192,7 @@ class EdgedProtocol(HttpToolsProtocol):
             if isinstance(e.__context__, _Reject):
                 self._reject(e.__context__)
             else:
-                log.warning("invalid HTTP request: %r", e.__context__)
+                self._gate.note("invalid", f"invalid HTTP request: {e.__context__!r}")
                 self._answer(400, "bad_request", "invalid HTTP request")
         except httptools.HttpParserError:
             self._answer(400, "bad_request", "invalid HTTP request")
@@ -183,7 +200,7 @@ class EdgedProtocol(HttpToolsProtocol):
             self._answer(400, "bad_request", "protocol upgrades are not supported")
 
     def _reject(self, r: _Reject) -> None:
-        log.warning("refused a request: %s", r.message)
+        self._gate.note(r.code, f"refused a request: {r.message}")
         self._answer(r.status, r.code, r.message)
 
     def _too_large(self) -> str:

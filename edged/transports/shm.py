@@ -145,7 +145,7 @@ class SharedMemoryRegistry:
         owner.regions[name] = Region(name, key, offset, byte_size, fd, peer.uid, peer.pid)
         self._count += 1
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
-        log.info("registered shared memory region %s (%s, %d bytes) for pid %d", name, key, byte_size, peer.pid)
+        log.debug("registered shared memory region %s (%s, %d bytes) for pid %d", name, key, byte_size, peer.pid)
 
     def _check_limits(self, uid: int) -> None:
         lim = self.limits
