@@ -232,6 +232,10 @@ class _Regions:
         self.by_name: dict[str, ShmRegion] = {}
 
     def release(self) -> None:
+        # At exit a hung daemon must not hold the program for the full request timeout.
+        self.conn.timeout = min(self.conn.timeout or 2.0, 2.0)
+        if self.conn.sock is not None:
+            self.conn.sock.settimeout(self.conn.timeout)
         for region in self.by_name.values():
             with contextlib.suppress(Exception):  # the daemon may be gone; the region still closes
                 self.conn.request("POST", f"/v2/systemsharedmemory/region/{region.name}/unregister", body=b"")
