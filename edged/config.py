@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from edged.defaults import DEFAULT_SOCKET
 from edged.errors import ConfigError
+from edged.paths import DEFAULT_SOCKET
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -164,6 +164,10 @@ class TensorRTConfig(_Table, frozen=True):
     dla_core: Annotated[int, msgspec.Meta(ge=-1)] = -1
     legacy_calibrator: bool = False
     builder_optimization_level: Annotated[int, msgspec.Meta(ge=0, le=5)] = 3
+    device: NonNegInt = 0  # GPU ordinal: the engine is built and loaded there
+    # Strongly typed int8 (TensorRT 10+): the ops left unquantized run fp16 or fp32.
+    float_parts: Literal["fp16", "fp32"] = "fp16"
+    keep_fp32: list[str] = msgspec.field(default_factory=list)  # op types/node names; [] = defaults
 
 
 class ModelConfig(_Table, frozen=True):
@@ -348,6 +352,13 @@ def _check_model(name: str, model: ModelConfig, src: str) -> None:
             raise ConfigError(f"{where}.profiles.{inp}: min, opt and max must have equal rank")
         if any(a > b or b > c for a, b, c in zip(prof.min, prof.opt, prof.max)):
             raise ConfigError(f"{where}.profiles.{inp}: needs min <= opt <= max in every dim")
+    if model.tensorrt.dla_core >= 0:
+        for inp, prof in model.profiles.items():
+            if not prof.min == prof.opt == prof.max:
+                raise ConfigError(
+                    f"{where}.profiles.{inp}: DLA (tensorrt.dla_core = {model.tensorrt.dla_core}) runs "
+                    f"static shapes only; set min = opt = max (e.g. all {prof.opt}) or dla_core = -1"
+                )
     if model.max_batch > 1 and model.max_batch > model.queue_depth:
         raise ConfigError(f"{where}.max_batch: larger than queue_depth ({model.queue_depth})")
 

@@ -139,6 +139,7 @@ class Daemon:
         self.cache.prepare()
         runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
         self.registry = Registry(cfg, self.cache, runner, self.metrics, budget, self._on_state)
+        self.metrics.watch(self._queue_depths, ("http", "mqtt") if cfg.mqtt.enabled else ("http",))
         self.service = Service(self.registry, self.metrics, loop, self.memory, plan([], budget))
         app = App(self.service, self.shm, max_body_bytes(cfg))
         await self._serve(app)
@@ -262,6 +263,12 @@ class Daemon:
                 reasons = {rt.reason.split(":")[0] for rt in self.registry.models.values() if rt.state == state}
                 parts.append(f"{n} {state}" + (f": {', '.join(sorted(reasons))}" if state != LAZY else ""))
         return ", ".join(parts)
+
+    def _queue_depths(self) -> dict[str, int]:
+        """Read by /metrics at scrape time: every configured model, with its requests in flight."""
+        assert self.registry is not None
+        # list(): /metrics renders off the loop, and a reload may add a model meanwhile.
+        return {n: rt.queue.pending if rt.queue else 0 for n, rt in list(self.registry.models.items())}
 
     def _on_state(self, rt: ModelRuntime) -> None:
         if self.mqtt is not None:

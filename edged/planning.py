@@ -18,6 +18,7 @@ from edged.errors import EdgedError
 from edged.memory import budget_bytes, plan, probe
 from edged.metrics import Metrics
 from edged.registry import FAILED, Registry
+from edged.table import print_table
 
 
 def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
@@ -123,9 +124,7 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
                 rt.reason or rt.precision_reason,
             )
         )
-    from edged.cli import _table
-
-    _table(("model", "result", "precision", "gate", "build", "footprint", "note"), rows)
+    print_table(("model", "result", "precision", "gate", "build", "footprint", "note"), rows)
     reg.digests.save()
     return 1 if any(r[1] == FAILED for r in rows) else 0
 

@@ -93,6 +93,8 @@ class ModelRuntime:
             **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0}),
             "cache_key": self.entry.key if self.entry else None,
             "gate": self.gate,
+            # TensorRT's DLA builds: the layers it reported as falling back to the GPU.
+            "dla_gpu_fallback": self.entry.manifest.get("dla_gpu_fallback") if self.entry else None,
         }
 
 

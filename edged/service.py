@@ -84,6 +84,7 @@ class Service:
         started = time.perf_counter()
         rt = self.registry.models.get(name)
         if rt is None:
+            self.metrics.reject(name, transport, ModelNotFoundError.code)
             raise ModelNotFoundError(f"unknown model '{name}'")
         try:
             # Until READY=1 every request waits for readiness, even one for a model already warm
@@ -104,6 +105,9 @@ class Service:
                 e.message,
                 extra={"model": name, "request_id": request_id},
             )
+            raise
+        except Exception:
+            self.metrics.observe(name, transport, EdgedError.code, time.perf_counter() - started)
             raise
         self.metrics.observe(name, transport, "ok", time.perf_counter() - started)
         return out

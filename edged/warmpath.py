@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from edged.metrics import uncounted
 from edged.protocol import v2_datatype
 from edged.registry import READY, Registry
 from edged.transports.http import App
@@ -52,7 +53,8 @@ async def _call(app: App, model: str, body: bytes, header_len: int | None) -> in
         if message["type"] == "http.response.start":
             status = message["status"]
 
-    await app(scope, receive, send)
+    with uncounted():  # the daemon's own requests are not traffic
+        await app(scope, receive, send)
     return status
 
 

@@ -48,10 +48,13 @@ def backend_options(model: ModelConfig, backend: str) -> dict[str, Any]:
     if backend != "tensorrt":
         return {}
     options = dict(msgspec.structs.asdict(model.tensorrt))
-    if model.tensorrt.legacy_calibrator and model.calibration is not None:
-        # TensorRT <= 10's implicit calibrator reads the samples itself.
-        options["calibration_data"] = model.calibration.data
-        options["max_samples"] = model.calibration.max_samples
+    if model.profiles and model.instances > 1:
+        # TensorRT 8.5 gives each execution context a profile of its own, so the engine holds
+        # one per instance and the count belongs in the key there (and only there).
+        from edged.backends.tensorrt import TensorRTBackend
+
+        if TensorRTBackend.profiles_per_engine(model.instances) > 1:
+            options["instances"] = model.instances
     return options
 
 

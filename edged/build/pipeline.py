@@ -98,12 +98,15 @@ def _gate(
         backend.unload()
 
 
-def _build_artifact(job: BuildJob, cls: type[Backend], source: str, tmp: Path, progress: Progress) -> dict[str, Any]:
+def _build_artifact(
+    job: BuildJob, cls: type[Backend], source: str, tmp: Path, progress: Progress, calibration: Any = None
+) -> dict[str, Any]:
     spec = BuildSpec(
         source=source,
         precision=job.precision,
         profiles={k: (tuple(v[0]), tuple(v[1]), tuple(v[2])) for k, v in job.profiles.items()},
         options=job.options,
+        calibration=calibration,
     )
     return cls.build(spec, tmp, progress)
 
@@ -125,19 +128,21 @@ def build_precision(job: BuildJob, cls: type[Backend], cache: EngineCache, progr
 def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: str, progress: Progress) -> Entry:
     started = time.monotonic()
     reduced = job.precision != "fp32" and job.calibration is not None
-    source, held, reference = job.source, None, None
+    source, held, reference, legacy = job.source, None, None, None
     extra: dict[str, Any] = {}
     if reduced:
         reference, specs = _reference(job.source)  # one FP32 session: input specs, then the gate
         calib, held = _samples(job, specs)
-        if job.precision == "int8":
+        if job.precision == "int8" and job.options.get("legacy_calibrator"):
+            legacy = calib  # TensorRT <= 10's implicit calibrator takes the FP32 model and samples
+        elif job.precision == "int8":
             progress("calibrating", None)
             qdq, extra = _qdq_model(job, cache, calib, progress)
             source = str(qdq)
     tmp = cache.temp_path(cls.artifact_suffix)
     try:
         progress(f"building {job.precision}", None)
-        extra = dict(extra, **_build_artifact(job, cls, source, tmp, progress))
+        extra = dict(extra, **_build_artifact(job, cls, source, tmp, progress, legacy))
         manifest: dict[str, Any] = dict(
             extra,
             key_fields=key_fields(job, cls),

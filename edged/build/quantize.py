@@ -49,7 +49,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper, version_converter
 from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-from onnxruntime.quantization.calibrate import TensorsData, create_calibrator, save_tensors_data
+from onnxruntime.quantization.calibrate import TensorsData, create_calibrator
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -224,6 +224,10 @@ def _cached_ranges(path: Path, key: str) -> bool:
 
 def _write_ranges(ranges: TensorsData, path: Path, key: str, info: dict[str, Any]) -> None:
     """ORT's own cache format (so quantize_static reads it) plus an ``edged`` block."""
+    # Imported here: onnxruntime 1.23 (the last wheels for Python 3.10, JetPack 6) has no
+    # save_tensors_data, and there this is never called (_ORT_TAKES_RANGES is False).
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
     tmp = path.parent / f".tmp-{os.getpid()}-{path.name}"
     save_tensors_data(ranges, tmp)
     try:

@@ -263,7 +263,11 @@ class MqttTransport:
             inputs = dec.request.inputs
             if dec.raw:
                 assert dec.raw_tensor is not None
-                inputs = {dec.input_name or await self._single_input(model): dec.raw_tensor}
+                try:
+                    inputs = {dec.input_name or await self._single_input(model): dec.raw_tensor}
+                except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
+                    self.service.metrics.reject(model, "mqtt", e.code)
+                    raise
             results = await self.service.infer(model, inputs, extra["request_id"], transport="mqtt")
             return codec.ok_reply(model, dec, results)
         except BusyError as e:
@@ -296,6 +300,7 @@ class MqttTransport:
         return str(rt.inputs[0].name)
 
     def _undecodable(self, inc: codec.Incoming, model: str, err: EdgedError, extra: dict[str, str]) -> None:
+        self.service.metrics.reject(model, "mqtt", err.code)
         reply_to, rid = inc.response_topic, ""
         if not inc.raw:
             json_reply_to, rid = codec.reply_to_of(inc.payload)

@@ -194,7 +194,8 @@ def test_status_online_and_model_states_are_retained(peer: Peer) -> None:
         assert state["model"] == name and state["state"] == "ready" and state["reason"] == ""
 
 
-def test_telemetry_reports_memory_counts_and_latency(peer: Peer) -> None:
+def test_telemetry_reports_memory_counts_and_latency(peer: Peer, edge: Edged) -> None:
+    socket_probs(edge, np.zeros((1, 16), np.float32))  # warm-up requests are not counted: make one
     topic = f"edged/{DEV}/telemetry"
     peer.subscribe(topic, qos=0)
     doc = peer.first(topic, lambda r: r.json()["models"]["tiny"]["requests"] > 0, timeout=10).json()

@@ -13,7 +13,7 @@ Each variant runs in alternating blocks (the machine is shared); the medians and
 per-block means are printed. ``+ read`` adds one pass over the data (what a model does anyway),
 so the view's deferred cost is counted.
 
-    .venv/bin/python -m bench.probe_shm_copy [--blocks 15] [--per-block 40]
+    .venv/bin/python -m bench.shm_copy [--blocks 15] [--per-block 40]
 """
 
 from __future__ import annotations
