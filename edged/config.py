@@ -55,6 +55,21 @@ class ServerConfig(_Table, frozen=True):
     # worker thread costs 40-95 us on a small board, more than the work itself.
     inline_threshold_us: NonNegInt = 60
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Limits that keep one hostile or broken client from starving the others (see configs/edged.toml).
+    max_header_size: str = "16KiB"
+    max_headers: PositiveInt = 100
+    read_timeout_s: PositiveFloat = 30.0
+    max_connections: PositiveInt = 512
+    max_regions: PositiveInt = 1024
+    max_regions_per_peer: PositiveInt = 256
+    max_region_size: str = "256MiB"
+    # "" = every client may load/unload models; else only members of this group (and root).
+    admin_group: str = ""
+    # Extra listeners: TCP addresses ("127.0.0.1:8000", "[::1]:8000") for the same API (a
+    # non-loopback one needs tcp_token_file), and a metrics-only address for Prometheus.
+    tcp: list[str] = msgspec.field(default_factory=list)
+    tcp_token_file: str = ""
+    metrics: str = ""
 
 
 class CacheConfig(_Table, frozen=True):
@@ -347,6 +362,8 @@ def _resolve(base: Path, value: str) -> str:
 def _check_sizes(cfg: Config, src: str) -> None:
     sizes = {
         "server.max_body": cfg.server.max_body,
+        "server.max_header_size": cfg.server.max_header_size,
+        "server.max_region_size": cfg.server.max_region_size,
         "memory.reserve": cfg.memory.reserve,
         "build.headroom": cfg.build.headroom,
         "cache.quarantine_max_bytes": cfg.cache.quarantine_max_bytes,
@@ -419,7 +436,11 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
         )
     return msgspec.structs.replace(
         cfg,
-        server=msgspec.structs.replace(cfg.server, socket=_resolve(base, cfg.server.socket)),
+        server=msgspec.structs.replace(
+            cfg.server,
+            socket=_resolve(base, cfg.server.socket),
+            tcp_token_file=_resolve(base, cfg.server.tcp_token_file),
+        ),
         cache=msgspec.structs.replace(cfg.cache, dir=_resolve(base, cfg.cache.dir)),
         mqtt=mqtt,
         models=models,

@@ -79,6 +79,40 @@ class SharedMemoryNotFoundError(SharedMemoryError):
     code = "shm_region_not_found"
 
 
+class SharedMemoryTruncatedError(SharedMemoryError):
+    """The region's object was shrunk after registration: an error for that request, not a signal."""
+
+    code = "shm_region_truncated"
+
+
+class SharedMemoryForbiddenError(SharedMemoryError):
+    """The shared memory object belongs to another user than the client's."""
+
+    code = "shm_forbidden"
+    http_status = 403
+
+
+class SharedMemoryLimitError(SharedMemoryError):
+    """Too many regions registered, in total or by this user."""
+
+    code = "shm_limit"
+    http_status = 429
+
+
+class SharedMemoryTooLargeError(SharedMemoryError):
+    """A region larger than server.max_region_size."""
+
+    code = "shm_too_large"
+    http_status = 413
+
+
+class ForbiddenError(EdgedError):
+    """The client's user may not do this (e.g. load/unload without server.admin_group)."""
+
+    code = "forbidden"
+    http_status = 403
+
+
 # --- availability (retry later) ---------------------------------------------------------------
 
 

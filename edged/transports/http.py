@@ -8,22 +8,27 @@ is a split of the path, not a framework, because the infer route is on every req
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
 from edged.errors import (
     BadRequestError,
+    ConfigError,
     EdgedError,
+    ForbiddenError,
     NotFoundError,
     PayloadTooLargeError,
     ShuttingDownError,
 )
 from edged.protocol import InferRequest, decode_infer, encode_infer
 from edged.service import Service
-from edged.transports.shm import SharedMemoryRegistry
+from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
+from edged.transports.shm import SharedMemoryRegistry, ShmLimits
+from edged.transports.shm_io import ShmRequest
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +47,39 @@ class HttpError(EdgedError):
     http_status = 405
 
 
+class UnauthorizedError(EdgedError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class ClientGoneError(BadRequestError):
+    """The client closed the connection before its request body arrived (nobody reads the answer)."""
+
+    code = "client_disconnected"
+
+
 class App:
     def __init__(self, service: Service, shm: SharedMemoryRegistry, max_body: int) -> None:
         self.service = service
         self.shm = shm
         self.max_body = max_body
         self.accepting = True
+        server = service.registry.cfg.server
+        shm.limits = ShmLimits.from_config(server)
+        self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are not served
         try:
+            door: Door | None = scope.get(DOOR_KEY)
+            if door is not None:
+                _check_door(door, scope)
             status, body, headers = await self._dispatch(scope, receive)
         except EdgedError as e:
             status, body, headers = e.http_status, orjson.dumps(e.to_dict()), _JSON
+            if status == 401:
+                headers = [*_JSON, (b"www-authenticate", b"Bearer")]
         except Exception as e:  # a bug must answer 500, never drop the connection silently
             log.exception("unhandled error on %s", scope.get("path"))
             status, body, headers = 500, orjson.dumps({"error": str(e), "code": "internal"}), _JSON
@@ -70,9 +94,11 @@ class App:
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         for key, value in scope["headers"]:
-            if key == b"content-length" and int(value) > self.max_body:
+            if key == b"content-length" and _length(value, "Content-Length") > self.max_body:
                 raise PayloadTooLargeError(f"body of {int(value)} bytes exceeds the limit of {self.max_body}")
         message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGoneError("the client closed the connection")
         body: bytes = message.get("body", b"")
         if not message.get("more_body"):
             return body  # the common case: one message, no copy
@@ -80,6 +106,8 @@ class App:
         size = len(body)
         while message.get("more_body"):
             message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGoneError("the client closed the connection")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
@@ -121,13 +149,20 @@ class App:
         raise NotFoundError(f"no route for {scope['path']}")
 
     async def _infer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        peer = scope.get(PEER_KEY)
+        shm = ShmRequest(self.shm.region_for(peer), peer)
         try:
-            req = await self._infer_request(name, scope, receive)
-        except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
-            self.service.metrics.reject(name, "http", e.code)
-            raise
-        outputs = await self.service.infer(name, req.inputs, req.id)
-        out, out_header_len = encode_infer(name, req, outputs, self.shm.resolve)
+            try:
+                req = await self._infer_request(name, scope, receive, shm)
+            except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
+                self.service.metrics.reject(name, "http", e.code)
+                raise
+            outputs = await self.service.infer(name, req.inputs, req.id)
+            out, out_header_len = encode_infer(name, req, outputs, shm.output)
+            if shm.writes:
+                await shm.flush()
+        finally:
+            shm.release()
         if out_header_len is None:
             return 200, out, _JSON
         return (
@@ -136,7 +171,7 @@ class App:
             [(b"content-type", _BINARY), (b"inference-header-content-length", str(out_header_len).encode())],
         )
 
-    async def _infer_request(self, name: str, scope: Scope, receive: Receive) -> InferRequest:
+    async def _infer_request(self, name: str, scope: Scope, receive: Receive, shm: ShmRequest) -> InferRequest:
         if not self.accepting:
             raise ShuttingDownError("edged is shutting down")
         self.service.model(name)  # an unknown model is a 404 whatever the body holds
@@ -144,11 +179,11 @@ class App:
         header_len = None
         for key, value in scope["headers"]:
             if key == b"inference-header-content-length":
-                try:
-                    header_len = int(value)
-                except ValueError:
-                    raise BadRequestError("Inference-Header-Content-Length must be an integer") from None
-        return decode_infer(body, header_len, self.shm.resolve)
+                header_len = _length(value, "Inference-Header-Content-Length")
+        req = decode_infer(body, header_len, shm.input)
+        if shm.reads:
+            await shm.fill()  # inputs are copied out of client memory before the model sees them
+        return req
 
     async def _other(
         self, method: str, parts: list[str], scope: Scope, receive: Receive
@@ -180,6 +215,7 @@ class App:
         if parts == ["index"]:
             return 200, orjson.dumps(self.service.repository_index()), _JSON
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
+            self._check_admin(scope, f"{parts[2]} models")
             if parts[2] == "load":
                 await self.service.load(parts[1])
             else:
@@ -187,32 +223,41 @@ class App:
             return 200, b"{}", _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
+    def _check_admin(self, scope: Scope, what: str) -> None:
+        if self.admin_gid is None:
+            return
+        peer: Peer | None = scope.get(PEER_KEY)
+        if peer is None or not in_group(peer, self.admin_gid):
+            raise ForbiddenError(f"only root and members of server.admin_group may {what}")
+
     async def _shm(
         self, method: str, parts: list[str], scope: Scope, receive: Receive
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        peer: Peer | None = scope.get(PEER_KEY)
         if parts == ["status"]:
             _expect(method, "GET")
-            return 200, orjson.dumps(self.shm.status()), _JSON
+            return 200, orjson.dumps(self.shm.status_for(peer)), _JSON
         if parts == ["unregister"]:
             _expect(method, "POST")
-            self.shm.unregister()
+            await self._read_body(scope, receive)
+            self.shm.unregister_for(peer)
             return 200, b"{}", _JSON
         if len(parts) == 3 and parts[0] == "region":
             name, action = parts[1], parts[2]
             if action == "status":
                 _expect(method, "GET")
-                return 200, orjson.dumps(self.shm.status(name)), _JSON
+                return 200, orjson.dumps(self.shm.status_for(peer, name)), _JSON
             _expect(method, "POST")
             body = await self._read_body(scope, receive)
             if action == "register":
-                self._register(name, body)
+                self._register(peer, name, body)
                 return 200, b"{}", _JSON
             if action == "unregister":
-                self.shm.unregister(name)
+                self.shm.unregister_for(peer, name)
                 return 200, b"{}", _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
-    def _register(self, name: str, body: bytes) -> None:
+    def _register(self, peer: Peer | None, name: str, body: bytes) -> None:
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as e:
@@ -220,9 +265,41 @@ class App:
         if not isinstance(doc, dict) or not isinstance(doc.get("key"), str):
             raise BadRequestError('register needs {"key": str, "offset": int, "byte_size": int}')
         offset, size = doc.get("offset", 0), doc.get("byte_size")
-        if not isinstance(offset, int) or not isinstance(size, int):
+        if not _is_int(offset) or not _is_int(size):
             raise BadRequestError("'offset' and 'byte_size' must be integers")
-        self.shm.register(name, doc["key"], offset, size)
+        self.shm.register(peer, name, doc["key"], offset, size)
+
+
+def _check_door(door: Door, scope: Scope) -> None:
+    """What the listener the request came through lets in (listener.py)."""
+    if door.token is not None:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if not hmac.compare_digest(given, b"Bearer " + door.token):
+            raise UnauthorizedError("this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)")
+    if door.metrics_only:
+        path = scope["path"]
+        if path != "/metrics" and not path.startswith("/v2/health/"):
+            raise NotFoundError(f"{door.label} serves only /metrics and /v2/health")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _length(value: bytes, header: str) -> int:
+    """A length header, strictly: ASCII digits only (int() would take '+1_0', spaces, or 10**5000)."""
+    if not value.isdigit() or len(value) > 18:
+        raise BadRequestError(f"{header} must be a non-negative integer")
+    return int(value)
+
+
+def _group_id(name: str) -> int:
+    import grp
+
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.admin_group: no group named '{name}' on this system") from None
 
 
 def _expect(method: str, allowed: str) -> None:
