@@ -1,11 +1,24 @@
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import orjson
 import pytest
 
-from edged.errors import BadRequestError, SharedMemoryNotFoundError
-from edged.protocol import InferRequest, OutputRequest, decode_infer, encode_infer
+from edged.errors import BadRequestError, InvalidInputError, SharedMemoryNotFoundError
+from edged.protocol import (
+    OFFLOAD_BYTES,
+    PLANS,
+    InferRequest,
+    Limits,
+    OutputRequest,
+    decode_infer,
+    decode_infer_async,
+    encode_infer,
+    parse_header_length,
+)
 
 
 def test_json_tensor() -> None:
@@ -109,3 +122,162 @@ def test_encode_json_binary_and_requested_outputs() -> None:
     assert np.frombuffer(body[hl:], np.int32).tolist() == [1, 2]
     with pytest.raises(BadRequestError, match="not an output"):
         encode_infer("m", InferRequest(outputs=[OutputRequest("zz")]), results)
+
+
+# --- hostile input: bounded, linear, and always a 4xx ---------------------------------------
+
+
+def _binary_header(inputs: list[dict[str, object]], **extra: object) -> bytes:
+    return orjson.dumps({"inputs": inputs, **extra})
+
+
+@pytest.mark.parametrize("raw", [b"12", "0", b"007"])
+def test_header_length_accepts_plain_digits(raw: bytes | str) -> None:
+    assert parse_header_length(raw) == int(raw)
+
+
+@pytest.mark.parametrize("raw", [b" 12", b"+12", b"1_000", b"-1", b"", b"12 ", "١٢", b"1" * 19, b"0x10", b"1e3"])
+def test_header_length_is_strict(raw: bytes | str) -> None:
+    with pytest.raises(BadRequestError, match="decimal integer"):
+        parse_header_length(raw)
+
+
+def test_duplicate_and_excess_names_are_refused_before_the_lists_are_walked() -> None:
+    outputs = [{"name": "y"}] * 3
+    x = {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}
+    with pytest.raises(BadRequestError, match="output 'y' is given twice"):
+        decode_infer(orjson.dumps({"inputs": [x], "outputs": outputs}))
+    # The model's own counts bound the lists: a longer list is refused before it is looked at.
+    many = [{"name": f"x{i}", "bogus": True} for i in range(5000)]
+    with pytest.raises(InvalidInputError, match="lists 5000 inputs; model 'm' has 1"):
+        decode_infer(orjson.dumps({"inputs": many}), limits=Limits(1, 1, "m"))
+    with pytest.raises(InvalidInputError, match="asks for 3 outputs; model 'm' has 1"):
+        decode_infer(orjson.dumps({"inputs": [x], "outputs": outputs}), limits=Limits(1, 1, "m"))
+    with pytest.raises(InvalidInputError, match="at most 1024"):
+        decode_infer(orjson.dumps({"inputs": many}))
+
+
+def test_duplicate_check_is_linear() -> None:
+    """40,000 distinct names took 11 s with a quadratic check; the set makes it milliseconds
+    (bounded generously here: a timed assertion would be flaky, a quadratic one is not close)."""
+    names = [{"name": f"n{i}", "shape": [1], "datatype": "FP32", "data": [0]} for i in range(40_000)]
+    names.append(dict(names[0]))
+    body = orjson.dumps({"inputs": names})
+    t0 = time.perf_counter()
+    with pytest.raises(BadRequestError, match="input 'n0' is given twice"):
+        decode_infer(body, limits=Limits(50_000, 1))
+    assert time.perf_counter() - t0 < 2.0
+
+
+@pytest.mark.parametrize(
+    ("shape", "data", "needle"),
+    [
+        ([2**40, 2**40], [1], "more than"),
+        ([0, 2**62, 2**62], [], "more than"),
+        ([1] * 33, [1], "at most 32"),
+        ([True], [1], "non-negative integers"),
+        ([3], [[1, 2, 3]], "not laid out"),
+        ([2, 2], [[1, 2], [3]], "not laid out"),
+        ([2, 2], [1, 2, 3], "not laid out"),
+        ([2], [[1], [2]], "needs 2 values"),
+        ([2], 5, "must be a list"),
+        ([2], [1, {"a": 1}], "does not hold"),
+        ([1], [300], "does not hold"),
+    ],
+)
+def test_json_data_checked_against_shape_before_conversion(shape: list[object], data: object, needle: str) -> None:
+    body = orjson.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": "UINT8", "data": data}]})
+    with pytest.raises(BadRequestError, match=needle):
+        decode_infer(body)
+
+
+def test_json_nested_flat_scalar_and_empty_layouts() -> None:
+    def one(shape: list[int], data: object) -> np.ndarray:
+        body = orjson.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": "INT32", "data": data}]})
+        return decode_infer(body).inputs["x"]
+
+    assert one([2, 2], [1, 2, 3, 4]).tolist() == [[1, 2], [3, 4]]
+    assert one([2, 2], [[1, 2], [3, 4]]).tolist() == [[1, 2], [3, 4]]
+    assert one([], 7).tolist() == 7
+    assert one([2, 0], [[], []]).shape == (2, 0)
+    assert one([0, 3], []).shape == (0, 3)
+
+
+def test_shm_size_is_checked_before_the_region_is_touched() -> None:
+    touched: list[str] = []
+
+    def resolver(name: str, offset: int, size: int) -> memoryview:
+        touched.append(name)
+        return memoryview(bytearray(size))
+
+    params = {"shared_memory_region": "r", "shared_memory_byte_size": 4 * 2**30}
+    body = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "parameters": params}]})
+    with pytest.raises(BadRequestError, match="needs 4 bytes"):
+        decode_infer(body, None, resolver)
+    assert touched == []
+
+
+@pytest.mark.parametrize(
+    ("params", "extra", "needle"),
+    [
+        ({"shared_memory_byte_size": 4}, {}, "without 'shared_memory_region'"),
+        ({"shared_memory_region": "r"}, {}, "needs 'shared_memory_byte_size'"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": 4}, {"data": [1]}, "give one of"),
+        ({"shared_memory_region": "", "shared_memory_byte_size": 4}, {}, "non-empty string"),
+    ],
+)
+def test_shm_parameters_as_the_extension_states(
+    params: dict[str, object], extra: dict[str, object], needle: str
+) -> None:
+    body = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "parameters": params, **extra}]})
+    with pytest.raises(BadRequestError, match=needle):
+        decode_infer(body, None, lambda n, o, s: memoryview(bytearray(s)))
+
+
+def test_plan_cache_keeps_only_successful_small_headers_and_is_bounded_by_bytes() -> None:
+    PLANS.clear()
+    inp = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    good = _binary_header([inp])
+    decode_infer(good + b"\0" * 4, len(good))
+    assert len(PLANS) == 1
+    # A header whose request fails (binary size mismatch) is not remembered...
+    bad = _binary_header([inp], id="failing")
+    with pytest.raises(BadRequestError):
+        decode_infer(bad + b"\0" * 8, len(bad))
+    assert len(PLANS) == 1
+    # ...nor is a large header, even of a good request (255 x 4 MiB pinned 1.5 GB before).
+    big = _binary_header([inp], id="x" * (64 * 1024))
+    for _ in range(3):
+        decode_infer(big + b"\0" * 4, len(big))
+    assert len(PLANS) == 1
+    # Many distinct small headers: the cache stays within its byte bound.
+    for i in range(2000):
+        h = _binary_header([inp], id="y" * 900 + str(i))
+        decode_infer(h + b"\0" * 4, len(h))
+    assert PLANS.bytes <= PLANS.max_bytes
+    assert len(PLANS) < 2000
+    PLANS.clear()
+
+
+def test_cached_plan_still_obeys_the_model_limits() -> None:
+    PLANS.clear()
+    a = {"name": "a", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    b = dict(a, name="b")
+    h = _binary_header([a, b])
+    decode_infer(h + b"\0" * 8, len(h))
+    with pytest.raises(InvalidInputError, match="lists 2 inputs"):
+        decode_infer(h + b"\0" * 8, len(h), limits=Limits(1, 1, "m"))
+    PLANS.clear()
+
+
+def test_async_decode_offloads_large_bodies_with_the_same_result() -> None:
+    data = np.arange(OFFLOAD_BYTES // 2, dtype=np.float32)
+    body = orjson.dumps(
+        {"inputs": [{"name": "x", "shape": [len(data)], "datatype": "FP32", "data": data}]},
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )
+    assert len(body) > OFFLOAD_BYTES
+    req = asyncio.run(decode_infer_async(body))
+    np.testing.assert_array_equal(req.inputs["x"], data)
+    with pytest.raises(BadRequestError, match="malformed JSON"):
+        asyncio.run(decode_infer_async(body[:-1]))
