@@ -13,23 +13,27 @@ import dataclasses
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
 
-from edged.errors import BadRequestError, InvalidInputError
-from edged.tensors import NUMPY_TO_V2 as NUMPY_TO_V2  # re-exported: the transports and the client use them
+# Re-exported: the transports, the client and the tests import the protocol from here.
+from edged.encoding import OFFLOAD_BYTES as OFFLOAD_BYTES
+from edged.encoding import Part as Part
+from edged.encoding import encode_infer as encode_infer
+from edged.encoding import encode_infer_async as encode_infer_async
+from edged.encoding import encode_infer_parts as encode_infer_parts
+from edged.errors import BadRequestError, InvalidInputError, PayloadTooLargeError
+from edged.tensors import NUMPY_TO_V2 as NUMPY_TO_V2
 from edged.tensors import V2_TO_NUMPY as V2_TO_NUMPY
+from edged.tensors import InferRequest as InferRequest
+from edged.tensors import OutputRequest as OutputRequest
+from edged.tensors import ShmResolver as ShmResolver
 from edged.tensors import from_bytes, from_json_data, parse_dtype, parse_shape
 from edged.tensors import v2_datatype as v2_datatype
-
-# (region name, offset, byte size) -> a writable view of exactly that many bytes.
-ShmResolver = Callable[[str, int, int], memoryview]
-
-_JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 # How many tensors one request may name when the model's own count is not known (a model that
 # is not loaded yet). Past it a request is refused before its list is walked.
@@ -40,9 +44,14 @@ _MAX_DIGITS = 18
 # of them (a stream's header is a few hundred bytes; a failed request's is never kept).
 _PLAN_HEADER_MAX = 8192
 _PLAN_BYTES = 1 << 20
-# A JSON part above this many bytes is parsed and converted off the event loop: orjson and
-# numpy take about a millisecond per 100-200 kB of tensor data (docs/readme-drafts/h2.md).
-OFFLOAD_BYTES = 64 * 1024
+# The JSON part's default bound (server.max_json).
+MAX_JSON = 8 << 20
+# JSON objects a request may hold besides two per named tensor (the tensor and its parameters):
+# the body, its parameters, and room for clients that send empty objects.
+_SPARE_OBJECTS = 16
+# Counting braces scans the body in slices of this size, so that on a worker thread no single
+# call holds the interpreter lock for long.
+_SCAN_SLICE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class Limits:
     inputs: int = MAX_TENSORS
     outputs: int = MAX_TENSORS
     model: str = ""
+    json_bytes: int = MAX_JSON
 
 
 DEFAULT_LIMITS = Limits()
@@ -63,24 +73,6 @@ def parse_header_length(raw: str | bytes, what: str = "Inference-Header-Content-
     if not text or len(text) > _MAX_DIGITS or not (text.isascii() and text.isdigit()):
         raise BadRequestError(f"{what} must be a decimal integer of at most {_MAX_DIGITS} digits")
     return int(text)
-
-
-@dataclass
-class OutputRequest:
-    name: str
-    binary: bool = False
-    shm_region: str | None = None
-    shm_offset: int = 0
-    shm_size: int = 0
-
-
-@dataclass
-class InferRequest:
-    id: str = ""
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)
-    outputs: list[OutputRequest] | None = None  # None: every output, as JSON unless binary_all
-    binary_all: bool = False
-    parameters: dict[str, Any] = field(default_factory=dict)
 
 
 def _obj(value: Any, what: str) -> dict[str, Any]:
@@ -214,6 +206,27 @@ def _check_counts(n_inputs: int, n_outputs: int, limits: Limits) -> None:
         raise InvalidInputError(f"the request asks for {n_outputs} outputs; {whose} {limits.outputs}")
 
 
+def _check_json_size(body: bytes | memoryview, end: int, limits: Limits) -> None:
+    """Before parsing: the JSON part is within server.max_json, and holds no more objects than a
+    request for this model can (every object needs a '{', so counting them bounds the objects;
+    a body of 480,000 tiny objects cost 3.2 s of parsing and collecting)."""
+    if end > limits.json_bytes:
+        raise PayloadTooLargeError(
+            f"the JSON part of the request is {end} bytes, over the limit of {limits.json_bytes} (server.max_json); "
+            "send large tensors with the binary tensor extension or shared memory"
+        )
+    allowed = 2 * (limits.inputs + limits.outputs) + _SPARE_OBJECTS
+    if end <= allowed:
+        return  # too short to hold more objects than allowed
+    raw = body if isinstance(body, bytes) else bytes(memoryview(body)[:end])
+    found = 0
+    for start in range(0, end, _SCAN_SLICE):
+        found += raw.count(b"{", start, min(end, start + _SCAN_SLICE))
+        if found > allowed:
+            whose = f"for model '{limits.model}'" if limits.model else ""
+            raise InvalidInputError(f"the request holds more JSON objects than a request {whose} can ({allowed})")
+
+
 def _plan(header: memoryview | bytes, limits: Limits) -> _RequestPlan:
     try:
         doc = orjson.loads(header)
@@ -299,6 +312,7 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
     view = memoryview(body)
     key = None
     if header_length is None:
+        _check_json_size(body, len(view), limits)
         plan = _plan(view, limits)  # plain JSON carries its data inline: nothing to reuse
         header_length = len(view)
     elif header_length > len(view):
@@ -310,6 +324,8 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
         if cached is not None:
             _check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
             key = None
+        else:
+            _check_json_size(body, header_length, limits)
         plan = cached or _plan(header, limits)
     arrays = {
         p.name: from_json_data(p.data, p.dtype, p.shape, f"input '{p.name}'") for p in plan.inputs if p.kind == "json"
@@ -360,53 +376,3 @@ async def decode_infer_async(
         return decode_infer(body, header_length, shm, limits)
     parsed = await asyncio.to_thread(parse_body, body, header_length, limits)
     return finish_decode(parsed, shm)
-
-
-def encode_infer(
-    model: str,
-    req: InferRequest,
-    results: Mapping[str, np.ndarray],
-    shm: ShmResolver | None = None,
-) -> tuple[bytes, int | None]:
-    """(body, header length or None when the body is plain JSON)."""
-    wanted = req.outputs
-    if wanted is None:
-        wanted = [OutputRequest(n, req.binary_all) for n in results]
-    entries: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
-    for out in wanted:
-        arr = results.get(out.name)
-        if arr is None:
-            raise BadRequestError(f"requested output '{out.name}' is not an output of '{model}'")
-        entry: dict[str, Any] = {
-            "name": out.name,
-            "datatype": v2_datatype(arr.dtype.name),
-            "shape": list(arr.shape),
-        }
-        if out.shm_region is not None and shm is not None:
-            data = np.ascontiguousarray(arr)
-            if data.nbytes > out.shm_size:
-                raise BadRequestError(
-                    f"output '{out.name}' needs {data.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
-                )
-            dest = np.frombuffer(shm(out.shm_region, out.shm_offset, data.nbytes), dtype=np.uint8)
-            dest[:] = data.reshape(-1).view(np.uint8)
-            entry["parameters"] = {
-                "shared_memory_region": out.shm_region,
-                "shared_memory_byte_size": data.nbytes,
-            }
-        elif out.binary:
-            raw = np.ascontiguousarray(arr).tobytes()
-            chunks.append(raw)
-            entry["parameters"] = {"binary_data_size": len(raw)}
-        else:
-            flat = arr.reshape(-1)
-            entry["data"] = flat.astype(np.float32) if flat.dtype == np.float16 else flat
-        entries.append(entry)
-    doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
-    if req.id:
-        doc["id"] = req.id
-    header = orjson.dumps(doc, option=_JSON_OPTS)
-    if not chunks:
-        return header, None
-    return b"".join([header, *chunks]), len(header)

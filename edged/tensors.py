@@ -1,4 +1,5 @@
-"""Tensors from untrusted request fields: shapes, datatypes, JSON data and raw bytes.
+"""The request's tensor types, and tensors from untrusted request fields: shapes, datatypes,
+JSON data and raw bytes.
 
 Every check here runs before numpy allocates anything, and each costs time linear in what the
 client actually sent (a request body is bounded by ``max_body``): a shape's element count is
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,28 @@ V2_TO_NUMPY = {
     "FP64": "float64",
 }
 NUMPY_TO_V2 = {v: k for k, v in V2_TO_NUMPY.items()}
+
+# (region name, offset, byte size) -> a writable view of exactly that many bytes.
+ShmResolver = Callable[[str, int, int], memoryview]
+
+
+@dataclass
+class OutputRequest:
+    name: str
+    binary: bool = False
+    shm_region: str | None = None
+    shm_offset: int = 0
+    shm_size: int = 0
+
+
+@dataclass
+class InferRequest:
+    id: str = ""
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    outputs: list[OutputRequest] | None = None  # None: every output, as JSON unless binary_all
+    binary_all: bool = False
+    parameters: dict[str, Any] = field(default_factory=dict)
+
 
 # numpy's own limit on dimensions is 32 (numpy 1.x) or 64 (2.x); no model needs more than a few.
 MAX_DIMS = 32

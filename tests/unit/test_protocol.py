@@ -7,7 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
-from edged.errors import BadRequestError, InvalidInputError, SharedMemoryNotFoundError
+from edged.errors import BadRequestError, InvalidInputError, PayloadTooLargeError, SharedMemoryNotFoundError
 from edged.protocol import (
     OFFLOAD_BYTES,
     PLANS,
@@ -17,6 +17,8 @@ from edged.protocol import (
     decode_infer,
     decode_infer_async,
     encode_infer,
+    encode_infer_async,
+    encode_infer_parts,
     parse_header_length,
 )
 
@@ -148,13 +150,27 @@ def test_duplicate_and_excess_names_are_refused_before_the_lists_are_walked() ->
     with pytest.raises(BadRequestError, match="output 'y' is given twice"):
         decode_infer(orjson.dumps({"inputs": [x], "outputs": outputs}))
     # The model's own counts bound the lists: a longer list is refused before it is looked at.
-    many = [{"name": f"x{i}", "bogus": True} for i in range(5000)]
-    with pytest.raises(InvalidInputError, match="lists 5000 inputs; model 'm' has 1"):
-        decode_infer(orjson.dumps({"inputs": many}), limits=Limits(1, 1, "m"))
+    few = [{"name": f"x{i}", "bogus": True} for i in range(3)]
+    with pytest.raises(InvalidInputError, match="lists 3 inputs; model 'm' has 1"):
+        decode_infer(orjson.dumps({"inputs": few}), limits=Limits(1, 1, "m"))
     with pytest.raises(InvalidInputError, match="asks for 3 outputs; model 'm' has 1"):
         decode_infer(orjson.dumps({"inputs": [x], "outputs": outputs}), limits=Limits(1, 1, "m"))
-    with pytest.raises(InvalidInputError, match="at most 1024"):
+    # Many objects are refused by counting braces, before the body is parsed at all.
+    many = [{"name": f"x{i}", "bogus": True} for i in range(5000)]
+    with pytest.raises(InvalidInputError, match=r"more JSON objects than a request for model 'm' can \(20\)"):
+        decode_infer(orjson.dumps({"inputs": many}), limits=Limits(1, 1, "m"))
+    with pytest.raises(InvalidInputError, match="more JSON objects"):
         decode_infer(orjson.dumps({"inputs": many}))
+    with pytest.raises(InvalidInputError, match="lists 1100 inputs; a request may name at most 1024"):
+        decode_infer(orjson.dumps({"inputs": [[]] * 1100}))
+
+
+def test_json_part_is_bounded_by_max_json() -> None:
+    x = {"name": "x", "shape": [1000], "datatype": "FP32", "data": [0.5] * 1000}
+    body = orjson.dumps({"inputs": [x]})
+    with pytest.raises(PayloadTooLargeError, match="server.max_json"):
+        decode_infer(body, limits=Limits(json_bytes=1000))
+    assert decode_infer(body, limits=Limits(json_bytes=len(body))).inputs["x"].shape == (1000,)
 
 
 def test_duplicate_check_is_linear() -> None:
@@ -165,7 +181,7 @@ def test_duplicate_check_is_linear() -> None:
     body = orjson.dumps({"inputs": names})
     t0 = time.perf_counter()
     with pytest.raises(BadRequestError, match="input 'n0' is given twice"):
-        decode_infer(body, limits=Limits(50_000, 1))
+        decode_infer(body, limits=Limits(50_000, 1, json_bytes=len(body)))
     assert time.perf_counter() - t0 < 2.0
 
 
@@ -281,3 +297,26 @@ def test_async_decode_offloads_large_bodies_with_the_same_result() -> None:
     np.testing.assert_array_equal(req.inputs["x"], data)
     with pytest.raises(BadRequestError, match="malformed JSON"):
         asyncio.run(decode_infer_async(body[:-1]))
+
+
+def test_large_results_are_encoded_in_parts_with_the_same_meaning() -> None:
+    """Large outputs are serialised in slices (JSON) or not copied at all (binary); the joined
+    parts read back exactly like the one-piece encoding of the same results."""
+    rng = np.random.default_rng(1)
+    results = {"a": rng.random((300_000, 2), dtype=np.float32), "b": np.arange(100_000, dtype=np.int64)}
+    req = InferRequest(id="r1", outputs=[OutputRequest("a"), OutputRequest("b", binary=True)])
+    parts, header_len = encode_infer_parts("m", req, results)
+    assert len(parts) > 3 and header_len is not None
+    body = b"".join(parts)
+    doc = orjson.loads(body[:header_len])
+    assert doc["id"] == "r1" and doc["model_name"] == "m"
+    a = doc["outputs"][0]
+    assert a["shape"] == [300_000, 2]
+    np.testing.assert_array_equal(np.asarray(a["data"], np.float32), results["a"].reshape(-1))
+    assert doc["outputs"][1]["parameters"]["binary_data_size"] == 800_000
+    np.testing.assert_array_equal(np.frombuffer(body[header_len:], np.int64), results["b"])
+    whole, whole_len = encode_infer("m", req, results)
+    assert whole == body and whole_len == header_len
+    # On the loop: the same parts, encoded on a worker thread.
+    async_parts, async_len = asyncio.run(encode_infer_async("m", req, results))
+    assert b"".join(async_parts) == body and async_len == header_len
