@@ -49,6 +49,10 @@ class _Work:
     released: bool = False  # its slot of queue_depth was given back (only touched on the loop)
 
 
+# A finished request: its work item, and its result or its error.
+_Done = tuple[_Work, "dict[str, np.ndarray] | None", "BaseException | None"]
+
+
 @dataclass
 class WorkerState:
     """What the watchdog reads: a worker stuck on one batch for too long is unhealthy."""
@@ -239,36 +243,38 @@ class ModelQueue:
                 while self.fault_wedge.is_set():  # test-only: simulate a wedged worker
                     time.sleep(0.05)
                 with self._inline_lock if inst is self._inline_instance else contextlib.nullcontext():
-                    self._run(inst, live)
+                    done = self._run(inst, live)
             finally:
                 state.busy_since = None
                 state.batches += 1
                 state.rows += sum(w.rows for w in live)
+            # Answered only once the worker is idle again: whoever sees the answer sees it idle.
+            self._resolve_all(done)
 
-    def _run(self, inst: Instance, batch: list[_Work]) -> None:
+    def _run(self, inst: Instance, batch: list[_Work]) -> list[_Done]:
         try:
             if len(batch) == 1:
-                self._resolve(batch[0], inst.infer(batch[0].inputs, checked=True), None)
-                return
+                return [(batch[0], inst.infer(batch[0].inputs, checked=True), None)]
             names = list(batch[0].inputs)
             joined = {n: np.concatenate([w.inputs[n] for w in batch]) for n in names}
             out = inst.infer(joined, checked=True)
-            results, start = [], 0
+            results: list[_Done] = []
+            start = 0
             for w in batch:
                 end = start + w.rows
                 results.append((w, {k: v[start:end] for k, v in out.items()}, None))
                 start = end
-            self._resolve_all(results)
+            return results
         except EdgedError as e:
-            self._resolve_all([(w, None, e) for w in batch])
+            return [(w, None, e) for w in batch]
         except Exception as e:  # never let one request kill a worker
             log.exception("worker failed", extra={"model": self.model})
-            self._resolve_all([(w, None, e) for w in batch])
+            return [(w, None, e) for w in batch]
 
     def _resolve(self, w: _Work, result: dict[str, np.ndarray] | None, err: BaseException | None) -> None:
         self._resolve_all([(w, result, err)])
 
-    def _resolve_all(self, done: Sequence[tuple[_Work, dict[str, np.ndarray] | None, BaseException | None]]) -> None:
+    def _resolve_all(self, done: Sequence[_Done]) -> None:
         """Hand results to the loop: one wake-up per batch, not one per request."""
 
         def settle() -> None:

@@ -96,7 +96,9 @@ def _check_layout(data: Any, shape: tuple[int, ...], where: str) -> None:
         if count == 1:
             return  # a scalar for a one-element tensor, as tritonclient sends for shape []
         raise BadRequestError(f"{where}: 'data' must be a list")
-    if len(data) == count and (not data or not isinstance(data[0], list)):
+    if not data or not isinstance(data[0], list):
+        if len(data) != count:
+            raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, 'data' has {len(data)}")
         return
     level: list[Any] = [data]
     for depth, dim in enumerate(shape):

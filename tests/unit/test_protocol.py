@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import orjson
@@ -173,16 +172,14 @@ def test_json_part_is_bounded_by_max_json() -> None:
     assert decode_infer(body, limits=Limits(json_bytes=len(body))).inputs["x"].shape == (1000,)
 
 
-def test_duplicate_check_is_linear() -> None:
-    """40,000 distinct names took 11 s with a quadratic check; the set makes it milliseconds
-    (bounded generously here: a timed assertion would be flaky, a quadratic one is not close)."""
+def test_a_late_duplicate_among_40000_names_is_found() -> None:
+    """The check is a set (it was a quadratic list scan: 11 s for 40,000 names); how long it
+    takes is for the integration test's health prober, not for a timed unit test."""
     names = [{"name": f"n{i}", "shape": [1], "datatype": "FP32", "data": [0]} for i in range(40_000)]
     names.append(dict(names[0]))
     body = orjson.dumps({"inputs": names})
-    t0 = time.perf_counter()
     with pytest.raises(BadRequestError, match="input 'n0' is given twice"):
         decode_infer(body, limits=Limits(50_000, 1, json_bytes=len(body)))
-    assert time.perf_counter() - t0 < 2.0
 
 
 @pytest.mark.parametrize(
@@ -194,7 +191,7 @@ def test_duplicate_check_is_linear() -> None:
         ([True], [1], "non-negative integers"),
         ([3], [[1, 2, 3]], "not laid out"),
         ([2, 2], [[1, 2], [3]], "not laid out"),
-        ([2, 2], [1, 2, 3], "not laid out"),
+        ([2, 2], [1, 2, 3], "needs 4 values"),
         ([2], [[1], [2]], "needs 2 values"),
         ([2], 5, "must be a list"),
         ([2], [1, {"a": 1}], "does not hold"),
