@@ -10,6 +10,7 @@ for long (one 32 MB join held it for over 100 ms on a loaded 2-core machine).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
@@ -29,17 +30,34 @@ _JSON_SLICE = 32 * 1024
 Part: TypeAlias = "bytes | memoryview"
 
 
+def _dumps_values(flat: np.ndarray) -> bytes:
+    """``[v0,v1,...]``. orjson writes a non-finite float as null; Triton (and Python's json,
+    which reads them back) write NaN, Infinity and -Infinity, so such arrays go through json."""
+    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+        return json.dumps(flat.tolist(), separators=(",", ":")).encode()
+    return orjson.dumps(flat, option=_JSON_OPTS)
+
+
+def _json_data(flat: np.ndarray) -> np.ndarray | orjson.Fragment:
+    """An output's 'data' for the one-call encoding of small responses."""
+    if flat.dtype == np.float16:
+        flat = flat.astype(np.float32)  # orjson has no float16
+    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+        return orjson.Fragment(_dumps_values(flat))
+    return flat
+
+
 def _json_values(flat: np.ndarray) -> list[Part]:
-    """``[v0,v1,...]`` as parts, one orjson call per slice."""
+    """``[v0,v1,...]`` as parts, one serialiser call per slice."""
     if flat.dtype == np.float16:
         flat = flat.astype(np.float32)  # orjson has no float16
     if flat.size <= _JSON_SLICE:
-        return [orjson.dumps(flat, option=_JSON_OPTS)]
+        return [_dumps_values(flat)]
     parts: list[Part] = [b"["]
     for start in range(0, flat.size, _JSON_SLICE):
         if start:
             parts.append(b",")
-        parts.append(memoryview(orjson.dumps(flat[start : start + _JSON_SLICE], option=_JSON_OPTS))[1:-1])
+        parts.append(memoryview(_dumps_values(flat[start : start + _JSON_SLICE]))[1:-1])
     parts.append(b"]")
     return parts
 
@@ -82,8 +100,7 @@ def _encode_small(
             chunks.append(np.ascontiguousarray(arr).tobytes())
             entry["parameters"] = {"binary_data_size": len(chunks[-1])}
         else:
-            flat = arr.reshape(-1)
-            entry["data"] = flat.astype(np.float32) if flat.dtype == np.float16 else flat
+            entry["data"] = _json_data(arr.reshape(-1))
         entries.append(entry)
     doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
     if req.id:

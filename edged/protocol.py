@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import threading
 from collections import OrderedDict
@@ -227,12 +228,24 @@ def _check_json_size(body: bytes | memoryview, end: int, limits: Limits) -> None
             raise InvalidInputError(f"the request holds more JSON objects than a request {whose} can ({allowed})")
 
 
-def _plan(header: memoryview | bytes, limits: Limits) -> _RequestPlan:
+def _loads(header: memoryview | bytes) -> Any:
+    """orjson, strict JSON; a document that orjson refuses and that holds NaN or Infinity (which
+    Python's json, NumPy and tritonclient write for non-finite values, and Triton accepts) is read
+    again with the standard library, which accepts them."""
     try:
-        doc = orjson.loads(header)
+        return orjson.loads(header)
     except orjson.JSONDecodeError as e:
-        raise BadRequestError(f"malformed JSON: {e}") from None
-    doc = _obj(doc, "request body")
+        raw = bytes(header)
+        if b"NaN" not in raw and b"Infinity" not in raw:
+            raise BadRequestError(f"malformed JSON: {e}") from None
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e2:  # JSONDecodeError, bad UTF-8, too deep, huge ints
+            raise BadRequestError(f"malformed JSON: {e2}") from None
+
+
+def _plan(header: memoryview | bytes, limits: Limits) -> _RequestPlan:
+    doc = _obj(_loads(header), "request body")
     inputs_raw = doc.get("inputs")
     if not isinstance(inputs_raw, list) or not inputs_raw:
         raise BadRequestError("'inputs' must be a non-empty list")

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 
 import numpy as np
 import orjson
@@ -317,3 +319,24 @@ def test_large_results_are_encoded_in_parts_with_the_same_meaning() -> None:
     # On the loop: the same parts, encoded on a worker thread.
     async_parts, async_len = asyncio.run(encode_infer_async("m", req, results))
     assert b"".join(async_parts) == body and async_len == header_len
+
+
+def test_non_finite_values_in_json_as_triton_writes_them() -> None:
+    body = b'{"inputs":[{"name":"x","shape":[4],"datatype":"FP32","data":[NaN,Infinity,-Infinity,1.5]}]}'
+    x = decode_infer(body).inputs["x"]
+    assert np.isnan(x[0]) and x[1] == np.inf and x[2] == -np.inf and x[3] == 1.5
+    with pytest.raises(BadRequestError, match="does not hold INT32"):
+        decode_infer(body.replace(b"FP32", b"INT32"))
+    with pytest.raises(BadRequestError, match="malformed JSON"):
+        decode_infer(body.replace(b"NaN", b"NaNa"))
+    with pytest.raises(BadRequestError, match="malformed JSON"):
+        decode_infer(b'{"inputs":' + b"[" * 100_000 + b"NaN" + b"]" * 100_000 + b"}")
+    # Outputs: NaN, Infinity and -Infinity are written, not null, small and large alike.
+    small = {"y": np.array([np.nan, np.inf, -np.inf, 0.25], np.float16)}
+    out, _ = encode_infer("m", InferRequest(), small)
+    assert b"[NaN,Infinity,-Infinity,0.25]" in out
+    big = np.zeros(200_000, np.float32)
+    big[123_456] = -np.inf
+    body, _ = encode_infer("m", InferRequest(), {"y": big})
+    data = json.loads(body)["outputs"][0]["data"]
+    assert len(data) == 200_000 and data[123_456] == -math.inf and data[0] == 0.0
