@@ -228,7 +228,7 @@ def _check_json_size(body: bytes | memoryview, end: int, limits: Limits) -> None
             raise InvalidInputError(f"the request holds more JSON objects than a request {whose} can ({allowed})")
 
 
-def _loads(header: memoryview | bytes) -> Any:
+def load_json(header: memoryview | bytes) -> Any:
     """orjson, strict JSON; a document that orjson refuses and that holds NaN or Infinity (which
     Python's json, NumPy and tritonclient write for non-finite values, and Triton accepts) is read
     again with the standard library, which accepts them."""
@@ -245,7 +245,12 @@ def _loads(header: memoryview | bytes) -> Any:
 
 
 def _plan(header: memoryview | bytes, limits: Limits) -> _RequestPlan:
-    doc = _obj(_loads(header), "request body")
+    return plan_document(load_json(header), limits)
+
+
+def plan_document(doc: Any, limits: Limits) -> _RequestPlan:
+    """The request's plan from its parsed JSON: every field checked, nothing converted yet."""
+    doc = _obj(doc, "request body")
     inputs_raw = doc.get("inputs")
     if not isinstance(inputs_raw, list) or not inputs_raw:
         raise BadRequestError("'inputs' must be a non-empty list")
@@ -376,16 +381,28 @@ def decode_infer(
     return finish_decode(parse_body(body, header_length, limits), shm)
 
 
+def check_json_part(body: bytes | memoryview, header_length: int | None, limits: Limits) -> int:
+    """The JSON part's length, once it is known to be within bounds (see _check_json_size)."""
+    end = len(body) if header_length is None else header_length
+    if end > len(body):
+        raise BadRequestError(f"Inference-Header-Content-Length {end} exceeds the body ({len(body)} bytes)")
+    _check_json_size(body, end, limits)
+    return end
+
+
 async def decode_infer_async(
     body: bytes | memoryview,
     header_length: int | None = None,
     shm: ShmResolver | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> InferRequest:
-    """``decode_infer`` for the event loop: a JSON part above OFFLOAD_BYTES is parsed on a
-    worker thread, so no request stalls the loop; small requests stay on the fast path."""
+    """``decode_infer`` for the event loop. Small requests stay on the fast path; a JSON part
+    above OFFLOAD_BYTES is parsed by edged.jsonchild in a child process, because parsing holds
+    the interpreter lock (a worker thread would still stall the loop for as long)."""
     json_part = len(body) if header_length is None else min(header_length, len(body))
     if json_part <= OFFLOAD_BYTES:
         return decode_infer(body, header_length, shm, limits)
-    parsed = await asyncio.to_thread(parse_body, body, header_length, limits)
+    from edged.jsonchild import parse_in_child  # the child machinery, for large JSON only
+
+    parsed = await asyncio.to_thread(parse_in_child, body, header_length, limits)
     return finish_decode(parsed, shm)

@@ -340,3 +340,28 @@ def test_non_finite_values_in_json_as_triton_writes_them() -> None:
     body, _ = encode_infer("m", InferRequest(), {"y": big})
     data = json.loads(body)["outputs"][0]["data"]
     assert len(data) == 200_000 and data[123_456] == -math.inf and data[0] == 0.0
+
+
+def test_large_json_is_parsed_in_a_child_process_with_the_same_results_and_errors() -> None:
+    from edged import jsonchild
+
+    x = np.arange(40_000, dtype=np.float32).reshape(2_500, 16)
+    inp = {"name": "x", "shape": [2_500, 16], "datatype": "FP32", "data": x.tolist()}
+    body = orjson.dumps({"id": "big", "inputs": [inp], "outputs": [{"name": "y"}]})
+    assert len(body) > OFFLOAD_BYTES
+    req = asyncio.run(decode_infer_async(body, limits=Limits(1, 1, "m")))
+    np.testing.assert_array_equal(req.inputs["x"], x)
+    assert req.id == "big" and req.outputs is not None and req.outputs[0].name == "y"
+    child = jsonchild._CHILD._proc
+    assert child is not None and child.poll() is None
+    # The child raises what the daemon would: same class, same message.
+    two = orjson.dumps({"inputs": [inp, dict(inp, name="x2")]})
+    with pytest.raises(InvalidInputError, match="lists 2 inputs; model 'm' has 1"):
+        asyncio.run(decode_infer_async(two, limits=Limits(1, 1, "m")))
+    with pytest.raises(BadRequestError, match=r"not laid out as shape \[2500, 17\] \(axis 1\)"):
+        asyncio.run(decode_infer_async(body.replace(b'"shape":[2500,16]', b'"shape":[2500,17]')))
+    # A child that died is replaced on the next request.
+    child.kill()
+    child.wait()
+    assert asyncio.run(decode_infer_async(body)).inputs["x"].shape == (2_500, 16)
+    assert jsonchild._CHILD._proc is not child
