@@ -25,13 +25,16 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
 from bench.wire import connect, http_bytes
 from edged.client import Client, ShmRegion
+
+if TYPE_CHECKING:
+    from tests.helpers import DaemonProcess
 
 REPO = Path(__file__).resolve().parent.parent
 REGION, REGION_BYTES = "fuzz", 4096
@@ -277,7 +280,8 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def run(cases: int, workers: int, seed: int) -> dict[str, Any]:
+def _start_daemon() -> DaemonProcess:
+    """The tiny model (inline on the loop) and a two-input model on two worker threads."""
     from edged.demo import make_tiny_mlp
     from tests.helpers import DaemonProcess, write_config
 
@@ -294,7 +298,23 @@ def run(cases: int, workers: int, seed: int) -> dict[str, Any]:
             "models.pair": {"path": str(tmp / "pair.onnx"), "backend": "onnxruntime", "threads": 1, "instances": 2},
         },
     )
-    daemon = DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
+    return DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
+
+
+def _run_workers(addr: str, cases: int, workers: int, seed: int) -> Results:
+    out = Results()
+    threads = [
+        threading.Thread(target=worker, args=(addr, seed * 1000 + i, cases // workers, out)) for i in range(workers)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def run(cases: int, workers: int, seed: int) -> dict[str, Any]:
+    daemon = _start_daemon()
     assert daemon.proc is not None
     region = ShmRegion("fuzz", REGION_BYTES)
     prober = subprocess.Popen(
@@ -309,16 +329,8 @@ def run(cases: int, workers: int, seed: int) -> dict[str, Any]:
             c.register_shm(REGION, region.key, REGION_BYTES)
         assert prober.stdout is not None and prober.stdout.readline() == "ready\n"
         rss_before = _rss(daemon.proc.pid)
-        out = Results()
         started = time.monotonic()
-        threads = [
-            threading.Thread(target=worker, args=(str(daemon.socket), seed * 1000 + i, cases // workers, out))
-            for i in range(workers)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        out = _run_workers(str(daemon.socket), cases, workers, seed)
         elapsed = time.monotonic() - started
         alive = daemon.proc.poll() is None
         rss_after = _rss(daemon.proc.pid) if alive else 0
