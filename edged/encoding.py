@@ -38,15 +38,6 @@ def _dumps_values(flat: np.ndarray) -> bytes:
     return orjson.dumps(flat, option=_JSON_OPTS)
 
 
-def _json_data(flat: np.ndarray) -> np.ndarray | orjson.Fragment:
-    """An output's 'data' for the one-call encoding of small responses."""
-    if flat.dtype == np.float16:
-        flat = flat.astype(np.float32)  # orjson has no float16
-    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
-        return orjson.Fragment(_dumps_values(flat))
-    return flat
-
-
 def _json_values(flat: np.ndarray) -> list[Part]:
     """``[v0,v1,...]`` as parts, one serialiser call per slice."""
     if flat.dtype == np.float16:
@@ -100,12 +91,19 @@ def _encode_small(
             chunks.append(np.ascontiguousarray(arr).tobytes())
             entry["parameters"] = {"binary_data_size": len(chunks[-1])}
         else:
-            entry["data"] = _json_data(arr.reshape(-1))
+            flat = arr.reshape(-1)
+            entry["data"] = flat.astype(np.float32) if flat.dtype == np.float16 else flat  # orjson: no float16
         entries.append(entry)
     doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
     if req.id:
         doc["id"] = req.id
     header = orjson.dumps(doc, option=_JSON_OPTS)
+    if b"null" in header:  # orjson writes non-finite floats as null (rare: checked only then)
+        for entry in entries:
+            data = entry.get("data")
+            if isinstance(data, np.ndarray) and data.dtype.kind == "f" and not np.isfinite(data).all():
+                entry["data"] = orjson.Fragment(_dumps_values(data))
+        header = orjson.dumps(doc, option=_JSON_OPTS)
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)

@@ -17,6 +17,9 @@ from hypothesis import strategies as st
 from edged.errors import BadRequestError, EdgedError, SharedMemoryError
 from edged.protocol import V2_TO_NUMPY, Limits, decode_infer, encode_infer, parse_header_length
 
+# pytest resets warning filters per test; the daemon's own filter (edged.tensors) hides this one.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 DATATYPES = [*V2_TO_NUMPY, "BYTES", "FP8", "", "fp32"]
