@@ -170,7 +170,9 @@ async def encode_infer_async(
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_parts`` for the event loop: results above OFFLOAD_BYTES are encoded on a
     worker thread. Outputs written to shared memory stay on the loop, where the regions live."""
-    wanted = req.outputs or ()
-    if sum(a.nbytes for a in results.values()) <= OFFLOAD_BYTES or any(o.shm_region for o in wanted):
+    if sum(a.nbytes for a in results.values()) <= OFFLOAD_BYTES:
+        body, header_length = _encode_small(model, req, results, shm)
+        return [body], header_length
+    if any(o.shm_region for o in req.outputs or ()):
         return encode_infer_parts(model, req, results, shm)
     return await asyncio.to_thread(encode_infer_parts, model, req, results, None)

@@ -295,7 +295,10 @@ class ModelQueue:
 
 
 def _elements(inputs: Tensors) -> int:
-    return sum(a.size for a in inputs.values())
+    total = 0
+    for a in inputs.values():
+        total += a.size
+    return total
 
 
 def _static_elements(inst: Instance) -> int:

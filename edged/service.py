@@ -26,7 +26,16 @@ from edged.errors import (
 )
 from edged.memory import MemoryInfo, Plan
 from edged.metrics import Metrics
-from edged.protocol import MAX_TENSORS, InferRequest, Limits, ShmResolver, decode_infer_async, v2_datatype
+from edged.protocol import (
+    MAX_TENSORS,
+    OFFLOAD_BYTES,
+    InferRequest,
+    Limits,
+    ShmResolver,
+    decode_infer,
+    decode_infer_async,
+    v2_datatype,
+)
 from edged.registry import FAILED, LAZY, READY, UNLOADED, ModelRuntime, Registry
 
 log = logging.getLogger(__name__)
@@ -88,7 +97,11 @@ class Service:
         whatever the body holds), then the body, bounded by the model's own tensor counts and
         decoded off the loop when large, then the requested outputs against the model's."""
         rt = self.model(name)
-        req = await decode_infer_async(body, header_length, shm, self._limits_for(rt))
+        limits = self._limits_for(rt)
+        if (len(body) if header_length is None else header_length) <= OFFLOAD_BYTES:
+            req = decode_infer(body, header_length, shm, limits)  # the hot path: no hand-off
+        else:
+            req = await decode_infer_async(body, header_length, shm, limits)
         if req.outputs is not None and rt.outputs:
             known = {s.name for s in rt.outputs}
             for out in req.outputs:

@@ -60,7 +60,19 @@ class App:
         except Exception as e:  # a bug must answer 500, never drop the connection silently
             log.exception("unhandled error on %s", scope.get("path"))
             status, body, headers = 500, orjson.dumps({"error": str(e), "code": "internal"}), _JSON
-        parts = body if isinstance(body, list) else [body]  # a large infer response comes in parts
+        if isinstance(body, list):  # a large infer response, in parts
+            await self._send_parts(send, status, headers, body)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def _send_parts(self, send: Send, status: int, headers: list[tuple[bytes, bytes]], parts: list[Part]) -> None:
         length = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
         await send(
             {
@@ -155,7 +167,9 @@ class App:
                 header_len = parse_header_length(value)
         req = await self.service.decode_infer(name, body, header_len, self.shm.resolve)
         outputs = await self.service.infer(name, req.inputs, req.id)
-        out, out_header_len = await encode_infer_async(name, req, outputs, self.shm.resolve)
+        parts, out_header_len = await encode_infer_async(name, req, outputs, self.shm.resolve)
+        first = parts[0]
+        out: Body = first if len(parts) == 1 and isinstance(first, bytes) else parts
         if out_header_len is None:
             return 200, out, _JSON
         return (
