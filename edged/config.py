@@ -47,6 +47,10 @@ class ServerConfig(_Table, frozen=True):
     socket_mode: str = "0660"
     socket_group: str = ""
     max_body: str = "256MiB"
+    # The JSON part of an infer request (a whole JSON body, or the header of a binary one).
+    # Python objects cost 4-16 times the JSON's bytes and parsing holds the interpreter's lock,
+    # so large tensors travel with the binary extension or shared memory (413 beyond).
+    max_json: str = "8MiB"
     request_timeout_ms: PositiveInt = 10_000
     # Idle keep-alive connections are closed after this long (uvicorn's default is 5 s; local
     # clients such as camera pipelines keep one connection for hours).
@@ -364,6 +368,7 @@ def _check_sizes(cfg: Config, src: str) -> None:
         "server.max_body": cfg.server.max_body,
         "server.max_header_size": cfg.server.max_header_size,
         "server.max_region_size": cfg.server.max_region_size,
+        "server.max_json": cfg.server.max_json,
         "memory.reserve": cfg.memory.reserve,
         "build.headroom": cfg.build.headroom,
         "cache.quarantine_max_bytes": cfg.cache.quarantine_max_bytes,

@@ -30,7 +30,7 @@ from edged.errors import BackendError, BudgetError, CacheError, EdgedError, Mode
 from edged.memory import PlanItem, choose_evictions, rss_bytes
 from edged.metrics import Metrics
 from edged.scheduler import ModelQueue
-from edged.warmup import warm_inputs
+from edged.warmup import inline_max_elements, warm_inputs
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class Registry:
             rt.cfg.max_queue_delay_us,
             batchable=_batchable(backend),
         )
-        queue.start(inline=inline)
+        queue.start(inline, inline_max_elements(backend.inputs, rt.cfg, rt.infer_us) if inline and rt.infer_us else 0)
         rt.queue = queue
         rt.last_used = time.monotonic()
         self.set_state(
