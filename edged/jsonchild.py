@@ -11,6 +11,7 @@ Frames are an 8-byte little-endian length and the bytes: nothing is pickled.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import dataclasses
@@ -26,7 +27,19 @@ import numpy as np
 import orjson
 
 from edged.errors import EdgedError, UnavailableError, wire_codes
-from edged.protocol import Limits, ParsedBody, check_json_part, load_json, plan_document
+from edged.protocol import (
+    DEFAULT_LIMITS,
+    OFFLOAD_BYTES,
+    InferRequest,
+    Limits,
+    ParsedBody,
+    ShmResolver,
+    check_json_part,
+    decode_infer,
+    finish_decode,
+    load_json,
+    plan_document,
+)
 from edged.tensors import from_json_data
 
 _LEN = struct.Struct("<Q")
@@ -155,3 +168,19 @@ def parse_in_child(body: bytes | memoryview, header_length: int | None, limits: 
 
 if __name__ == "__main__":
     main()
+
+
+async def decode_infer_async(
+    body: bytes | memoryview,
+    header_length: int | None = None,
+    shm: ShmResolver | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> InferRequest:
+    """``decode_infer`` for the event loop. Small requests stay on the fast path; a JSON part
+    above OFFLOAD_BYTES is parsed in a child process (below), because parsing holds
+    the interpreter lock (a worker thread would still stall the loop for as long)."""
+    json_part = len(body) if header_length is None else min(header_length, len(body))
+    if json_part <= OFFLOAD_BYTES:
+        return decode_infer(body, header_length, shm, limits)
+    parsed = await asyncio.to_thread(parse_in_child, body, header_length, limits)
+    return finish_decode(parsed, shm)

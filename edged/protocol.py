@@ -8,7 +8,6 @@ self-consistent; whether its tensors fit the model is the service's job.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
@@ -392,21 +391,3 @@ def check_json_part(body: bytes | memoryview, header_length: int | None, limits:
         raise BadRequestError(f"Inference-Header-Content-Length {end} exceeds the body ({len(body)} bytes)")
     _check_json_size(body, end, limits)
     return end
-
-
-async def decode_infer_async(
-    body: bytes | memoryview,
-    header_length: int | None = None,
-    shm: ShmResolver | None = None,
-    limits: Limits = DEFAULT_LIMITS,
-) -> InferRequest:
-    """``decode_infer`` for the event loop. Small requests stay on the fast path; a JSON part
-    above OFFLOAD_BYTES is parsed by edged.jsonchild in a child process, because parsing holds
-    the interpreter lock (a worker thread would still stall the loop for as long)."""
-    json_part = len(body) if header_length is None else min(header_length, len(body))
-    if json_part <= OFFLOAD_BYTES:
-        return decode_infer(body, header_length, shm, limits)
-    from edged.jsonchild import parse_in_child  # the child machinery, for large JSON only
-
-    parsed = await asyncio.to_thread(parse_in_child, body, header_length, limits)
-    return finish_decode(parsed, shm)

@@ -24,6 +24,7 @@ from edged.errors import (
     ModelNotReadyError,
     ShuttingDownError,
 )
+from edged.jsonchild import decode_infer_async
 from edged.memory import MemoryInfo, Plan
 from edged.metrics import Metrics
 from edged.protocol import (
@@ -33,7 +34,6 @@ from edged.protocol import (
     Limits,
     ShmResolver,
     decode_infer,
-    decode_infer_async,
     v2_datatype,
 )
 from edged.registry import FAILED, LAZY, READY, UNLOADED, ModelRuntime, Registry

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from edged.errors import BadRequestError, InvalidInputError, PayloadTooLargeError, SharedMemoryNotFoundError
+from edged.jsonchild import decode_infer_async
 from edged.protocol import (
     OFFLOAD_BYTES,
     PLANS,
@@ -16,7 +17,6 @@ from edged.protocol import (
     Limits,
     OutputRequest,
     decode_infer,
-    decode_infer_async,
     encode_infer,
     encode_infer_async,
     encode_infer_parts,
