@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import json
 import math
 import mmap
 import os
@@ -97,9 +98,17 @@ def encode_request(
     return b"".join([header, *chunks]), headers
 
 
+def _load_json(raw: memoryview) -> Any:
+    """edged writes NaN and Infinity for non-finite outputs (as Triton does); orjson refuses them."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(bytes(raw))
+
+
 def decode_response(body: bytes, header_len: int | None) -> dict[str, np.ndarray]:
     view = memoryview(body)
-    doc = orjson.loads(view[:header_len] if header_len is not None else view)
+    doc = _load_json(view[:header_len] if header_len is not None else view)
     binary = view[header_len:] if header_len is not None else view[:0]
     out: dict[str, np.ndarray] = {}
     offset = 0

@@ -285,7 +285,7 @@ class Daemon:
         """Read by /metrics at scrape time: every configured model, with its requests in flight."""
         assert self.registry is not None
         # list(): /metrics renders off the loop, and a reload may add a model meanwhile.
-        return {n: rt.queue.pending if rt.queue else 0 for n, rt in list(self.registry.models.items())}
+        return {n: rt.queue.backlog if rt.queue else 0 for n, rt in list(self.registry.models.items())}
 
     def _on_state(self, rt: ModelRuntime) -> None:
         if self.mqtt is not None:

@@ -97,7 +97,7 @@ class ModelRuntime:
             "footprint_measured": self.measured,
             "inline": bool(self.queue and self.queue.inline),
             "infer_us": None if self.infer_us is None else round(self.infer_us, 1),
-            "queue": self.queue.pending if self.queue else 0,
+            "queue": self.queue.backlog if self.queue else 0,
             **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0}),
             "cache_key": self.entry.key if self.entry and not self.stands_in_for else None,
             "gate": self.gate,
@@ -354,7 +354,7 @@ class Registry:
         """Let the requests already queued for a replaced model finish, then unload it."""
         queue = old.queue
         deadline = time.monotonic() + self.cfg.lifecycle.drain_timeout_s
-        while queue is not None and queue.pending and time.monotonic() < deadline:
+        while queue is not None and queue.backlog and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         if old.backend is not None:
             await self.unload(old, UNLOADED, why, notify=self.models.get(old.name) is old)

@@ -130,12 +130,6 @@ class ModelQueue:
         """Requests this model holds, queued or running (what ``queue_depth`` bounds)."""
         return self._backlog
 
-    @property
-    def pending(self) -> int:
-        """The former name of ``backlog``, kept until its callers (registry, reload, MQTT
-        telemetry) are renamed."""
-        return self._backlog
-
     def healthy(self, stall_timeout: float) -> bool:
         now = time.monotonic()
         return all(w.busy_since is None or now - w.busy_since < stall_timeout for w in self.workers)

@@ -47,7 +47,7 @@ def test_batches_concurrent_requests_and_splits_results() -> None:
         inst.gate.clear()  # hold the worker so requests pile up
         q.start()
         tasks = [asyncio.ensure_future(q.submit({"x": np.full((1, 2), i, np.float32)}, 10)) for i in range(9)]
-        while q.pending < 9:
+        while q.backlog < 9:
             await asyncio.sleep(0)
         inst.gate.set()
         out = [r["y"] for r in await asyncio.gather(*tasks)]
@@ -70,7 +70,7 @@ def test_different_shapes_are_not_mixed() -> None:
         q.start()
         a = asyncio.ensure_future(q.submit({"x": np.ones((1, 2), np.float32)}, 10))
         b = asyncio.ensure_future(q.submit({"x": np.ones((1, 3), np.float32)}, 10))
-        while q.pending < 2:
+        while q.backlog < 2:
             await asyncio.sleep(0)
         inst.gate.set()
         ra, rb = await asyncio.gather(a, b)
@@ -90,7 +90,7 @@ def test_full_queue_is_busy_at_once_and_deadline_is_honoured() -> None:
         q.start()
         first = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 10))
         queued = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 0.05))
-        while q.pending < 2:
+        while q.backlog < 2:
             await asyncio.sleep(0)
         with pytest.raises(BusyError, match="queue is full"):
             await q.submit({"x": np.ones((1, 1))}, 10)
