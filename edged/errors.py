@@ -13,7 +13,7 @@ from typing import ClassVar
 
 
 class EdgedError(Exception):
-    """Base of every error edged raises on purpose."""
+    """An unexpected failure inside edged (this class is the base of every error it raises on purpose)."""
 
     code: ClassVar[str] = "internal"
     http_status: ClassVar[int] = 500
@@ -37,6 +37,8 @@ class ConfigError(EdgedError):
 
 
 class SocketInUseError(EdgedError):
+    """Another edged already serves on the socket path, or the path is not a usable socket."""
+
     code = "socket_in_use"
 
 
@@ -57,16 +59,22 @@ class InvalidInputError(BadRequestError):
 
 
 class PayloadTooLargeError(BadRequestError):
+    """The body (or its JSON part) exceeds its configured limit."""
+
     code = "payload_too_large"
     http_status = 413
 
 
 class NotFoundError(EdgedError):
+    """No such route or resource."""
+
     code = "not_found"
     http_status = 404
 
 
 class ModelNotFoundError(NotFoundError):
+    """No model of that name is configured."""
+
     code = "model_not_found"
 
 
@@ -77,6 +85,8 @@ class SharedMemoryError(BadRequestError):
 
 
 class SharedMemoryNotFoundError(SharedMemoryError):
+    """No region of that name is registered by this client, or its key does not exist."""
+
     code = "shm_region_not_found"
 
 
@@ -118,6 +128,8 @@ class ForbiddenError(EdgedError):
 
 
 class UnavailableError(EdgedError):
+    """edged cannot serve this now; try again later."""
+
     code = "unavailable"
     http_status = 503
 
@@ -135,6 +147,8 @@ class BusyError(UnavailableError):
 
 
 class ShuttingDownError(UnavailableError):
+    """edged is stopping and takes no new requests."""
+
     code = "shutting_down"
 
 
@@ -161,10 +175,14 @@ class BackendUnavailableError(EdgedError):
 
 
 class BuildError(EdgedError):
+    """An engine build failed (calibration, quantization, the backend's builder, the accuracy gate)."""
+
     code = "build_failed"
 
 
 class CacheError(EdgedError):
+    """A cache entry is unusable (checksum, manifest or load failure); it is moved aside and rebuilt."""
+
     code = "cache_error"
 
 
