@@ -183,7 +183,7 @@ class BackgroundBuilds:
             target.name,
             extra={"model": target.name},
         )
-        gate = reg.hold(target.name)
+        held = reg.hold(target.name)
         try:
             await reg.retire(current, "replaced by its built engine")
             reg.models[target.name] = target
@@ -194,7 +194,7 @@ class BackgroundBuilds:
                 await reg.load(current, self.loop)
                 raise
         finally:
-            reg.release(target.name, gate)
+            reg.release(target.name, held)
 
     async def _settle_unserved(self, target: ModelRuntime, load: bool) -> None:
         """A model that had no stand-in (lazy, deferred, or its stand-in failed) is built."""

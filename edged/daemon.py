@@ -32,9 +32,11 @@ from edged.cache import EngineCache
 from edged.cache_gc import collect
 from edged.config import Config, format_size, max_body_bytes, parse_size
 from edged.errors import ConfigError, EdgedError, SocketInUseError
+from edged.faults import instance_wrapper_from_env
 from edged.loopwatch import LoopWatch
 from edged.memory import MemoryInfo, budget_bytes, plan, probe
 from edged.metrics import Metrics
+from edged.paths import isolate_library_files
 from edged.readiness import summary, unready
 from edged.registry import ModelRuntime, Registry
 from edged.reload import Reloader
@@ -46,12 +48,6 @@ from edged.warmpath import warm_request_path
 log = logging.getLogger(__name__)
 
 EX_CONFIG = 78  # sysexits.h: the unit's RestartPreventExitStatus= stops a restart loop on it
-
-
-def isolate_library_files(cfg: Config) -> None:
-    """ONNX Runtime writes a device id and an events database under $XDG_CACHE_HOME on import:
-    keep those under the daemon's own cache directory instead of a home directory."""
-    os.environ["XDG_CACHE_HOME"] = str(Path(cfg.cache.dir) / ".lib")
 
 
 def bind_socket(path: str, mode: int, group: str = "") -> socket.socket:
@@ -173,7 +169,9 @@ class Daemon:
         self.metrics.budget.set(budget)
         await asyncio.to_thread(self.cache.prepare)
         runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
-        self.registry = Registry(cfg, self.cache, runner, self.metrics, budget, self._on_state)
+        self.registry = Registry(
+            cfg, self.cache, runner, self.metrics, budget, self._on_state, wrap_instance=instance_wrapper_from_env()
+        )
         self.metrics.watch(self._queue_depths, ("http", "mqtt") if cfg.mqtt.enabled else ("http",))
         self.background = BackgroundBuilds(self.registry, loop, self._refresh_status, self._after_swap)
         self.service = Service(self.registry, self.metrics, loop, self.memory, plan([], budget))
@@ -304,23 +302,11 @@ class Daemon:
             return
         stall = self.cfg.lifecycle.stall_timeout_s
         while not self.stop_event.is_set():
-            self._apply_test_faults()
             if self._healthy(stall):
                 systemd.watchdog_ping()
             else:
                 log.error("an inference worker is stuck for over %.0f s; withholding watchdog pings", stall)
             await asyncio.sleep(interval / 2)
-
-    def _apply_test_faults(self) -> None:
-        """Test-only fault switch: while the file named by $EDGED_TEST_WEDGE exists, every worker
-        that takes a request hangs on it, as a wedged GPU call would."""
-        path = os.environ.get("EDGED_TEST_WEDGE")
-        if not path or self.registry is None:
-            return
-        wedge = os.path.exists(path)
-        for rt in self.registry.models.values():
-            if rt.queue is not None:
-                (rt.queue.fault_wedge.set if wedge else rt.queue.fault_wedge.clear)()
 
     def _healthy(self, stall: float) -> bool:
         assert self.registry is not None
@@ -388,7 +374,7 @@ class Daemon:
 
 def serve(cfg: Config) -> int:
     early_signals.hold()  # idempotent: `edged serve` already called it first thing
-    isolate_library_files(cfg)
+    isolate_library_files(cfg.cache.dir)
     systemd.setup_logging(cfg.server.log_level)
     daemon = Daemon(cfg)
     try:

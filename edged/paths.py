@@ -44,3 +44,10 @@ def default_socket(config_socket: str | None = None) -> str:
     """The socket a client uses when given none: ``$EDGED_SOCKET``, the config's, the default."""
     config = None if config_socket is None else (lambda: (config_socket, "the config"))
     return resolve_socket(None, config).path
+
+
+def isolate_library_files(cache_dir: str) -> None:
+    """ONNX Runtime writes a device id and an events database under $XDG_CACHE_HOME on import:
+    keep those under edged's own cache directory instead of a home directory. Called before
+    anything imports onnxruntime (the daemon, ``edged plan``, ``edged build``)."""
+    os.environ["XDG_CACHE_HOME"] = os.path.join(cache_dir, ".lib")

@@ -14,16 +14,16 @@ from edged.build.figures import describe, precision_text
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache
 from edged.config import Config, format_size
-from edged.daemon import isolate_library_files
 from edged.errors import EdgedError
 from edged.memory import budget_bytes, plan, probe
 from edged.metrics import Metrics
+from edged.paths import isolate_library_files
 from edged.registry import FAILED, Registry
 from edged.table import print_table
 
 
 def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
-    isolate_library_files(cfg)
+    isolate_library_files(cfg.cache.dir)
     info = probe(cfg.memory.probe)
     budget = budget_bytes(cfg.memory, info)
     cache = EngineCache(cfg.cache.dir)

@@ -116,8 +116,10 @@ class Registry:
         metrics: Metrics,
         budget: int,
         on_state: StateListener | None = None,
+        wrap_instance: Callable[[Instance], Instance] | None = None,
     ) -> None:
         self.cfg = cfg
+        self._wrap_instance = wrap_instance  # tests' fault injection (edged/faults.py), else None
         self.cache = cache
         self.digests = cache.digests
         self.runner = runner
@@ -309,6 +311,8 @@ class Registry:
         try:
             backend.load()
             instances = [backend.instance() for _ in range(rt.cfg.instances)]
+            if self._wrap_instance is not None:
+                instances = [self._wrap_instance(inst) for inst in instances]
         except EdgedError:
             backend.unload()
             raise
@@ -332,13 +336,15 @@ class Registry:
         return float(np.median(times))
 
     def hold(self, name: str) -> asyncio.Event:
-        gate = self.holds[name] = asyncio.Event()
-        return gate
+        """Hold ``name``'s requests (a swap that cannot keep both versions loaded): they wait on
+        the returned event until ``release``."""
+        held = self.holds[name] = asyncio.Event()
+        return held
 
-    def release(self, name: str, gate: asyncio.Event) -> None:
-        if self.holds.get(name) is gate:
+    def release(self, name: str, held: asyncio.Event) -> None:
+        if self.holds.get(name) is held:
             del self.holds[name]
-        gate.set()
+        held.set()
 
     async def unload(self, rt: ModelRuntime, state: str = UNLOADED, reason: str = "", notify: bool = True) -> None:
         queue, backend = rt.queue, rt.backend

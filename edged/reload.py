@@ -263,7 +263,7 @@ class Reloader:
             new.name,
             extra={"model": new.name},
         )
-        gate = reg.hold(new.name)
+        held = reg.hold(new.name)
         try:
             await reg.retire(old)
             reg.models[new.name] = new
@@ -273,7 +273,7 @@ class Reloader:
             reg.models[new.name] = old
             raise
         finally:
-            reg.release(new.name, gate)
+            reg.release(new.name, held)
 
     async def _rollback(self, txn: _Txn) -> None:
         reg = self.registry
@@ -281,7 +281,7 @@ class Reloader:
             if rt.backend is not None:
                 await reg.unload(rt, notify=False)
         for old, new in reversed(txn.swapped):
-            gate = reg.hold(old.name)
+            held = reg.hold(old.name)
             try:
                 if new.backend is not None:
                     await reg.unload(new, notify=False)
@@ -290,7 +290,7 @@ class Reloader:
             except EdgedError as e:
                 reg.set_state(old, FAILED, f"could not be restored after a failed reload: {e.message}")
             finally:
-                reg.release(old.name, gate)
+                reg.release(old.name, held)
 
     def _commit(self, new_cfg: Config, txn: _Txn) -> list[ModelRuntime]:
         """Apply the new config and swap every model at once (no await in here)."""

@@ -92,7 +92,6 @@ class ModelQueue:
         self._inline_lock = threading.Lock()
         self.workers = [WorkerState(f"{model}#{i}") for i in range(len(self._instances))]
         self._threads: list[threading.Thread] = []
-        self.fault_wedge = threading.Event()  # test-only fault switch (EDGED_TEST_FAULTS)
 
     # --- lifecycle ---
 
@@ -234,8 +233,6 @@ class ModelQueue:
                 continue
             state.busy_since = time.monotonic()
             try:
-                while self.fault_wedge.is_set():  # test-only: simulate a wedged worker
-                    time.sleep(0.05)
                 with self._inline_lock if inst is self._inline_instance else contextlib.nullcontext():
                     done = self._run(inst, live)
             finally:

@@ -51,7 +51,7 @@ from edged.selftest_checks import (
     synthetic_feeds,
 )
 
-__all__ = ["gate_metrics", "judge", "quantize_qdq", "run_selftest", "synthetic_feeds"]
+__all__ = ["gate_metrics", "judge", "run_selftest", "selftest_qdq", "synthetic_feeds"]
 Feed = dict[str, np.ndarray]
 
 
@@ -219,7 +219,7 @@ def _exercise(report: Report, demo: Demo, tmp: Path) -> list[Check]:
 # --- helpers the device tests share ------------------------------------------------------------
 
 
-def quantize_qdq(source: Path, dest: Path, feeds: Sequence[Feed]) -> Path:
+def selftest_qdq(source: Path, dest: Path, feeds: Sequence[Feed]) -> Path:
     """The Q/DQ model TensorRT builds INT8 from, made exactly as the daemon's builds make it
     (edged.build.quantize), calibrated on ``feeds`` written out as a folder of .npz samples."""
     from edged.backends.onnxruntime import OnnxRuntimeBackend, ort_session

@@ -25,7 +25,7 @@ from edged.errors import (
     ShuttingDownError,
 )
 from edged.jsonchild import decode_infer_async
-from edged.memory import MemoryInfo, Plan
+from edged.memory import MemoryInfo, Plan, probe
 from edged.metrics import Metrics
 from edged.protocol import (
     MAX_TENSORS,
@@ -75,8 +75,15 @@ class Service:
             raise ModelNotFoundError(f"unknown model '{name}'")
         return rt
 
-    def model_ready(self, name: str) -> bool:
-        return self.model(name).state == READY
+    async def memory_available(self) -> int | None:
+        """Free memory now, from the configured probe, off the loop (jtop answers over a socket,
+        and can take a second); None when the probe fails (the caller reports without it)."""
+        try:
+            info = await asyncio.to_thread(probe, self.registry.cfg.memory.probe)
+        except Exception as e:
+            log.debug("memory probe failed: %s", e)
+            return None
+        return info.available
 
     def model_metadata(self, name: str) -> dict[str, Any]:
         rt = self.model(name)

@@ -85,14 +85,8 @@ class Instance(abc.ABC):
         except Exception as e:  # a backend failure is a request error, never a daemon crash
             raise BackendError(f"{self.backend.name} failed to run: {e}") from e
 
-    def close(self) -> None:
-        self._close_impl()
-
     @abc.abstractmethod
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-
-    def _close_impl(self) -> None:
-        return None
 
 
 class Backend(abc.ABC):
@@ -141,10 +135,6 @@ class Backend(abc.ABC):
         return "fp32", f"{cls.name} has no {wanted} path; running fp32"
 
     # --- instance level ---
-
-    @property
-    def loaded(self) -> bool:
-        return self._loaded
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:

@@ -3,27 +3,14 @@ percentiles and queue depth, so a fleet dashboard needs nothing but the broker."
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
-
-from edged.memory import probe
 
 if TYPE_CHECKING:
     from edged.service import Service
 
 log = logging.getLogger(__name__)
-
-
-async def available_now(service: Service) -> int | None:
-    """Free memory from the configured probe, off the loop (jtop answers over a socket)."""
-    try:
-        info = await asyncio.to_thread(probe, service.registry.cfg.memory.probe)
-    except Exception as e:  # a probe that fails now still leaves the rest of the telemetry
-        log.debug("telemetry: memory probe failed: %s", e)
-        return None
-    return info.available
 
 
 class Telemetry:
@@ -72,7 +59,7 @@ class Telemetry:
             "memory": {
                 "source": service.memory.source,
                 "total_bytes": service.memory.total,
-                "available_bytes": await available_now(service),
+                "available_bytes": await service.memory_available(),
                 "budget_bytes": reg.budget,
                 "used_bytes": reg.used(),
             },

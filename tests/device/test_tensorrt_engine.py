@@ -95,10 +95,10 @@ def test_fp16_engine_or_the_reason_it_cannot_be_built(major: int, mlp: Path, tmp
 
 
 def test_int8_engine_from_the_qdq_model_passes_the_gate(major: int, mlp: Path, tmp_path: Path) -> None:
-    from edged.selftest import gate_metrics, quantize_qdq, synthetic_feeds
+    from edged.selftest import gate_metrics, selftest_qdq, synthetic_feeds
 
     specs = [("x", (4, 16), "float32")]
-    qdq = quantize_qdq(mlp, tmp_path / "tiny.qdq.onnx", synthetic_feeds(specs, 32, seed=1))
+    qdq = selftest_qdq(mlp, tmp_path / "tiny.qdq.onnx", synthetic_feeds(specs, 32, seed=1))
     engine = tmp_path / "int8.engine"
     extra = build(qdq, engine, "int8")
     assert extra["builder_flags"] == ([] if major >= 10 else ["INT8", "FP16"])

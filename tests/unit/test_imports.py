@@ -116,3 +116,19 @@ def test_the_client_imports_nothing_heavy() -> None:
     code = f"import sys, edged.client; print(','.join(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "", f"importing edged.client loads {out.stdout.strip()}"
+
+
+def test_layers_import_one_way() -> None:
+    """Transports know nothing of backends or hardware probes, and nothing below the transports
+    (service, registry, scheduler, backends, build) imports a transport or the lifecycle."""
+    graph = import_graph()
+    transports = {m for m in graph if m.startswith("edged.transports")}
+    for m in transports:
+        bad = {d for d in graph[m] if d.startswith("edged.backends") or d == "edged.memory"}
+        assert not bad, f"{m} imports {sorted(bad)}"
+    below = {"edged.service", "edged.registry", "edged.scheduler", "edged.protocol"}
+    below |= {m for m in graph if m.startswith(("edged.backends", "edged.build"))}
+    for m in below:
+        bad = {d for d in graph[m] if d.startswith("edged.transports") or d == "edged.daemon"}
+        assert not bad, f"{m} imports {sorted(bad)}"
+    assert "edged.daemon" not in graph["edged.planning"]

@@ -112,13 +112,13 @@ def test_wedged_worker_is_unhealthy() -> None:
     async def main() -> None:
         q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=4)
         q.start()
-        q.fault_wedge.set()
+        inst.gate.clear()  # the instance hangs, as a wedged GPU call would
         task = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 10))
         while all(w.busy_since is None for w in q.workers):
             await asyncio.sleep(0.001)
         assert q.healthy(60)
         assert not q.healthy(0.0)
-        q.fault_wedge.clear()
+        inst.gate.set()
         await task
         assert q.healthy(0.0)
         q.close()

@@ -187,9 +187,9 @@ def mlp(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def qdq(mlp: Path, tmp_path: Path) -> Path:
-    from edged.selftest import quantize_qdq, synthetic_feeds
+    from edged.selftest import selftest_qdq, synthetic_feeds
 
-    return quantize_qdq(mlp, tmp_path / "mlp.qdq.onnx", synthetic_feeds([("x", (4, 16), "float32")], 8, seed=1))
+    return selftest_qdq(mlp, tmp_path / "mlp.qdq.onnx", synthetic_feeds([("x", (4, 16), "float32")], 8, seed=1))
 
 
 def named(fake: FakeTensorRT, call: str) -> list[tuple[Any, ...]]:

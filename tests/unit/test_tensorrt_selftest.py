@@ -12,7 +12,7 @@ import pytest
 from edged import selftest
 from edged.backends.tensorrt.versions import read_model_traits
 from edged.config import GateConfig, from_mapping
-from edged.selftest import gate_metrics, quantize_qdq, run_selftest, synthetic_feeds
+from edged.selftest import gate_metrics, run_selftest, selftest_qdq, synthetic_feeds
 from edged.selftest_checks import Check, _figures, demo_model
 
 
@@ -145,7 +145,7 @@ def test_the_qdq_recipe_gives_what_tensorrt_builds(tmp_path: Path) -> None:
 
     fp32 = make_tiny_mlp(tmp_path / "tiny.onnx")
     feeds = synthetic_feeds([("x", (4, 16), "float32")], 16, seed=1)
-    qdq = quantize_qdq(fp32, tmp_path / "tiny.qdq.onnx", feeds)
+    qdq = selftest_qdq(fp32, tmp_path / "tiny.qdq.onnx", feeds)
     assert read_model_traits(str(qdq)).qdq
     graph = onnx.load(str(qdq)).graph
     inits = {t.name: t for t in graph.initializer}

@@ -97,9 +97,6 @@ class _TrtInstance(Instance):
         assert self._ctx is not None
         return {name: dims(self._ctx.get_tensor_shape(name)) for name in self._outputs}
 
-    def _close_impl(self) -> None:
-        self._trt._release(self)
-
     def free(self) -> None:
         """Drop the context and buffers (the caller has the device active)."""
         self.io.free()
@@ -293,16 +290,6 @@ class TensorRTBackend(Backend):
         with self._instances_lock:
             self._live.append(inst)
         return inst
-
-    def _release(self, inst: _TrtInstance) -> None:
-        with self._instances_lock:
-            if inst not in self._live:
-                return
-            self._live.remove(inst)
-        with inst.io.device.activate():
-            inst.free()
-        if self._slots is not None:
-            self._slots.release(inst.profile)
 
     def _unload_impl(self) -> None:
         with self._instances_lock:

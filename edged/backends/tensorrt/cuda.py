@@ -46,13 +46,6 @@ def driver() -> Any:
         return _driver
 
 
-def pycuda_module(name: str) -> Any:
-    """Another pycuda module (tests compile a kernel through ``compiler``); imported here so
-    pycuda has one importer in edged."""
-    driver()
-    return importlib.import_module(f"pycuda.{name}")
-
-
 class CudaDevice:
     """One GPU and its primary context, shared by every model in the process."""
 
@@ -84,11 +77,6 @@ class CudaDevice:
             yield
         finally:
             driver().Context.pop()
-
-    def current_handle(self) -> int | None:
-        """The handle of this thread's current context (None: no context is current)."""
-        ctx = driver().Context.get_current()
-        return None if ctx is None else int(ctx.handle)
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) device memory in bytes."""
