@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e .
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[llm]'
 .venv/bin/python -m edged.demo data
 echo "serving the demo on $(pwd)/data/run/edged.sock (Ctrl-C stops it)" >&2
 exec .venv/bin/edged serve --config configs/demo.toml

@@ -22,6 +22,7 @@ from edged.errors import (
 )
 from edged.protocol import decode_infer, encode_infer
 from edged.service import Service
+from edged.transports import openai_api
 from edged.transports.shm import SharedMemoryRegistry
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,15 @@ class App:
         self.shm = shm
         self.max_body = max_body
         self.accepting = True
+        self.generation = openai_api.GenerationRoutes(service, max_body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are not served
+        if openai_api.handles(scope["path"]):  # language models: they stream, so they own send
+            self.generation.accepting = self.accepting
+            await self.generation(scope, receive, send)
+            return
         try:
             status, body, headers = await self._dispatch(scope, receive)
         except EdgedError as e:

@@ -24,6 +24,7 @@ import paho.mqtt.client as mqtt
 from edged.config import MqttConfig
 from edged.errors import BusyError, ConfigError, EdgedError, InvalidInputError, ModelNotReadyError
 from edged.transports import mqtt_codec as codec
+from edged.transports import mqtt_generate
 from edged.transports.mqtt_link import Link
 from edged.transports.mqtt_telemetry import telemetry
 
@@ -146,6 +147,7 @@ class MqttTransport:
         """Subscribe, then announce: the broker handles a client's packets in order, so whoever
         sees 'online' can send a request at once."""
         self.client.subscribe(f"{self.base}/models/+/infer", self.cfg.qos)
+        self.client.subscribe(f"{self.base}/models/+/generate", self.cfg.qos)  # language models
         self.link.publish(self.status_topic, b"online", qos=self.cfg.qos, retain=True)
         for rt in self.service.registry.models.values():
             self._publish_state(rt.name, rt.state, rt.reason)
@@ -228,7 +230,8 @@ class MqttTransport:
         self._accept(incoming(msg))
 
     def _accept(self, inc: codec.Incoming) -> None:
-        task = self.loop.create_task(self._handle(inc))
+        generate = inc.topic.endswith(mqtt_generate.SUFFIX)
+        task = self.loop.create_task(mqtt_generate.handle(self, inc) if generate else self._handle(inc))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
