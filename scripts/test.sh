@@ -23,7 +23,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
+# The `llm` extra's llama-cpp-python has no wheel for every platform: pip builds it from source
+# once (minutes; the multimodal library is not built, edged serves text), then reuses it: an
+# installed version that satisfies the pin is not rebuilt, and pip's wheel cache serves a fresh venv.
+CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
 # The TensorRT type stubs name `tensorrt` as a dependency, which only NVIDIA's index serves:
 # install the stubs alone so mypy can check the TensorRT backend against the real API.
 .venv/bin/python -m pip install -q --no-deps tensorrt-stubs

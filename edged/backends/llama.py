@@ -33,6 +33,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from edged.backends.base import Backend, BuildSpec, Instance, LoadOptions, Progress, TensorSpec
 from edged.config import LlmConfig, ModelConfig
 from edged.errors import BackendError, BuildError, DeadlineExceededError, InvalidInputError
+from edged.gguf_header import read_header
 from edged.generation import INPUT, OUTPUT, GenerationJob, Sampling, StopMatcher, llm_config
 
 log = logging.getLogger(__name__)
@@ -73,36 +74,20 @@ class GgufInfo:
 
 @lru_cache(maxsize=32)
 def _read_info(path: str, mtime_ns: int, size: int) -> GgufInfo:
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # not a GGUF, or a truncated one
-        raise BuildError(f"{path} is not a readable GGUF file: {e}") from e
-
-    def field(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        if f is None:
-            return default
-        if len(f.types) == 1 and f.types[0].name == "STRING":
-            return bytes(f.parts[f.data[0]]).decode("utf-8", errors="replace")
-        if f.types and f.types[0].name == "ARRAY":
-            return len(f.data)
-        return f.parts[f.data[0]].tolist()[0]
-
-    arch = field("general.architecture", "")
-    n_embd = int(field(f"{arch}.embedding_length", 0))
-    n_head = int(field(f"{arch}.attention.head_count", 1))
-    head_dim = int(field(f"{arch}.attention.key_length", 0)) or n_embd // max(n_head, 1)
+    keys = read_header(path)
+    arch = str(keys.get("general.architecture", ""))
+    n_embd = int(keys.get(f"{arch}.embedding_length", 0))
+    n_head = int(keys.get(f"{arch}.attention.head_count", 1))
+    head_dim = int(keys.get(f"{arch}.attention.key_length", 0)) or n_embd // max(n_head, 1)
     return GgufInfo(
         arch=arch,
-        n_layer=int(field(f"{arch}.block_count", 0)),
+        n_layer=int(keys.get(f"{arch}.block_count", 0)),
         n_embd=n_embd,
         n_head=n_head,
-        n_head_kv=int(field(f"{arch}.attention.head_count_kv", n_head)),
+        n_head_kv=int(keys.get(f"{arch}.attention.head_count_kv", n_head)),
         head_dim=head_dim,
-        n_vocab=int(field("tokenizer.ggml.tokens", 0)),
-        context_train=int(field(f"{arch}.context_length", 0)),
+        n_vocab=int(keys.get("tokenizer.ggml.tokens", 0)),
+        context_train=int(keys.get(f"{arch}.context_length", 0)),
         size=size,
     )
 
