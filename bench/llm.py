@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+try:  # the HTTP client that the openai package itself uses (httpx2 from openai 3 on)
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - older openai releases
+    import httpx  # type: ignore[no-redef]
 
 from bench.servers import tree_memory
 

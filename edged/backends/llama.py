@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import llama_cpp
 import numpy as np
@@ -195,7 +195,7 @@ class LlamaBackend(Backend):
         if self._formatter is None:
             raise InvalidInputError(f"{Path(self.source).name} has no chat template; use completions")
         try:
-            return str(self._formatter(messages=messages).prompt)
+            return str(self._formatter(messages=cast(Any, messages)).prompt)
         except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
             raise InvalidInputError(f"the model's chat template rejects these messages: {e}") from e
 

@@ -67,6 +67,22 @@ class GenerationRoutes:
             log.exception("unhandled error on %s", scope.get("path"))
             await _respond(send, 500, _error_body(EdgedError(f"internal error: {e}"), openai))
 
+    async def warm(self, name: str) -> None:
+        """Before READY=1: requests through these routes (chat and completions, streamed and
+        not, and Triton's stream), so the first client's request runs warm code end to end."""
+        short = {"max_tokens": 2, "temperature": 0.0}
+        chat = dict(short, model=name, messages=[{"role": "user", "content": "Hello"}])
+        calls = [
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", dict(chat, stream=True)),
+            ("/v1/completions", dict(short, model=name, prompt="Hello", stream=True)),
+            (f"/v2/models/{name}/generate_stream", dict(short, text_input="Hello")),
+        ]
+        for path, doc in calls:
+            status = await _call(self, path, orjson.dumps(doc))
+            if status != 200:
+                log.warning("%s: warm-up request on %s answered %d", name, path, status, extra={"model": name})
+
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, parts = scope["method"], scope["path"].strip("/").split("/")
         if parts == ["v1", "models"]:
@@ -218,6 +234,28 @@ class GenerationRoutes:
             yield _sse(dict(head, text_output="", **_triton_tail(job)))
 
         await _stream(send, receive, events(), openai=False)
+
+
+async def _call(app: GenerationRoutes, path: str, body: bytes) -> int:
+    """One request through the routes without a socket; returns the status."""
+    scope: Scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    sent = False
+    status = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:  # the client stays: the disconnect watcher waits until it is cancelled
+            await asyncio.get_running_loop().create_future()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    await app(scope, receive, send)
+    return status
 
 
 def _triton_tail(job: gen.GenerationJob) -> dict[str, Any]:

@@ -13,7 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+try:  # the HTTP client that the openai package itself uses (httpx2 from openai 3 on)
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - older openai releases
+    import httpx  # type: ignore[no-redef]
 import pytest
 
 from tests.conftest import REPO
@@ -42,7 +45,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def llm_model(path: Path, **llm: Any) -> dict[str, Any]:
-    table = {"context": 1024, "slots": 1, "max_tokens": 32, "warmup_prompt_tokens": 128, "warmup_decode_tokens": 4}
+    table = {"context": 1024, "slots": 1, "max_tokens": 32, "max_tokens_limit": 512}
+    table.update(warmup_prompt_tokens=64, warmup_decode_tokens=4)
     return {"path": str(path), "timeout_ms": 60000, "warmup": {"iterations": 1}, "llm": dict(table, **llm)}
 
 
@@ -83,7 +87,7 @@ def edge(module_broker: Broker, smollm2: Path, tmp_path_factory: pytest.TempPath
         {
             "llm": dict(llm_model(smollm2, slots=2), queue_depth=4),
             # One slot and no queue: a second request is busy at once.
-            "solo": dict(llm_model(smollm2, max_tokens=1000, max_tokens_limit=1000), queue_depth=1),
+            "solo": dict(llm_model(smollm2, context=1536, max_tokens_limit=1000), queue_depth=1),
         },
         mqtt={"enabled": True, "host": "127.0.0.1", "port": module_broker.port, "device_id": DEV},
     )
@@ -251,7 +255,7 @@ def test_disconnect_cancels_the_generation_and_frees_the_slot(edge: DaemonProces
 
 
 def test_budget_admits_by_kv_cache_and_lazy_model_loads_on_first_request(smollm2: Path, tmp_path: Path) -> None:
-    big = llm_model(smollm2, context=8192, slots=4, max_tokens_limit=1024)
+    big = llm_model(smollm2, context=8192, slots=4)
     d = daemon(
         tmp_path,
         {"big": dict(big, priority=90, queue_depth=4), "lazy": dict(llm_model(smollm2), preload="lazy")},
@@ -260,9 +264,10 @@ def test_budget_admits_by_kv_cache_and_lazy_model_loads_on_first_request(smollm2
     d.start(timeout=180)
     try:
         with http(d) as c:
-            models = c.get("/v2/edged/status").json()["models"]
+            status = c.get("/v2/edged/status").json()
+            models = status["models"]
             # Weights (98 MB) fit; four 8192-token KV caches (4 x 189 MB) do not.
-            assert models["big"]["state"] == "deferred"
+            assert "big" in status["plan"]["deferred"] and models["big"]["state"] != "ready"
             assert models["big"]["footprint_bytes"] > 4 * 30 * 8192 * 2 * 192 * 2
             assert models["lazy"]["state"] == "lazy"
             r = c.post("/v2/models/big/generate", json={"text_input": "hi"})
@@ -278,7 +283,7 @@ def test_budget_admits_by_kv_cache_and_lazy_model_loads_on_first_request(smollm2
 
 
 def test_reload_swaps_a_gguf_model_without_failed_requests(smollm2: Path, tmp_path: Path) -> None:
-    models = {"llm": dict(llm_model(smollm2, context=512), queue_depth=8)}
+    models = {"llm": dict(llm_model(smollm2, context=512, max_tokens_limit=256), queue_depth=8)}
     d = daemon(tmp_path, models)
     d.start(timeout=180)
     results: list[int] = []
