@@ -275,12 +275,15 @@ def markdown(table: dict[str, dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    global STEADY
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("model", type=Path)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steady", type=int, default=STEADY, help="steady requests per server and round")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "llm.json")
     args = ap.parse_args()
     model = args.model.resolve()
+    STEADY = args.steady
     makers: list[tuple[str, Callable[[Path], Peer] | None]] = [
         ("edged", lambda w: edged_peer(model, w)),
         ("llama_cpp.server", lambda w: llama_server_peer(model)),

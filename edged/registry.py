@@ -237,6 +237,9 @@ class Registry:
         self.set_state(rt, WARMING)
         rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances)
         inline = rt.infer_us is not None and rt.infer_us < self.cfg.server.inline_threshold_us and rt.cfg.instances == 1
+        inline = (
+            inline and rt.cfg.llm is None and not rt.cfg.path.lower().endswith(".gguf")
+        )  # generation: never on the loop
         queue = ModelQueue(
             rt.name,
             instances,

@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import random
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from edged.gguf_header import read_header
 
 log = logging.getLogger(__name__)
 
+CLOSE_WAIT_S = 30  # unloading waits this long for a slot's current token
 # Prompt tokens evaluated per llama.cpp batch: the prefill's step, and what its compute buffer is sized for.
 BATCH = 256
 WARM_TEXT = (
@@ -114,6 +116,7 @@ class LlamaBackend(Backend):
         self.info: GgufInfo | None = None
         self._slots: list[LlamaSlot] = []
         self._formatter: Jinja2ChatFormatter | None = None
+        self.closing = False
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -183,6 +186,7 @@ class LlamaBackend(Backend):
         return slot
 
     def _unload_impl(self) -> None:
+        self.closing = True  # a generation still running stops before its next token
         for slot in self._slots:
             slot.close()
         self._slots.clear()
@@ -237,6 +241,8 @@ class LlamaSlot(Instance):
         super().__init__(backend)
         self.owner = backend
         self.engine = engine
+        # Held while a generation runs: the context is freed only once no thread is inside it.
+        self._busy = threading.Lock()
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         item = inputs[INPUT].reshape(-1)[0]
@@ -244,7 +250,10 @@ class LlamaSlot(Instance):
         # request sizes, which is what warm means for a language model.
         job = item if isinstance(item, GenerationJob) else self.owner.warmup_job()
         try:
-            self._run(job)
+            with self._busy:
+                if self.owner.closing:
+                    raise BackendError("the model is being unloaded")
+                self._run(job)
         except (InvalidInputError, DeadlineExceededError) as e:
             job.error = e  # the base class would turn any exception into a backend error
         out = np.empty((1,), dtype=object)
@@ -268,8 +277,9 @@ class LlamaSlot(Instance):
         return tokens
 
     def _run(self, job: GenerationJob) -> None:
-        if job.cancelled.is_set():
+        if job.cancelled.is_set():  # its client left while it waited for this slot
             job.finish_reason = "cancelled"
+            log.info("%s: generation cancelled after 0 tokens", Path(self.owner.source).name)
             return
         started = time.monotonic()
         tokens = self._prompt_tokens(job)
@@ -298,7 +308,7 @@ class LlamaSlot(Instance):
                     break
                 if job.completion_tokens >= s.max_tokens:
                     break
-                if job.cancelled.is_set():
+                if job.cancelled.is_set() or self.owner.closing:
                     job.finish_reason = "cancelled"
                     break
                 if time.monotonic() > job.deadline:
@@ -320,4 +330,10 @@ class LlamaSlot(Instance):
             job.emit(piece)
 
     def _close_impl(self) -> None:
-        self.engine.close()
+        if self._busy.acquire(timeout=CLOSE_WAIT_S):
+            try:
+                self.engine.close()
+            finally:
+                self._busy.release()
+        else:  # a native call that does not return: leak the context rather than free it under the thread
+            log.error("%s: a slot did not stop within %d s; its context is not freed", self.owner.source, CLOSE_WAIT_S)

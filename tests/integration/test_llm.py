@@ -219,6 +219,21 @@ def test_mqtt_generate_error_is_one_final_message(module_broker: Broker, edge: D
     assert doc["final"] is True and doc["code"] == "bad_request" and "prompt" in doc["error"]
 
 
+def test_mqtt_expiry_cancels_the_generation(module_broker: Broker, edge: DaemonProcess) -> None:
+    cancelled = edge.log().count("cancelled after")
+    with Peer(module_broker.port) as peer:
+        reply = f"reply/{uuid.uuid4().hex}"
+        peer.subscribe(reply)
+        request = json.dumps({"prompt": COUNTING, "max_tokens": 1000, "temperature": 0})
+        peer.request(f"edged/{DEV}/models/solo/generate", request, reply, b"e", "application/json", expiry=2)
+        wait_for(lambda: edge.log().count("cancelled after") > cancelled, 60, what="the expired generation to stop")
+        msgs = peer.on(reply)
+    assert not any(m.json()["final"] for m in msgs)  # nothing more once the requester gave up
+    with http(edge) as c:
+        r = c.post("/v2/models/solo/generate", json={"text_input": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
 # --- cancellation and busy -------------------------------------------------------------------
 
 
