@@ -60,6 +60,12 @@ def prompt(i: int) -> str:
     return f"Report {i}. {body}\nQuestion: what should the technician check first, and why?\nAnswer:"
 
 
+def decode_prompt(i: int) -> str:
+    """A continuation a small model keeps going without an end-of-sequence: decode speed."""
+    start = 100 + 37 * i
+    return f"Counting from {start}: " + ", ".join(str(start + k) for k in range(12)) + ","
+
+
 @dataclass
 class Stream:
     ttft: float
@@ -169,11 +175,11 @@ def measure_server(peer: Peer, work: Path, round_no: int) -> dict[str, Any]:
             out["first_ttft_s"] = sse_stream(c, "/v1/completions", dict(body, prompt=prompt(1000 + round_no))).ttft
             steady = [sse_stream(c, "/v1/completions", dict(body, prompt=prompt(i))).ttft for i in range(STEADY)]
             one = [
-                sse_stream(c, "/v1/completions", dict(body, prompt=prompt(50 + i), max_tokens=DECODE_TOKENS))
+                sse_stream(c, "/v1/completions", dict(body, prompt=decode_prompt(i), max_tokens=DECODE_TOKENS))
                 for i in range(2)
             ]
         out["steady_ttft_s"] = steady
-        out["tps_1"] = statistics.median((s.tokens - 1) / s.decode_s for s in one)
+        out["tps_1"] = decode_rate(one)
         out["tps_4"] = concurrent(peer, 4)
         assert peer.proc is not None
         out["memory"] = tree_memory(peer.proc.pid)
@@ -182,12 +188,18 @@ def measure_server(peer: Peer, work: Path, round_no: int) -> dict[str, Any]:
     return out
 
 
+def decode_rate(streams: list[Stream]) -> float:
+    if any(s.tokens < DECODE_TOKENS // 2 for s in streams):
+        raise RuntimeError(f"a decode run ended early: {[s.tokens for s in streams]} tokens")
+    return statistics.median((s.tokens - 1) / s.decode_s for s in streams)
+
+
 def concurrent(peer: Peer, n: int) -> float:
     results: list[Stream] = []
 
     def run(i: int) -> None:
         with peer.client() as c:
-            body = {"model": "llm", "prompt": prompt(200 + i), "max_tokens": DECODE_TOKENS, "temperature": 0.0}
+            body = {"model": "llm", "prompt": decode_prompt(10 + i), "max_tokens": DECODE_TOKENS, "temperature": 0.0}
             results.append(sse_stream(c, "/v1/completions", body))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -221,13 +233,13 @@ def measure_in_process(model: Path, round_no: int) -> dict[str, Any]:
 
     first = run(prompt(1000 + round_no), 8).ttft
     steady = [run(prompt(i), 8).ttft for i in range(STEADY)]
-    one = [run(prompt(50 + i), DECODE_TOKENS) for i in range(2)]
+    one = [run(decode_prompt(i), DECODE_TOKENS) for i in range(2)]
     llm.close()
     return {
         "start_to_ready_s": load,
         "first_ttft_s": first,
         "steady_ttft_s": steady,
-        "tps_1": statistics.median((s.tokens - 1) / s.decode_s for s in one),
+        "tps_1": decode_rate(one),
     }
 
 
