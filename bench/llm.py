@@ -86,12 +86,13 @@ def sse_stream(client: httpx.Client, path: str, body: dict[str, Any]) -> Stream:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             doc = json.loads(line[6:])
-            if not doc.get("choices") or not doc["choices"][0].get("text"):
-                continue
+            choice = doc["choices"][0] if doc.get("choices") else {}
             now = time.perf_counter()
-            first = first or now
-            last = now
-            n += 1
+            if choice.get("text"):
+                first = first or now
+                last, n = now, n + 1
+            elif choice.get("finish_reason"):  # ended at once (end of sequence): its first token came now
+                first = first or now
     return Stream(first - t0, n, last - first, t0, last)
 
 
