@@ -226,10 +226,12 @@ def measure_in_process(model: Path, round_no: int) -> dict[str, Any]:
         first = last = 0.0
         n = 0
         for chunk in llm.create_completion(p, max_tokens=max_tokens, temperature=0.0, stream=True):
+            now = time.perf_counter()
             if chunk["choices"][0]["text"]:
-                now = time.perf_counter()
                 first = first or now
                 last, n = now, n + 1
+            elif chunk["choices"][0]["finish_reason"]:
+                first = first or now
         return Stream(first - t, n, last - first)
 
     first = run(prompt(1000 + round_no), 8).ttft
