@@ -158,6 +158,9 @@ def llama_server_peer(model: Path) -> Peer:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port)]
     cmd += ["--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", str(CONTEXT), "--verbose", "0"]
+    # By default a new request interrupts the stream in progress (3 of 4 concurrent streams were cut
+    # in a trial run); queueing them is what a user serving several clients would configure.
+    cmd += ["--interrupt_requests", "False"]
     return Peer("llama_cpp.server", cmd, "/v1/models", port=port)
 
 
@@ -197,17 +200,23 @@ def decode_rate(streams: list[Stream]) -> float:
 
 def concurrent(peer: Peer, n: int) -> float:
     results: list[Stream] = []
+    failed: list[str] = []
 
     def run(i: int) -> None:
         with peer.client() as c:
             body = {"model": "llm", "prompt": decode_prompt(10 + i), "max_tokens": DECODE_TOKENS, "temperature": 0.0}
-            results.append(sse_stream(c, "/v1/completions", body))
+            try:
+                results.append(sse_stream(c, "/v1/completions", body))
+            except (httpx.HTTPError, RuntimeError) as e:
+                failed.append(f"{e.__class__.__name__}: {e}")
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if failed:
+        raise RuntimeError(f"{peer.name}: {len(failed)} of {n} concurrent streams failed: {failed[0]}")
     first = min(s.started + s.ttft for s in results)
     last = max(s.ended for s in results)
     return sum(s.tokens - 1 for s in results) / (last - first)
