@@ -1,2 +1,3 @@
-"""Issue 7's benchmark harness: edged against PyTriton, a hand-written FastAPI server and the
-in-process floor, on the same ONNX models, in one interleaved run. Entry point: scripts/bench.sh."""
+"""The project's benchmarks, one subcommand each (bench/__main__.py lists them): edged against its
+in-process floor and the servers users would pick instead, always interleaved in one run.
+Entry point: ``scripts/bench.sh SUBCOMMAND`` (``python -m bench SUBCOMMAND``)."""

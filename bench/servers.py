@@ -125,7 +125,7 @@ class Server:
             HOME=str(self.dir / "home"),
             TMPDIR=str(self.dir / "tmp"),
             XDG_CACHE_HOME=str(self.dir / "home" / ".cache"),
-            PYTHONPATH=str(REPO),
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
             PYTHONUNBUFFERED="1",
         )
         env.update(self.extra_env())

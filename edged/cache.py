@@ -17,8 +17,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,9 @@ class EngineCache:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.dir = Path(directory)
         self.quarantine_dir = self.dir / "quarantine"
+        # Artefact digests are trusted by (size, mtime, inode) like source files: a reload must
+        # not re-read every engine. A load that fails checks the artefact in full (verify()).
+        self.digests = SourceDigests(self.dir)
 
     def prepare(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
@@ -140,8 +144,20 @@ class EngineCache:
             return "artefact is missing"
         if size != manifest.get("artifact_size"):
             return f"artefact size {size} != manifest {manifest.get('artifact_size')}"
-        if file_digest(artifact) != manifest.get("artifact_sha256"):
+        if self.digests.digest(str(artifact)) != manifest.get("artifact_sha256"):
             return "artefact checksum does not match the manifest"
+        return ""
+
+    def verify(self, entry: Entry) -> str:
+        """The full check, reading every byte: '' when the artefact matches its manifest."""
+        if entry.manifest.get("artifact") is None:
+            return ""
+        try:
+            actual = file_digest(entry.artifact)
+        except OSError as e:
+            return f"artefact cannot be read: {e.strerror}"
+        if actual != entry.manifest.get("artifact_sha256"):
+            return "artefact checksum does not match the manifest (corrupted on disk)"
         return ""
 
     # --- writing ---
@@ -204,9 +220,10 @@ class EngineCache:
     def quarantine(self, path: Path, reason: str) -> None:
         if not path.exists():
             return
-        self.quarantine_dir.mkdir(exist_ok=True)
+        self.digests.forget(str(path))
         dest = self.quarantine_dir / f"{path.name}.{int(time.time())}"
         try:
+            self.quarantine_dir.mkdir(exist_ok=True)
             os.replace(path, dest)
             (dest.parent / f"{dest.name}.why").write_text(reason + "\n")
             log.warning("moved %s aside to %s: %s", path.name, dest, reason)
@@ -214,6 +231,13 @@ class EngineCache:
             log.error("cannot move %s aside (%s); removing it", path, e)
             with contextlib.suppress(OSError):
                 path.unlink()
+
+    def remove_temporaries(self, pid: int) -> None:
+        """A build that failed (a full disk, an error) removes what it wrote at once, so the
+        space comes back before the next build rather than at the next start."""
+        for tmp in [*self.dir.glob(f".tmp-{pid}-*"), *self.dir.glob(f"qdq/.tmp-{pid}-*")]:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
 
     def _remove_stale_temporaries(self) -> None:
         """Temporaries of a build that died (its pid is gone) never become entries."""
@@ -245,10 +269,13 @@ class SourceDigests:
     """sha256 of model and calibration files, remembered by (size, mtime, inode) so a warm boot
     does not re-hash hundreds of megabytes of models."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, hasher: Callable[[str], str] = file_digest) -> None:
         self.path = directory / "digests.json"
         self._known: dict[str, dict[str, Any]] | None = None
         self._dirty = False
+        self._hasher = hasher
+        # Resolving runs in worker threads (never on the event loop); one lock keeps the index whole.
+        self._lock = threading.Lock()
 
     def _load(self) -> dict[str, dict[str, Any]]:
         if self._known is None:
@@ -262,19 +289,41 @@ class SourceDigests:
     def digest(self, path: str) -> str:
         st = os.stat(path)
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
-        known = self._load()
-        hit = known.get(path)
+        with self._lock:
+            hit = self._load().get(path)
         if hit and hit.get("stamp") == stamp:
             return str(hit["sha256"])
-        value = file_digest(path)
-        known[path] = {"stamp": stamp, "sha256": value}
-        self._dirty = True
+        value = self._hasher(path)
+        with self._lock:
+            self._load()[path] = {"stamp": stamp, "sha256": value}
+            self._dirty = True
         return value
 
+    def forget(self, path: str) -> None:
+        with self._lock:
+            if self._load().pop(path, None) is not None:
+                self._dirty = True
+
+    def prune(self) -> int:
+        """Drop the digests of files that no longer exist (the index never grows without bound)."""
+        with self._lock:
+            known = self._load()
+            gone = [p for p in known if not os.path.exists(p)]
+            for p in gone:
+                del known[p]
+            self._dirty = self._dirty or bool(gone)
+        return len(gone)
+
     def save(self) -> None:
-        if self._dirty and self._known is not None:
-            try:
-                atomic_write(self.path, json.dumps(self._known, sort_keys=True).encode())
-                self._dirty = False
-            except OSError as e:
-                log.warning("cannot save source digests: %s", e)
+        """Blocking (fsync): call it from a worker thread, never on the event loop."""
+        with self._lock:
+            if not self._dirty or self._known is None:
+                return
+            data = json.dumps(self._known, sort_keys=True).encode()
+            self._dirty = False
+        try:
+            atomic_write(self.path, data)
+        except OSError as e:
+            with self._lock:
+                self._dirty = True
+            log.warning("cannot save source digests: %s", e)

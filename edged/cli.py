@@ -6,41 +6,114 @@ import argparse
 import asyncio
 import json
 import os
+import socket
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edged import __version__
 from edged.config import Config, default_config_path, format_size, load
 from edged.errors import ConfigError, EdgedError
+from edged.paths import DEFAULT_SOCKET, SocketPath, resolve_socket
+from edged.table import print_table
+
+if TYPE_CHECKING:
+    from edged.client import Client
 
 
 def _config(args: argparse.Namespace) -> Config:
     return load(args.config or default_config_path())
 
 
-def _socket(args: argparse.Namespace) -> str:
-    """--socket, then EDGED_SOCKET, then the config's socket, then the default."""
-    if args.socket:
-        return str(args.socket)
-    if os.environ.get("EDGED_SOCKET"):
-        return os.environ["EDGED_SOCKET"]
-    path = args.config or default_config_path()
-    if os.path.exists(path):
-        try:
-            return load(path).server.socket
-        except EdgedError:
-            pass
-    from edged.config import DEFAULT_SOCKET
+def _socket(args: argparse.Namespace) -> SocketPath:
+    """--socket, then $EDGED_SOCKET, then the config's [server] socket, then the default; the
+    answer says which, so an error can name the knob."""
+    cfg_path = str(args.config or default_config_path())
+    why: list[str] = []
 
-    return DEFAULT_SOCKET
+    def from_config() -> tuple[str, str] | None:
+        if not os.path.exists(cfg_path):
+            why.append(f"{cfg_path} does not exist")
+            return None
+        try:
+            sock = load(cfg_path).server.socket
+        except EdgedError as e:
+            why.append(f"{cfg_path} cannot be read: {e.message}")
+            return None
+        if sock == DEFAULT_SOCKET:
+            why.append(f"{cfg_path} sets no other")
+            return None
+        return sock, f"[server] socket in {cfg_path}"
+
+    found = resolve_socket(args.socket, from_config)
+    if why and found.path == DEFAULT_SOCKET and found.source == "the default":
+        return SocketPath(found.path, f"the default, as {why[0]}")
+    return found
+
+
+class Unreachable(Exception):
+    """The daemon's socket cannot be connected to; the message names the path and its source."""
+
+    def __init__(self, sock: SocketPath, err: OSError) -> None:
+        why = _why(err)
+        if isinstance(err, ConnectionRefusedError) and os.path.exists(sock.path) and not _is_socket(sock.path):
+            why = "that path is not a socket"
+        super().__init__(f"cannot reach the daemon at {sock.path} ({_origin(sock)}): {why}")
+
+
+def _is_socket(path: str) -> bool:
+    return stat.S_ISSOCK(os.stat(path).st_mode)
+
+
+class UsageError(Exception):
+    """A fault in the command line itself (an input file that is missing or unreadable)."""
+
+
+def _origin(sock: SocketPath) -> str:
+    if sock.source.startswith("the default"):
+        return f"{sock.source}; choose another with --socket, $EDGED_SOCKET or [server] socket in the config"
+    return f"from {sock.source}"
+
+
+def _why(err: OSError) -> str:
+    if isinstance(err, FileNotFoundError):
+        return "no such socket - is edged running? (systemctl status edged)"
+    if isinstance(err, ConnectionRefusedError):
+        return "connection refused - the socket exists but nothing listens on it; is edged running?"
+    if isinstance(err, PermissionError):
+        return "permission denied - join the socket's group ([server] socket_group) or use sudo"
+    if isinstance(err, TimeoutError):
+        return "no answer in time"
+    return err.strerror or str(err)
+
+
+def _client(args: argparse.Namespace, timeout: float = 30.0) -> Client:
+    """A client for the resolved socket, after one connect to check it: a daemon that cannot be
+    reached is reported with the path tried and where it came from."""
+    from edged.client import Client
+
+    sock = _socket(args)
+    args.resolved_socket = sock
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(sock.path)
+    except OSError as e:
+        raise Unreachable(sock, e) from None
+    finally:
+        probe.close()
+    return Client(sock.path, timeout=timeout)
 
 
 EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus= stops a restart loop on it
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from edged import early_signals
+
+    early_signals.hold()  # SIGHUP/SIGTERM/SIGINT are remembered from here until the loop runs
     import faulthandler
 
     from edged.daemon import serve
@@ -67,12 +140,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"memory: {mem['source']}, {format_size(mem['total_bytes'])} total, "
         f"{format_size(mem['available_bytes'])} available, budget {format_size(mem['budget_bytes'])}"
     )
+    from edged.build.figures import precision_text
+
     rows = [
         (
             m["name"],
             m["decision"],
             m["backend"],
-            m["precision"],
+            precision_text(m["precision"], m.get("gate")),
             m["priority"],
             format_size(m["footprint_bytes"]) + ("" if m["measured"] else " (est.)"),
             "cached" if m["cached"] else "needs build",
@@ -80,7 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
         for m in report["models"]
     ]
-    _table(("model", "plan", "backend", "precision", "prio", "footprint", "engine", "reason"), rows)
+    print_table(("model", "plan", "backend", "precision", "prio", "footprint", "engine", "reason"), rows)
     return 0
 
 
@@ -91,9 +166,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from edged.client import Client
-
-    with Client(_socket(args)) as c:
+    with _client(args) as c:
         st = c.status()
     if args.json:
         print(json.dumps(st, indent=2))
@@ -106,41 +179,40 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from edged.client import Client
-
-    with Client(_socket(args)) as c:
-        _models_table(c.status())
+    with _client(args) as c:
+        st = c.status()
+    _models_table(st)
     return 0
 
 
 def _models_table(st: dict[str, Any]) -> None:
+    from edged.build.figures import precision_text
+
     rows = [
         (
             n,
             m["state"],
             m["backend"] or "-",
-            m["precision"] or "-",
+            precision_text(m["precision"], m.get("gate")),
             m["requests"],
             "-" if m["p50_ms"] is None else f"{m['p50_ms']:.3f}",
             m["reason"],
         )
         for n, m in st["models"].items()
     ]
-    _table(("model", "state", "backend", "precision", "requests", "p50 ms", "reason"), rows)
+    print_table(("model", "state", "backend", "precision", "requests", "p50 ms", "reason"), rows)
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from edged.client import Client
-
     inputs = {}
     for item in args.input:
         name, _, path = item.partition("=")
         if not path:
-            raise SystemExit(f"edged infer: --input takes NAME=FILE.npy, got {item!r}")
-        inputs[name] = np.load(path, allow_pickle=False)
-    with Client(_socket(args)) as c:
+            raise UsageError(f"--input takes NAME=FILE.npy, got {item!r}")
+        inputs[name] = _load_input(name, path)
+    with _client(args) as c:
         outputs = c.infer(args.model, inputs) if not args.shm else c.infer_shm(args.model, inputs)
     if args.output:
         savez: Any = np.savez  # numpy's stub types the keyword arrays as its own flags
@@ -153,32 +225,41 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_health(args: argparse.Namespace) -> int:
-    from edged.client import Client
+def _load_input(name: str, path: str) -> Any:
+    import numpy as np
 
     try:
-        with Client(_socket(args), timeout=args.timeout) as c:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError(f"input '{name}': no such file {path}") from None
+    except OSError as e:  # a folder, no permission
+        raise UsageError(f"input '{name}': cannot read {path}: {e.strerror or e}") from None
+    except ValueError:  # numpy reads anything that is not .npy as a pickle, which edged never loads
+        raise UsageError(f"input '{name}': {path} is not a .npy file of numbers (np.save writes one)") from None
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    try:
+        with _client(args, timeout=args.timeout) as c:
             ok = c.ready() if args.ready else c.live()
-    except OSError as e:
-        print(f"edged is not reachable: {e}", file=sys.stderr)
+    except Unreachable as e:
+        print(f"edged health: {e}", file=sys.stderr)
         return 1
     print(("ready" if args.ready else "live") if ok else "not ready")
     return 0 if ok else 1
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from edged.top import run_top
+
+    with _client(args, timeout=max(args.interval * 2, 5.0)) as c:
+        return run_top(c, interval=args.interval, once=args.once, out=sys.stdout)
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
     from edged.selftest import run_selftest
 
     return int(run_selftest(args.config, sys.stdout))
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for i, row in enumerate(cells):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -196,7 +277,9 @@ def parser() -> argparse.ArgumentParser:
         )
         if client:
             sp.add_argument(
-                "--socket", default=None, help="socket (default: $EDGED_SOCKET, the config's, /run/edged/edged.sock)"
+                "--socket",
+                default=None,
+                help=f"socket (default: $EDGED_SOCKET, then [server] socket in the config, then {DEFAULT_SOCKET})",
             )
         return sp
 
@@ -216,6 +299,9 @@ def parser() -> argparse.ArgumentParser:
     h = add("health", cmd_health, "exit 0 when live (or ready with --ready)", client=True)
     h.add_argument("--ready", action="store_true")
     h.add_argument("--timeout", type=float, default=5.0)
+    t = add("top", cmd_top, "live view of models, memory and builds (q to quit)", client=True)
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    t.add_argument("--once", action="store_true", help="print one frame without colours or redraws, then exit")
     add("selftest", cmd_selftest, "Jetson acceptance test: versions, INT8 build, gate, cold start")
     return p
 
@@ -228,6 +314,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EdgedError as e:
         print(f"edged {args.command}: {e.message}", file=sys.stderr)
         return 2
-    except (ConnectionRefusedError, FileNotFoundError) as e:
-        print(f"edged {args.command}: cannot reach the daemon: {e}", file=sys.stderr)
+    except UsageError as e:
+        print(f"edged {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Unreachable as e:
+        print(f"edged {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C: the shell's convention, without a traceback
+    except (ConnectionError, TimeoutError) as e:
+        # Connected once, then the exchange failed: the daemon stopped or is wedged.
+        sock = getattr(args, "resolved_socket", None)
+        where = f" at {sock.path} ({_origin(sock)})" if sock is not None else ""
+        print(f"edged {args.command}: lost the daemon{where}: {_why(e)}", file=sys.stderr)
         return 1

@@ -24,14 +24,10 @@ import numpy as np
 import orjson
 
 from edged import errors
-from edged.config import DEFAULT_SOCKET
+from edged.paths import default_socket
 from edged.protocol import V2_TO_NUMPY, v2_datatype
 
 _JSON = {"Content-Type": "application/json"}
-
-
-def default_socket(config_socket: str | None = None) -> str:
-    return os.environ.get("EDGED_SOCKET") or config_socket or DEFAULT_SOCKET
 
 
 def _error_classes() -> dict[str, type[errors.EdgedError]]:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from edged.errors import ConfigError
+from edged.paths import DEFAULT_SOCKET
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,7 +26,6 @@ else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
     import tomli as tomllib
 
 DEFAULT_CONFIG = "/etc/edged/edged.toml"
-DEFAULT_SOCKET = "/run/edged/edged.sock"
 DEFAULT_CACHE = "/var/cache/edged/engines"
 
 Backend = Literal["auto", "onnxruntime", "tensorrt", "llama"]
@@ -59,6 +59,14 @@ class ServerConfig(_Table, frozen=True):
 
 class CacheConfig(_Table, frozen=True):
     dir: str = DEFAULT_CACHE
+    # Generations (builds for one model file, device and library version) kept per model; older
+    # ones are removed once a newer one passed its gate. Entries in use are always kept.
+    keep_generations: PositiveInt = 2
+    quarantine_max_files: NonNegInt = 16
+    quarantine_max_bytes: str = "1GiB"
+    # Added to every cache key: changing it rebuilds every engine (in the background), as a
+    # TensorRT, driver or L4T upgrade does.
+    generation_tag: str = ""
 
 
 class MemoryConfig(_Table, frozen=True):
@@ -73,6 +81,9 @@ class BuildConfig(_Table, frozen=True):
     headroom: str = "1GiB"
     wait_for_memory_s: NonNegInt = 60
     timeout_s: PositiveInt = 3600
+    # false: a model whose engine is missing serves at once from a fallback (ONNX Runtime fp32 on
+    # the CPU) while it builds, and READY=1 waits only for what can serve now. true: build first.
+    block_ready: bool = False
 
 
 class LifecycleConfig(_Table, frozen=True):
@@ -81,6 +92,10 @@ class LifecycleConfig(_Table, frozen=True):
     watch_interval_s: PositiveFloat = 2.0
     # A worker that has held one request this long without finishing stops the watchdog pings.
     stall_timeout_s: PositiveFloat = 30.0
+    # The event loop's own latency is sampled every loop_probe_ms; a timer later than
+    # loop_stall_ms is a stall (counted, logged once per stall).
+    loop_probe_ms: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 25
+    loop_stall_ms: PositiveInt = 100
 
 
 class TlsConfig(_Table, frozen=True):
@@ -88,6 +103,13 @@ class TlsConfig(_Table, frozen=True):
     cert: str = ""
     key: str = ""
     insecure: bool = False
+
+
+class HomeAssistantConfig(_Table, frozen=True):
+    """Home Assistant MQTT discovery: edged announces itself and its models as sensors."""
+
+    enabled: bool = False
+    prefix: str = "homeassistant"
 
 
 class MqttConfig(_Table, frozen=True):
@@ -107,6 +129,13 @@ class MqttConfig(_Table, frozen=True):
     telemetry_interval_s: NonNegInt = 30
     reconnect_min_s: PositiveFloat = 0.5
     reconnect_max_s: PositiveFloat = 30.0
+    # Requests in progress at once; MQTT 5 tells the broker (Receive Maximum) to send no more
+    # unacknowledged QoS 1/2 messages than this. Beyond it a message is dropped and counted.
+    max_inflight: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 64
+    # Answered messages remembered per session, so that a redelivery whose acknowledgement was
+    # lost is acknowledged again instead of run twice.
+    dedup_window: PositiveInt = 1024
+    homeassistant: HomeAssistantConfig = msgspec.field(default_factory=HomeAssistantConfig)
 
 
 class ShapeProfile(_Table, frozen=True):
@@ -137,11 +166,30 @@ class CalibrationConfig(_Table, frozen=True):
     std: list[float] = msgspec.field(default_factory=lambda: [1.0, 1.0, 1.0])
 
 
+GateMetric = Literal["rel_l2", "cosine", "top1", "mask_iou", "det_f1"]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
 class GateConfig(_Table, frozen=True):
+    # What "close enough to FP32" means for the task; several metrics must all pass.
+    metric: GateMetric | list[GateMetric] = msgspec.field(default_factory=lambda: ["rel_l2", "cosine", "top1"])
     max_rel_l2: PositiveFloat = 0.05
     min_cosine: Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)] = 0.99
-    min_top1: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.99
+    min_top1: Fraction = 0.99
+    threshold: Fraction = 0.3  # mask_iou: probability maps are binarised at this value
+    min_mask_iou: Fraction = 0.95
+    score_threshold: Fraction = 0.25  # det_f1: detections kept from this score on
+    iou_threshold: Fraction = 0.45  # det_f1: NMS overlap
+    score_margin: Fraction = 0.0  # det_f1: a matching box may score this much under the threshold
+    min_det_f1: Fraction = 0.95
     holdout: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
+    # Mixed precision when all-INT8 fails: "auto" searches for nodes to keep in float.
+    search: Literal["auto", "off"] = "auto"
+    max_trials: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric,) if isinstance(self.metric, str) else tuple(self.metric)
 
 
 class TensorRTConfig(_Table, frozen=True):
@@ -149,6 +197,10 @@ class TensorRTConfig(_Table, frozen=True):
     dla_core: Annotated[int, msgspec.Meta(ge=-1)] = -1
     legacy_calibrator: bool = False
     builder_optimization_level: Annotated[int, msgspec.Meta(ge=0, le=5)] = 3
+    device: NonNegInt = 0  # GPU ordinal: the engine is built and loaded there
+    # Strongly typed int8 (TensorRT 10+): the ops left unquantized run fp16 or fp32.
+    float_parts: Literal["fp16", "fp32"] = "fp16"
+    keep_fp32: list[str] = msgspec.field(default_factory=list)  # op types/node names; [] = defaults
 
 
 class LlmConfig(_Table, frozen=True):
@@ -315,6 +367,7 @@ def _check_sizes(cfg: Config, src: str) -> None:
         "server.max_body": cfg.server.max_body,
         "memory.reserve": cfg.memory.reserve,
         "build.headroom": cfg.build.headroom,
+        "cache.quarantine_max_bytes": cfg.cache.quarantine_max_bytes,
     }
     for name, model in cfg.models.items():
         sizes[f"models.{name}.tensorrt.workspace"] = model.tensorrt.workspace
@@ -349,6 +402,13 @@ def _check_model(name: str, model: ModelConfig, src: str) -> None:
             raise ConfigError(f"{where}.profiles.{inp}: min, opt and max must have equal rank")
         if any(a > b or b > c for a, b, c in zip(prof.min, prof.opt, prof.max)):
             raise ConfigError(f"{where}.profiles.{inp}: needs min <= opt <= max in every dim")
+    if model.tensorrt.dla_core >= 0:
+        for inp, prof in model.profiles.items():
+            if not prof.min == prof.opt == prof.max:
+                raise ConfigError(
+                    f"{where}.profiles.{inp}: DLA (tensorrt.dla_core = {model.tensorrt.dla_core}) runs "
+                    f"static shapes only; set min = opt = max (e.g. all {prof.opt}) or dla_core = -1"
+                )
     if model.max_batch > 1 and model.max_batch > model.queue_depth:
         raise ConfigError(f"{where}.max_batch: larger than queue_depth ({model.queue_depth})")
     if model.llm is not None:

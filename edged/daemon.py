@@ -4,6 +4,10 @@ Start: config → memory probe and budget → cache → socket bound (requests w
 resolve every model → plan → build what is missing → load and warm the admitted boot models →
 warm the request path → READY=1. Stop: STOPPING=1 → stop accepting → drain → unload → remove
 the socket. A second SIGTERM forces the exit.
+
+Signals are handled from the first instruction (edged.early_signals) to the last; a failure at any
+point of the start-up runs the stop path and exits 78 (EX_CONFIG, systemd does not restart) for a
+configuration problem, 1 otherwise, with one line saying why.
 """
 
 from __future__ import annotations
@@ -20,14 +24,19 @@ from typing import Any
 
 import uvicorn
 
-from edged import systemd
+from edged import early_signals, systemd
+from edged.background import BackgroundBuilds
+from edged.boot import Boot
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache
-from edged.config import Config, format_size, max_body_bytes
-from edged.errors import CacheError, EdgedError, SocketInUseError
+from edged.cache_gc import collect
+from edged.config import Config, format_size, max_body_bytes, parse_size
+from edged.errors import ConfigError, EdgedError, SocketInUseError
+from edged.loopwatch import LoopWatch
 from edged.memory import MemoryInfo, budget_bytes, plan, probe
 from edged.metrics import Metrics
-from edged.registry import DEFERRED, FAILED, LAZY, READY, ModelRuntime, Registry
+from edged.readiness import summary, unready
+from edged.registry import ModelRuntime, Registry
 from edged.reload import Reloader
 from edged.service import Service
 from edged.transports.http import App
@@ -36,7 +45,7 @@ from edged.warmpath import warm_request_path
 
 log = logging.getLogger(__name__)
 
-EXTEND_USEC = 90_000_000  # each progress event buys a slow build another 90 s of start timeout
+EX_CONFIG = 78  # sysexits.h: the unit's RestartPreventExitStatus= stops a restart loop on it
 
 
 def isolate_library_files(cfg: Config) -> None:
@@ -72,7 +81,13 @@ def bind_socket(path: str, mode: int, group: str = "") -> socket.socket:
     if group:
         import grp
 
-        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            sock.close()
+            p.unlink(missing_ok=True)
+            raise ConfigError(f"server.socket_group: there is no group named {group!r}") from None
+        os.chown(path, -1, gid)
     sock.listen(256)
     sock.setblocking(False)
     return sock
@@ -86,6 +101,7 @@ class Daemon:
         self.stop_event = asyncio.Event()
         self.exit_code = 0
         self._signals = 0
+        self._reload_asked = False
         self._owned_socket: str | None = None
         self.server: uvicorn.Server | None = None
         self.service: Service | None = None
@@ -94,13 +110,17 @@ class Daemon:
         self.memory: MemoryInfo | None = None
         self.mqtt: Any = None  # edged.transports.mqtt.MqttTransport when [mqtt] enabled
         self.reloader: Reloader | None = None
+        self.background: BackgroundBuilds | None = None
+        self.loopwatch = LoopWatch(cfg.lifecycle.loop_probe_ms, cfg.lifecycle.loop_stall_ms, self._loop_sample)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._gc_lock = asyncio.Lock()
 
     # --- start ---
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._install_signals(loop)
+        self.loopwatch.start(loop)
         start = loop.create_task(self._start(loop))
         stop = loop.create_task(self.stop_event.wait())
         # A stop asked for while models build or warm interrupts the start-up.
@@ -108,24 +128,39 @@ class Daemon:
         if not start.done():
             log.info("stopping during start-up")
             start.cancel()
-        try:
-            await start
-        except asyncio.CancelledError:
-            pass
-        except EdgedError as e:
-            log.error("cannot start: %s", e.message)
-            systemd.status(f"failed: {e.message}")
+        code = await self._started(start)
+        if code is not None:
             stop.cancel()
             await self._stop()
-            return 1
+            return code
         await stop
         await self._stop()
         return self.exit_code
 
+    async def _started(self, start: asyncio.Task[None]) -> int | None:
+        """None when the start-up finished (or was stopped); the exit code when it failed."""
+        try:
+            await start
+        except asyncio.CancelledError:
+            return None
+        except ConfigError as e:
+            return self._cannot_start(e.message, EX_CONFIG)
+        except EdgedError as e:
+            return self._cannot_start(e.message, 1)
+        except Exception as e:  # anything else: one clear line, the traceback only at debug level
+            log.debug("start-up failed", exc_info=True)
+            return self._cannot_start(f"{e.__class__.__name__}: {e}", 1)
+        return None
+
+    def _cannot_start(self, message: str, code: int) -> int:
+        log.error("cannot start: %s", message)
+        systemd.status(f"failed: {message}")
+        return code
+
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         cfg = self.cfg
         systemd.status("starting: probing memory")
-        self.memory = probe(cfg.memory.probe)
+        self.memory = await self._probe_memory()
         budget = budget_bytes(cfg.memory, self.memory)
         log.info(
             "memory from %s: %s total, %s available, budget %s%s",
@@ -136,10 +171,13 @@ class Daemon:
             f" ({self.memory.detail})" if self.memory.detail else "",
         )
         self.metrics.budget.set(budget)
-        self.cache.prepare()
+        await asyncio.to_thread(self.cache.prepare)
         runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
         self.registry = Registry(cfg, self.cache, runner, self.metrics, budget, self._on_state)
+        self.metrics.watch(self._queue_depths, ("http", "mqtt") if cfg.mqtt.enabled else ("http",))
+        self.background = BackgroundBuilds(self.registry, loop, self._refresh_status, self._after_swap)
         self.service = Service(self.registry, self.metrics, loop, self.memory, plan([], budget))
+        self.service.unready = self._unready
         app = App(self.service, self.shm, max_body_bytes(cfg))
         await self._serve(app)
         if cfg.mqtt.enabled:
@@ -148,7 +186,8 @@ class Daemon:
 
             self.mqtt = MqttTransport(cfg.mqtt, self.service, loop)
             await self.mqtt.start()
-        await self._boot_models(loop)
+        boot = Boot(self.registry, self.background, loop)
+        self.service.plan = await boot.boot()
         self.service.warming = True
         try:
             await warm_request_path(app, self.registry)
@@ -158,11 +197,23 @@ class Daemon:
         self.service.ready.set()
         systemd.ready(self.service.status_line)
         log.info("ready: %s", self.service.status_line)
-        self.reloader = Reloader(self.registry, loop, self._summary, self._set_status)
+        self.reloader = Reloader(self.registry, loop, self._summary, self._set_status, self.background)
+        boot.start_later()
         self._spawn(self._watchdog())
+        self._spawn(self._collect())
         if cfg.lifecycle.watch_files:
             self._spawn(self.reloader.watch(self.stop_event))
-        loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
+        if self._reload_asked:  # a SIGHUP during the start-up: the config may have changed since
+            self._on_reload_signal()
+
+    async def _probe_memory(self) -> MemoryInfo:
+        kind = self.cfg.memory.probe
+        try:
+            return await asyncio.to_thread(probe, kind)  # jtop can block about a second
+        except Exception as e:
+            if kind != "auto":
+                raise ConfigError(f"memory.probe = {kind!r} does not work here: {e.__class__.__name__}: {e}") from e
+            raise
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -173,10 +224,46 @@ class Daemon:
         if self.service is not None:
             self.service.status_line = text
         systemd.status(text)
+        if self.mqtt is not None:  # a reload may have added or removed models
+            self.mqtt.models_changed()
+
+    def _refresh_status(self) -> None:
+        if self.service is not None and self.service.ready.is_set():
+            text = self._summary()
+            if text != self.service.status_line:
+                self._set_status(text)
+
+    def _after_swap(self) -> None:
+        self._refresh_status()
+        self._spawn(self._collect())
+
+    async def _collect(self) -> None:
+        """Old generations, the quarantine and stale digests, in a thread, one run at a time."""
+        if self.registry is None:
+            return
+        reg, c = self.registry, self.cfg.cache
+        in_use = reg.keys_in_use() | {t.entry.key for t, _ in self._targets() if t.entry is not None}
+        async with self._gc_lock:
+            await asyncio.to_thread(
+                collect,
+                self.cache,
+                c.keep_generations,
+                in_use,
+                c.quarantine_max_files,
+                parse_size(c.quarantine_max_bytes),
+            )
+
+    def _targets(self) -> list[tuple[ModelRuntime, bool]]:
+        return list(self.background.targets.values()) if self.background is not None else []
 
     def _on_reload_signal(self) -> None:
-        if self.reloader is not None and not self.stop_event.is_set():
-            self._spawn(self.reloader.reload())
+        if self.stop_event.is_set():
+            return
+        if self.reloader is None:
+            log.info("SIGHUP during start-up: reloading once ready")
+            self._reload_asked = True
+            return
+        self._spawn(self.reloader.reload())
 
     async def _serve(self, app: App) -> None:
         fds = systemd.listen_fds()
@@ -212,86 +299,28 @@ class Daemon:
         self.app = app
         await self.server.startup(sockets=[sock])
 
-    async def _boot_models(self, loop: asyncio.AbstractEventLoop) -> None:
-        reg = self.registry
-        assert reg is not None and self.service is not None
-        for rt in reg.models.values():
-            try:
-                reg.resolve(rt)
-            except EdgedError as e:
-                reg.set_state(rt, FAILED, e.message)
-        candidates = [rt for rt in reg.models.values() if rt.state != FAILED]
-        self.service.plan = the_plan = plan([rt.plan_item() for rt in candidates], reg.budget)
-        for name, why in the_plan.deferred.items():
-            reg.set_state(reg.models[name], DEFERRED, why)
-        missing = [rt for rt in candidates if rt.entry is None]
-        for i, rt in enumerate(missing, 1):
-            await self._build(rt, i, len(missing))
-        for name in the_plan.admitted:
-            rt = reg.models[name]
-            if rt.entry is None:
-                continue
-            systemd.status(f"loading {name}")
-            await self._load_or_rebuild(rt, loop)
-        for name in the_plan.lazy:
-            if reg.models[name].entry is not None:
-                reg.set_state(reg.models[name], LAZY, "loads on first request")
-        reg.digests.save()
-
-    async def _load_or_rebuild(self, rt: ModelRuntime, loop: asyncio.AbstractEventLoop) -> None:
-        """An engine that checked out but will not load (another TensorRT, a corrupt plan) has
-        been moved aside by the registry: build it again once, then load that."""
-        assert self.registry is not None
-        try:
-            await self.registry.load(rt, loop)
-            return
-        except CacheError as e:
-            log.warning("%s: %s; rebuilding", rt.name, e.message, extra={"model": rt.name})
-        except EdgedError as e:
-            self.registry.set_state(rt, FAILED, e.message)
-            return
-        await self._build(rt, 1, 1)
-        if rt.entry is None:
-            return
-        try:
-            await self.registry.load(rt, loop)
-        except EdgedError as e:
-            self.registry.set_state(rt, FAILED, e.message)
-
-    async def _build(self, rt: ModelRuntime, index: int, total: int) -> None:
-        assert self.registry is not None
-        label = f"building {rt.name} {rt.precision} ({index}/{total})"
-        systemd.status(label)
-        systemd.extend_timeout(EXTEND_USEC)
-
-        def progress(phase: str, fraction: float | None) -> None:
-            pct = f" {fraction * 100:.0f}%" if fraction is not None else ""
-            systemd.status(f"{label}: {phase}{pct}")
-            systemd.extend_timeout(EXTEND_USEC)
-
-        try:
-            await self.registry.build(rt, progress)
-        except EdgedError as e:
-            self.registry.set_state(rt, FAILED, e.message)
-            log.error("%s: %s", rt.name, e.message, extra={"model": rt.name})
-        else:
-            if rt.state not in (DEFERRED, FAILED):
-                self.registry.set_state(rt, "built")
-
     def _summary(self) -> str:
         assert self.registry is not None
-        states = [rt.state for rt in self.registry.models.values()]
-        parts = [f"{states.count(READY)} models ready"]
-        for state in (LAZY, DEFERRED, FAILED):
-            n = states.count(state)
-            if n:
-                reasons = {rt.reason.split(":")[0] for rt in self.registry.models.values() if rt.state == state}
-                parts.append(f"{n} {state}" + (f": {', '.join(sorted(reasons))}" if state != LAZY else ""))
-        return ", ".join(parts)
+        error = self.reloader.last_error if self.reloader is not None else ""
+        return summary(self.registry, (t for t, _ in self._targets()), error)
+
+    def _unready(self) -> str:
+        return unready(self.registry)
+
+    def _queue_depths(self) -> dict[str, int]:
+        """Read by /metrics at scrape time: every configured model, with its requests in flight."""
+        assert self.registry is not None
+        # list(): /metrics renders off the loop, and a reload may add a model meanwhile.
+        return {n: rt.queue.pending if rt.queue else 0 for n, rt in list(self.registry.models.items())}
 
     def _on_state(self, rt: ModelRuntime) -> None:
         if self.mqtt is not None:
             self.mqtt.model_state(rt)
+
+    def _loop_sample(self, lateness: float, stalled: bool) -> None:
+        self.metrics.loop_lag.set(self.loopwatch.max_recent())
+        if stalled:
+            self.metrics.loop_stalls.inc()
 
     # --- watchdog ---
 
@@ -326,13 +355,22 @@ class Daemon:
     # --- signals and stop ---
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        for stop_sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(stop_sig, self._on_stop_signal, stop_sig)
+        loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
+        # Signals that came before the loop took over (edged.early_signals), in order.
+        for early in early_signals.take():
+            if early == signal.SIGHUP:
+                self._on_reload_signal()
+            else:
+                self._on_stop_signal(early)
 
     def _on_stop_signal(self, sig: int) -> None:
         self._signals += 1
         if self._signals > 1:
             log.warning("second %s: exiting now", signal.Signals(sig).name)
+            if self.registry is not None:
+                self.registry.runner.kill_all()
             if self._owned_socket:
                 with contextlib.suppress(OSError):
                     os.unlink(self._owned_socket)
@@ -343,6 +381,7 @@ class Daemon:
     async def _stop(self) -> None:
         systemd.stopping("draining requests")
         started = time.monotonic()
+        self.loopwatch.stop()
         for task in list(self._tasks):
             task.cancel()
         if self.service is not None:
@@ -351,7 +390,13 @@ class Daemon:
             self.app.accepting = False
         if self.registry is not None:
             self.registry.runner.kill_all()
+        if self.background is not None:
+            await self.background.stop()
         if self.server is not None:
+            # uvicorn's int() of the drain time made anything below 1 s a drain of 0 s.
+            config = getattr(self.server, "config", None)
+            if config is not None:
+                config.timeout_graceful_shutdown = self.cfg.lifecycle.drain_timeout_s
             self.server.should_exit = True
             await self.server.shutdown()
         if self.mqtt is not None:
@@ -368,6 +413,7 @@ class Daemon:
 
 
 def serve(cfg: Config) -> int:
+    early_signals.hold()  # idempotent: `edged serve` already called it first thing
     isolate_library_files(cfg)
     systemd.setup_logging(cfg.server.log_level)
     daemon = Daemon(cfg)

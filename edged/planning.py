@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from edged.build.figures import describe, precision_text
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache
 from edged.config import Config, format_size
@@ -18,6 +19,7 @@ from edged.errors import EdgedError
 from edged.memory import budget_bytes, plan, probe
 from edged.metrics import Metrics
 from edged.registry import FAILED, Registry
+from edged.table import print_table
 
 
 def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
@@ -116,22 +118,17 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
             (
                 rt.name,
                 rt.state if rt.state == FAILED else "ok",
-                rt.precision or "-",
+                precision_text(rt.precision, rt.gate),
                 _gate_text(gate),
                 f"{time.monotonic() - started:.1f}s",
                 format_size(rt.footprint) if rt.footprint else "-",
                 rt.reason or rt.precision_reason,
             )
         )
-    from edged.cli import _table
-
-    _table(("model", "result", "precision", "gate", "build", "footprint", "note"), rows)
+    print_table(("model", "result", "precision", "gate", "build", "footprint", "note"), rows)
     reg.digests.save()
     return 1 if any(r[1] == FAILED for r in rows) else 0
 
 
 def _gate_text(gate: dict[str, Any]) -> str:
-    if not gate:
-        return "-"
-    parts = [f"{k}={gate[k]:.4g}" for k in ("rel_l2", "cosine", "top1") if isinstance(gate.get(k), float)]
-    return ("pass " if gate.get("passed") else "FAIL ") + " ".join(parts)
+    return describe(gate)

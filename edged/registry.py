@@ -21,11 +21,12 @@ import numpy as np
 
 from edged import backends
 from edged.backends.base import Backend, Instance, LoadOptions, TensorSpec
+from edged.build.figures import describe, precision_text
 from edged.build.job import BuildJob, job_key, make_job
 from edged.build.runner import BuildRunner
-from edged.cache import EngineCache, Entry, SourceDigests
+from edged.cache import EngineCache, Entry
 from edged.config import Config, ModelConfig, format_size
-from edged.errors import BudgetError, CacheError, EdgedError, ModelNotReadyError
+from edged.errors import BackendError, BudgetError, CacheError, EdgedError, ModelNotReadyError
 from edged.memory import PlanItem, choose_evictions, rss_bytes
 from edged.metrics import Metrics
 from edged.scheduler import ModelQueue
@@ -60,6 +61,13 @@ class ModelRuntime:
     last_used: float = field(default_factory=time.monotonic)
     gate: dict[str, Any] | None = None
     loading: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set on a stand-in that serves while the real engine builds: what it stands in for
+    # ("tensorrt int8"); its entry is then not a cache entry and is never rewritten.
+    stands_in_for: str = ""
+
+    @property
+    def serving_on(self) -> str:
+        return f"{self.backend_cls.name if self.backend_cls else '?'} {self.precision}"
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -91,8 +99,11 @@ class ModelRuntime:
             "infer_us": None if self.infer_us is None else round(self.infer_us, 1),
             "queue": self.queue.pending if self.queue else 0,
             **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0}),
-            "cache_key": self.entry.key if self.entry else None,
+            "cache_key": self.entry.key if self.entry and not self.stands_in_for else None,
             "gate": self.gate,
+            # TensorRT's DLA builds: the layers it reported as falling back to the GPU.
+            "dla_gpu_fallback": self.entry.manifest.get("dla_gpu_fallback") if self.entry else None,
+            "fallback": bool(self.stands_in_for),
         }
 
 
@@ -108,7 +119,7 @@ class Registry:
     ) -> None:
         self.cfg = cfg
         self.cache = cache
-        self.digests = SourceDigests(cache.dir)
+        self.digests = cache.digests
         self.runner = runner
         self.metrics = metrics
         self.budget = budget
@@ -123,7 +134,8 @@ class Registry:
         rt.state, rt.reason = state, reason
         if not notify:  # a retired copy of a model that a reload replaced: nobody watches it
             return
-        self.metrics.state.labels(rt.name).set(1 if state == READY else 0)
+        if self.models.get(rt.name) in (rt, None):  # not a replacement warming beside the one serving
+            self.metrics.state.labels(rt.name).set(1 if state == READY else 0)
         log.info("%s: %s%s", rt.name, state, f" ({reason})" if reason else "", extra={"model": rt.name, "phase": state})
         if self._on_state and self.models.get(rt.name) is rt:
             self._on_state(rt)
@@ -133,9 +145,9 @@ class Registry:
 
     # --- resolving: which backend, which precision, which cache entry ---
 
-    def resolve(self, rt: ModelRuntime) -> None:
+    def resolve(self, rt: ModelRuntime, generation_tag: str | None = None) -> None:
         """Pick the backend and precision, compute the cache key, and read the entry if it is
-        already built (its manifest carries the measured footprint)."""
+        already built (its manifest carries the measured footprint). Blocking: a thread's job."""
         cls, why = backends.resolve(rt.cfg.backend, rt.cfg.path)
         rt.backend_cls, rt.backend_reason = cls, why
         log.info("%s: backend %s (%s)", rt.name, cls.name, why, extra={"model": rt.name})
@@ -145,7 +157,14 @@ class Registry:
         if not os.path.exists(rt.cfg.path):
             raise EdgedError(f"model file {rt.cfg.path} does not exist")
         rt.job = make_job(
-            rt.name, rt.cfg, cls, rt.precision, str(self.cache.dir), self.digests.digest, self._calibration_digest
+            rt.name,
+            rt.cfg,
+            cls,
+            rt.precision,
+            str(self.cache.dir),
+            self.digests.digest,
+            self._calibration_digest,
+            self.cfg.cache.generation_tag if generation_tag is None else generation_tag,
         )
         rt.entry = self._lookup(rt)
         self._estimate(rt)
@@ -208,32 +227,57 @@ class Registry:
         rt.entry = self._lookup(rt)
         if rt.entry is None:
             raise CacheError(f"{rt.name}: the build finished but its cache entry does not check out")
-        log.info("%s: built in %.1f s", rt.name, time.monotonic() - started, extra={"model": rt.name})
+        secs, what = time.monotonic() - started, precision_text(rt.precision, rt.gate)
+        log.info("%s: built %s in %.1f s; gate %s", rt.name, what, secs, describe(rt.gate), extra={"model": rt.name})
         self._estimate(rt)
 
     # --- loading ---
 
     async def load(self, rt: ModelRuntime, loop: asyncio.AbstractEventLoop) -> None:
-        """Load, create instances, warm, start serving. Raises on failure (state is set)."""
+        """Load, create instances, warm, start serving. Raises on failure (state is set); a
+        failed load holds nothing: no backend, no queue, no share of the budget."""
         assert rt.entry is not None and rt.backend_cls is not None
         self.set_state(rt, LOADING)
         try:
             backend, instances, delta = await asyncio.to_thread(self._load_blocking, rt)
         except CacheError as e:
-            # The artefact checked out but will not load (e.g. a TensorRT version mismatch):
-            # move it aside; the next start rebuilds it.
-            self.cache.quarantine(rt.entry.artifact, str(e))
-            self.cache.quarantine(rt.entry.manifest_path, str(e))
-            rt.entry = None
+            await self._set_aside(rt, e)
             raise
         rt.backend = backend
+        try:
+            await self._measure_and_warm(rt, instances, delta, loop)
+        except BaseException as e:
+            rt.backend, rt.queue = None, None
+            await asyncio.shield(asyncio.to_thread(backend.unload))
+            if isinstance(e, EdgedError) or not isinstance(e, Exception):
+                raise
+            raise BackendError(f"{rt.name}: warm-up failed: {e.__class__.__name__}: {e}") from e
+
+    async def _set_aside(self, rt: ModelRuntime, e: CacheError) -> None:
+        """The artefact checked out by its stamp but will not load: read it in full to say whether
+        it is corrupt or merely not loadable here (another TensorRT); either way move it aside so
+        the next start rebuilds it."""
+        entry = rt.entry
+        rt.entry = None
+        if entry is None or rt.stands_in_for:
+            return
+        problem = await asyncio.to_thread(self.cache.verify, entry)
+        why = f"{e.message}; {problem}" if problem else e.message
+        await asyncio.to_thread(self.cache.quarantine, entry.artifact, why)
+        await asyncio.to_thread(self.cache.quarantine, entry.manifest_path, why)
+
+    async def _measure_and_warm(
+        self, rt: ModelRuntime, instances: list[Instance], delta: int, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        assert rt.backend is not None and rt.entry is not None
+        backend = rt.backend
         rt.footprint = backend.footprint() or max(delta, 1)
         rt.measured = True
         self.metrics.footprint.labels(rt.name).set(rt.footprint)
         stored = rt.entry.manifest.get("footprint") or 0
-        if abs(rt.footprint - stored) > 0.25 * max(stored, 1):
+        if not rt.stands_in_for and abs(rt.footprint - stored) > 0.25 * max(stored, 1):
             # Remembered for the next boot's plan; small drifts do not rewrite the cache.
-            rt.entry = self.cache.update_manifest(rt.entry, footprint=rt.footprint)
+            rt.entry = await asyncio.to_thread(self._remember_footprint, rt.entry, rt.footprint)
         self.set_state(rt, WARMING)
         rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances)
         inline = rt.infer_us is not None and rt.infer_us < self.cfg.server.inline_threshold_us and rt.cfg.instances == 1
@@ -252,12 +296,21 @@ class Registry:
         queue.start(inline=inline)
         rt.queue = queue
         rt.last_used = time.monotonic()
-        self.set_state(rt, READY)
+        self.set_state(
+            rt, READY, f"serving on {rt.serving_on} while building {rt.stands_in_for}" if rt.stands_in_for else ""
+        )
+
+    def _remember_footprint(self, entry: Entry, footprint: int) -> Entry:
+        try:
+            return self.cache.update_manifest(entry, footprint=footprint)
+        except OSError as e:  # a hint for the next plan; a full disk must not fail the load
+            log.warning("cannot record the footprint in %s: %s", entry.manifest_path.name, e)
+            return entry
 
     def _load_blocking(self, rt: ModelRuntime) -> tuple[Backend, list[Instance], int]:
         assert rt.entry is not None and rt.backend_cls is not None
         before = rss_bytes()
-        options = dict(rt.job.options if rt.job else {})
+        options = dict(rt.job.options if rt.job and not rt.stands_in_for else {})
         if rt.cfg.llm is not None:  # a language model's context and defaults
             options["llm"] = rt.cfg.llm
         opts = LoadOptions(threads=rt.cfg.threads, instances=rt.cfg.instances, options=options)
@@ -305,6 +358,18 @@ class Registry:
             await asyncio.to_thread(queue.join, self.cfg.lifecycle.drain_timeout_s)
         if backend is not None:
             await asyncio.to_thread(backend.unload)
+
+    async def retire(self, old: ModelRuntime, why: str = "replaced by reload") -> None:
+        """Let the requests already queued for a replaced model finish, then unload it."""
+        queue = old.queue
+        deadline = time.monotonic() + self.cfg.lifecycle.drain_timeout_s
+        while queue is not None and queue.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if old.backend is not None:
+            await self.unload(old, UNLOADED, why, notify=self.models.get(old.name) is old)
+
+    def keys_in_use(self) -> set[str]:
+        return {rt.entry.key for rt in self.models.values() if rt.entry is not None and rt.entry.key}
 
     # --- lazy models ---
 

@@ -1,12 +1,15 @@
 """Reload: re-read the config, build and warm what changed beside the old models, swap, drain.
 
-Triggered by SIGHUP (``systemctl reload``) or by a config or model file changing on disk. The old
-models keep serving until their replacements are warm; the swap is one dict assignment on the
-event loop, so a request sees either the old model or the new one. Old models are unloaded once
-the requests already inside them have finished. When old and new together do not fit the budget,
-that model's requests are held (not failed) while the old one is unloaded and the new one loaded.
-A reload that fails (bad config, failed build or gate, no memory) keeps everything serving and
-says why in STATUS= and the log.
+Triggered by SIGHUP (``systemctl reload``) or by a config or model file changing on disk. A reload
+is one transaction: every changed model is resolved, built (or given a stand-in) and warmed beside
+the old ones first; only when all of that succeeded is the new config applied and every model
+swapped at once (dict assignments on the event loop, so a request sees either the old model or the
+new one). Any failure unloads what the reload loaded and leaves the old config and models exactly
+as they were; the failure stays in STATUS= and the status line until a later reload succeeds.
+When old and new together do not fit the budget, that model's requests are held (not failed)
+while the old one is unloaded and the new one loaded; a failure then loads the old one back.
+Unless ``[build] block_ready`` is set, an engine that must be built does not hold the reload: the
+old version (or a stand-in) serves while it builds in the background, then is swapped.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edged import systemd
+from edged.background import BackgroundBuilds, stand_in
+from edged.build.job import job_key
 from edged.config import Config, format_size, load
 from edged.errors import EdgedError
 from edged.registry import FAILED, LAZY, READY, ModelRuntime, Registry
@@ -40,10 +45,22 @@ def diff_configs(old: Config, new: Config) -> Diff:
     d.added = sorted(set(new.models) - set(old.models))
     d.removed = sorted(set(old.models) - set(new.models))
     d.changed = sorted(n for n in set(old.models) & set(new.models) if old.models[n] != new.models[n])
-    for section in ("server", "cache", "mqtt"):
+    for section in ("server", "mqtt"):
         if getattr(old, section) != getattr(new, section):
             d.restart_needed.append(section)
+    if old.cache.dir != new.cache.dir:
+        d.restart_needed.append("cache.dir")
     return d
+
+
+@dataclass
+class _Txn:
+    """What a reload did before its commit, so that a failure can undo all of it."""
+
+    loaded: list[ModelRuntime] = field(default_factory=list)  # new runtimes warm beside the old
+    swapped: list[tuple[ModelRuntime, ModelRuntime]] = field(default_factory=list)  # (old, new), queued
+    serve: dict[str, ModelRuntime] = field(default_factory=dict)  # name → runtime to register
+    build: list[tuple[ModelRuntime, bool]] = field(default_factory=list)  # background builds to start
 
 
 class Reloader:
@@ -53,11 +70,13 @@ class Reloader:
         loop: asyncio.AbstractEventLoop,
         summary: Callable[[], str],
         set_status: Callable[[str], None],
+        background: BackgroundBuilds,
     ) -> None:
         self.registry = registry
         self.loop = loop
         self._summary = summary
         self._set_status = set_status
+        self.background = background
         self._lock = asyncio.Lock()
         self._stamps: dict[str, tuple[int, int]] = {}
         self.last_error = ""
@@ -98,12 +117,13 @@ class Reloader:
             try:
                 await self._reload()
             except EdgedError as e:
-                self.last_error = e.message
-                log.error("reload failed, the old models keep serving: %s", e.message)
-                self._set_status(f"{self._summary()}; reload failed: {e.message}")
-                systemd.ready(self.registry_status())
-                self.snapshot()
-                return False
+                return self._failed(e.message)
+            except asyncio.CancelledError:
+                systemd.ready(self.registry_status())  # never leave systemd in "reloading"
+                raise
+            except Exception as e:  # caught at the task's boundary: the watcher and the daemon live on
+                log.exception("reload failed")
+                return self._failed(f"{e.__class__.__name__}: {e}")
             self.last_error = ""
             self.snapshot()
             self._set_status(self._summary())
@@ -111,80 +131,132 @@ class Reloader:
             log.info("reload done in %.2f s", time.monotonic() - started)
             return True
 
+    def _failed(self, message: str) -> bool:
+        self.last_error = message
+        log.error("reload failed, everything stays as it was: %s", message)
+        self._set_status(self._summary())
+        systemd.ready(self.registry_status())
+        self.snapshot()
+        return False
+
     def registry_status(self) -> str:
-        return self._summary() + (f"; reload failed: {self.last_error}" if self.last_error else "")
+        text = self._summary()
+        if self.last_error and "reload failed" not in text:
+            text += f"; reload failed: {self.last_error}"
+        return text
 
     async def _reload(self) -> None:
         reg = self.registry
         path = reg.cfg.source
-        if not path or not os.path.exists(path):
+        if not path or not await asyncio.to_thread(os.path.exists, path):
             raise EdgedError(f"the config file {path!r} is gone")
-        new_cfg = load(path)
+        new_cfg = await asyncio.to_thread(load, path)
         d = diff_configs(reg.cfg, new_cfg)
         if d.restart_needed:
             log.warning("changes to [%s] take effect at the next restart", ", ".join(d.restart_needed))
-        candidates = {n: ModelRuntime(n, new_cfg.models[n]) for n in d.added + d.changed}
-        # A model whose file changed on disk has the same config but a new cache key.
-        for name in set(new_cfg.models) - set(candidates) - set(d.removed):
-            fresh = ModelRuntime(name, new_cfg.models[name])
-            reg.resolve(fresh)
-            old = reg.models[name]
-            if fresh.job and old.job and fresh.job.source_digest != old.job.source_digest:
-                candidates[name] = fresh
-        for rt in candidates.values():
-            if rt.backend_cls is None:
-                reg.resolve(rt)
-        await self._prepare(candidates)
-        reg.cfg = new_cfg
-        for rt in candidates.values():
-            await self._swap_in(rt)
+        # Resolving hashes changed files and checks cache entries: in a thread.
+        candidates = await asyncio.to_thread(self._candidates, new_cfg, d)
+        txn = _Txn()
+        try:
+            await self._prepare(candidates, new_cfg, txn)
+        except BaseException:
+            await asyncio.shield(self._rollback(txn))
+            raise
+        retired = self._commit(new_cfg, txn)
+        for rt, load_it in txn.build:
+            self.background.submit(rt, load_it)
         for name in d.removed:
-            old = reg.models.pop(name)
-            await self._retire(old)
-        reg.digests.save()
+            self.background.cancel(name)
+            retired.append(reg.models.pop(name))
+        for old in retired:
+            await reg.retire(old)
+        await asyncio.to_thread(reg.digests.save)
 
-    async def _prepare(self, candidates: dict[str, ModelRuntime]) -> None:
-        """Build every new engine first: a failed build leaves the old config fully in place."""
+    def _candidates(self, new_cfg: Config, d: Diff) -> list[ModelRuntime]:
+        """Changed and added models, and those whose cache key moved (a model file rewritten in
+        place, a new generation tag, another device fingerprint)."""
         reg = self.registry
-        for rt in candidates.values():
-            if rt.entry is None:
-                self._set_status(f"reloading: building {rt.name} {rt.precision}")
+        tag = new_cfg.cache.generation_tag
+        out = []
+        for name in sorted(set(new_cfg.models) - set(d.removed)):
+            fresh = ModelRuntime(name, new_cfg.models[name])
+            reg.resolve(fresh, tag)
+            if name in d.added or name in d.changed or self._key(fresh) != self._current_key(name):
+                out.append(fresh)
+        return out
+
+    @staticmethod
+    def _key(rt: ModelRuntime) -> str | None:
+        return job_key(rt.job, rt.backend_cls) if rt.job and rt.backend_cls else None
+
+    def _current_key(self, name: str) -> str | None:
+        target = self.background.target(name)
+        return self._key(target or self.registry.models[name])
+
+    async def _prepare(self, candidates: list[ModelRuntime], new_cfg: Config, txn: _Txn) -> None:
+        """Build (block_ready) or find stand-ins, then load and warm: everything before the commit."""
+        reg = self.registry
+        queued = []
+        for rt in candidates:
+            old = reg.models.get(rt.name)
+            if rt.entry is None and new_cfg.build.block_ready:
+                self._status(f"reloading: building {rt.name} {rt.precision}")
                 await reg.build(rt, self._progress(rt.name))
+            if rt.entry is None:
+                self._plan_build(rt, old, txn)
+                continue
+            if rt.cfg.preload == "lazy" and (old is None or old.state != READY):
+                txn.serve[rt.name] = rt
+                continue
+            free = reg.budget - reg.used()
+            if rt.footprint <= free:
+                self._status(f"reloading: warming {rt.name}")
+                await reg.load(rt, self.loop)
+                txn.loaded.append(rt)
+                txn.serve[rt.name] = rt
+            elif old is not None and old.backend is not None and rt.footprint <= free + old.footprint:
+                queued.append((old, rt))
+            else:
+                raise EdgedError(
+                    f"{rt.name}: the new version needs {format_size(rt.footprint)}, "
+                    f"{format_size(max(free, 0))} of the budget is free"
+                )
+        for pending in txn.build:
+            await self._stand_in(pending[0], txn)
+        for old, rt in queued:  # last: these are the only steps that touch what serves
+            await self._swap_queued(old, rt, txn)
+
+    def _plan_build(self, rt: ModelRuntime, old: ModelRuntime | None, txn: _Txn) -> None:
+        boot = rt.cfg.preload == "boot"
+        if old is not None and old.state == READY and old.backend is not None:
+            txn.build.append((rt, boot))  # the old version serves until the new engine is built
+        else:
+            txn.serve[rt.name] = rt
+            txn.build.append((rt, boot))
+
+    async def _stand_in(self, rt: ModelRuntime, txn: _Txn) -> None:
+        """A new model (or one that did not serve) gets a stand-in while its engine builds."""
+        reg = self.registry
+        if txn.serve.get(rt.name) is not rt or rt.cfg.preload != "boot":
+            return
+        sub = await asyncio.to_thread(stand_in, reg, rt)
+        if sub is None or sub.footprint > reg.budget - reg.used():
+            return
+        self._status(f"reloading: warming {rt.name} on {sub.serving_on}")
+        await reg.load(sub, self.loop)
+        txn.loaded.append(sub)
+        txn.serve[rt.name] = sub
 
     def _progress(self, name: str) -> Callable[[str, float | None], None]:
-        return lambda phase, fraction: self._set_status(f"reloading: {name}: {phase}")
+        return lambda phase, fraction: self._status(f"reloading: {name}: {phase}")
 
-    async def _swap_in(self, new: ModelRuntime) -> None:
-        reg = self.registry
-        old = reg.models.get(new.name)
-        if new.cfg.preload == "lazy" and (old is None or old.state != READY):
-            reg.models[new.name] = new
-            reg.set_state(new, LAZY, "loads on first request")
-            if old is not None:
-                await self._retire(old)
-            return
-        free = reg.budget - reg.used()
-        if new.footprint <= free:
-            await self._load_beside(new, old)
-        elif old is not None and new.footprint <= free + old.footprint:
-            await self._swap_queued(new, old)
-        else:
-            raise EdgedError(
-                f"{new.name}: the new version needs {format_size(new.footprint)}, "
-                f"{format_size(max(free, 0))} of the budget is free"
-            )
+    def _status(self, text: str) -> None:
+        """A step of this reload; the last failure stays visible until a reload succeeds."""
+        self._set_status(text + (f"; reload failed: {self.last_error}" if self.last_error else ""))
 
-    async def _load_beside(self, new: ModelRuntime, old: ModelRuntime | None) -> None:
-        """Both fit: warm the new one while the old one serves, then swap and drain the old."""
-        reg = self.registry
-        self._set_status(f"reloading: warming {new.name}")
-        await reg.load(new, self.loop)
-        reg.models[new.name] = new  # the swap: the next request sees the new model
-        if old is not None:
-            await self._retire(old)
-
-    async def _swap_queued(self, new: ModelRuntime, old: ModelRuntime) -> None:
-        """Old and new do not fit together: hold this model's requests, unload, load, release."""
+    async def _swap_queued(self, old: ModelRuntime, new: ModelRuntime, txn: _Txn) -> None:
+        """Old and new do not fit together: hold this model's requests, unload, load, release.
+        A failure loads the old one back before the hold is released."""
         reg = self.registry
         log.warning(
             "%s: old and new versions do not fit together; requests wait during the swap",
@@ -193,24 +265,52 @@ class Reloader:
         )
         gate = reg.hold(new.name)
         try:
-            await self._retire(old)
+            await reg.retire(old)
             reg.models[new.name] = new
+            txn.swapped.append((old, new))
             await reg.load(new, self.loop)
-        except EdgedError as e:
-            reg.set_state(new, FAILED, e.message)
+        except BaseException:
+            reg.models[new.name] = old
             raise
         finally:
             reg.release(new.name, gate)
 
-    async def _retire(self, old: ModelRuntime) -> None:
-        """Let the requests already queued for the old model finish, then unload it."""
+    async def _rollback(self, txn: _Txn) -> None:
         reg = self.registry
-        queue = old.queue
-        deadline = time.monotonic() + reg.cfg.lifecycle.drain_timeout_s
-        while queue is not None and queue.pending and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        if old.backend is not None:
-            await reg.unload(old, "unloaded", "replaced by reload", notify=reg.models.get(old.name) is old)
+        for rt in txn.loaded:
+            if rt.backend is not None:
+                await reg.unload(rt, notify=False)
+        for old, new in reversed(txn.swapped):
+            gate = reg.hold(old.name)
+            try:
+                if new.backend is not None:
+                    await reg.unload(new, notify=False)
+                reg.models[old.name] = old
+                await reg.load(old, self.loop)
+            except EdgedError as e:
+                reg.set_state(old, FAILED, f"could not be restored after a failed reload: {e.message}")
+            finally:
+                reg.release(old.name, gate)
+
+    def _commit(self, new_cfg: Config, txn: _Txn) -> list[ModelRuntime]:
+        """Apply the new config and swap every model at once (no await in here)."""
+        reg = self.registry
+        reg.cfg = new_cfg
+        retired = []
+        for name, rt in txn.serve.items():
+            old = reg.models.get(name)
+            reg.models[name] = rt
+            if old is not None and old is not rt:
+                retired.append(old)
+            if rt.backend is None and rt.entry is not None and rt.cfg.preload == "lazy":
+                reg.set_state(rt, LAZY, "loads on first request")
+            elif rt.backend is None and rt.entry is None:
+                reg.set_state(rt, "building", "building in the background")
+            else:
+                reg.set_state(rt, rt.state, rt.reason)  # tell the listeners the model changed
+        for _, new in txn.swapped:
+            reg.set_state(new, new.state, new.reason)
+        return retired
 
 
 def _stamp(path: str) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,11 +46,13 @@ class Service:
         self.warming = False
         self.started = time.time()
         self.status_line = "starting"
+        # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
+        self.unready: Callable[[], str] = lambda: ""
 
     # --- health and metadata ---
 
     def is_ready(self) -> bool:
-        return self.ready.is_set() and not self.stopping
+        return self.ready.is_set() and not self.stopping and not self.unready()
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "edged", "version": __version__, "extensions": EXTENSIONS}
@@ -84,6 +86,7 @@ class Service:
         started = time.perf_counter()
         rt = self.registry.models.get(name)
         if rt is None:
+            self.metrics.reject(name, transport, ModelNotFoundError.code)
             raise ModelNotFoundError(f"unknown model '{name}'")
         try:
             # Until READY=1 every request waits for readiness, even one for a model already warm
@@ -104,6 +107,9 @@ class Service:
                 e.message,
                 extra={"model": name, "request_id": request_id},
             )
+            raise
+        except Exception:
+            self.metrics.observe(name, transport, EdgedError.code, time.perf_counter() - started)
             raise
         self.metrics.observe(name, transport, "ok", time.perf_counter() - started)
         return out

@@ -16,6 +16,7 @@ import numpy as np
 import orjson
 
 from edged.generation import is_language_model
+from edged.metrics import uncounted
 from edged.protocol import v2_datatype
 from edged.registry import READY, Registry
 from edged.transports.http import App
@@ -53,7 +54,8 @@ async def _call(app: App, model: str, body: bytes, header_len: int | None) -> in
         if message["type"] == "http.response.start":
             status = message["status"]
 
-    await app(scope, receive, send)
+    with uncounted():  # the daemon's own requests are not traffic
+        await app(scope, receive, send)
     return status
 
 

@@ -17,6 +17,8 @@ CONF_DIR=/etc/edged
 UNIT_DIR=/etc/systemd/system
 SYSUSERS_DIR=/etc/sysusers.d
 TMPFILES_DIR=/etc/tmpfiles.d
+APT_CONF_DIR=/etc/apt/apt.conf.d
+APT_HOOK="$PREFIX/libexec/edged-apt-hook"
 UNITS=(edged.socket edged.service)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -146,9 +148,23 @@ install_system_files() {
     for unit in "${UNITS[@]}"; do
         install -m 0644 "$REPO/systemd/$unit" "$UNIT_DIR/$unit"
     done
+    install_apt_hook
     if [ -e "$REPO/docs/systemd.md" ]; then
         install -D -m 0644 "$REPO/docs/systemd.md" "$PREFIX/docs/systemd.md"
     fi
+}
+
+# After a TensorRT, CUDA or L4T upgrade through apt, the hook restarts a running edged: it serves
+# on stand-ins within seconds and rebuilds its engines in the background.
+install_apt_hook() {
+    [ -d "$APT_CONF_DIR" ] || return 0
+    install -D -m 0755 "$REPO/systemd/edged-apt-hook" "$APT_HOOK"
+    printf '%s\n' \
+        "// Installed by edged's scripts/install.sh: rebuild engines after TensorRT/CUDA/L4T upgrades." \
+        "DPkg::Post-Invoke { \"if [ -x $APT_HOOK ]; then $APT_HOOK || true; fi\"; };" \
+        >"$APT_CONF_DIR/80edged"
+    chmod 0644 "$APT_CONF_DIR/80edged"
+    EDGED_APT_ACTION=true "$APT_HOOK"  # record the versions installed now
 }
 
 install_config() {
@@ -188,7 +204,7 @@ uninstall() {
     for unit in "${UNITS[@]}"; do
         rm -f "$UNIT_DIR/$unit"
     done
-    rm -f "$SYSUSERS_DIR/edged.conf" "$TMPFILES_DIR/edged.conf"
+    rm -f "$SYSUSERS_DIR/edged.conf" "$TMPFILES_DIR/edged.conf" "$APT_CONF_DIR/80edged"
     rm -rf "$PREFIX" /run/edged
     if systemd_running; then
         systemctl daemon-reload

@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc systemd openssl)
+# prometheus: its promtool checks the /metrics output (tests/*/test_metrics.py).
+APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc systemd openssl prometheus)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -35,4 +36,32 @@ CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAK
 .venv/bin/ruff check edged tests scripts bench
 .venv/bin/ruff format --check edged tests scripts bench
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -ra "$@"
+
+# JetPack 6 runs Python 3.10: when this machine has one, the unit tests run under it too, in
+# .venv310 (a pyenv shim that cannot run 3.10 does not count; PYTHON310=none turns this off).
+find_python310() {
+  local cand
+  for cand in "${PYTHON310:-}" python3.10 /usr/bin/python3.10 "$(pyenv root 2>/dev/null)"/versions/3.10*/bin/python3.10; do
+    if [ -n "$cand" ] && "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 10)' >/dev/null 2>&1; then
+      echo "$cand"
+      return 0
+    fi
+  done
+  return 1
+}
+status310=0
+if [ "${PYTHON310:-}" != none ] && py310=$(find_python310); then
+  [ -x .venv310/bin/python ] || "$py310" -m venv .venv310
+  .venv310/bin/python -m pip install -q --upgrade pip
+  # llama-cpp-python's wheel is pure ctypes (py3-none): pip's cache from the build above serves it.
+  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" .venv310/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
+  .venv310/bin/python -m pip install -q --no-deps tensorrt-stubs
+  echo "unit tests under $(.venv310/bin/python --version)"
+  # A failure here fails the run, after the main suite has run too.
+  .venv310/bin/python -m pytest -q -ra -p no:cacheprovider tests/unit || status310=$?
+else
+  echo "no Python 3.10 here: the unit tests run under $(.venv/bin/python --version) only"
+fi
+
+.venv/bin/python -m pytest -ra "$@"
+exit "$status310"

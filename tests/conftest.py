@@ -47,6 +47,8 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
         tables: dict[str, dict[str, Any]] = {
             "server": {"socket": str(sock)},
             "cache": {"dir": str(tmp_path / "cache")},
+            # Engines are built before READY=1 unless a test asks for background builds.
+            "build": {"block_ready": True},
         }
         for key, values in (extra or {}).items():
             tables[key] = {**tables.get(key, {}), **values}

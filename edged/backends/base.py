@@ -56,6 +56,10 @@ class BuildSpec:
     precision: str
     profiles: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
+    # The calibration part of the samples (an edged.build.calibrate.CalibrationSet, read lazily)
+    # for a backend that calibrates the FP32 model itself (TensorRT's legacy calibrator); the key
+    # covers it through the job's calibration digest.
+    calibration: Any = None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """Calibration data: a folder of samples turned into model feeds, its digest, and its split.
 
+This is the one loader of calibration samples: ONNX Runtime's quantizer reads them through
+:class:`FeedReader`, TensorRT's legacy calibrator through :meth:`CalibrationSet.named_feeds`, and
+the engine cache key and the calibration caches use its one digest.
+
 A ``[models.NAME.calibration]`` table names a folder holding either tensors (``.npy`` feeds a
 single-input model, ``.npz`` maps input names to arrays) or images (decoded with Pillow and
 preprocessed as the same table declares). One file is one unit: it is hashed, split and counted
@@ -290,6 +294,14 @@ class CalibrationSet:
     def __iter__(self) -> Iterator[Feed]:
         for path in self.files:
             yield from self.feeds_of(path)
+
+    def named_feeds(self) -> Iterator[tuple[str, Feed]]:
+        """(file name relative to the folder, feed), one file read at a time: what a backend that
+        calibrates itself (TensorRT's legacy calibrator) iterates, so an error names the file."""
+        for path in self.files:
+            name = path.relative_to(self.folder).as_posix()
+            for feed in self.feeds_of(path):
+                yield name, feed
 
     @property
     def names(self) -> tuple[str, ...]:

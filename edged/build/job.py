@@ -17,6 +17,10 @@ from edged.backends.base import Backend
 from edged.cache import cache_key
 from edged.config import ModelConfig
 
+# The build option naming the Q/DQ model's nodes a mixed-precision search kept out of INT8:
+# ONNX Runtime runs them FP32 as written; TensorRT may run them FP16.
+FLOAT_NODES_OPTION = "int8_float_nodes"
+
 
 @dataclass(frozen=True)
 class BuildJob:
@@ -31,6 +35,8 @@ class BuildJob:
     calibration: dict[str, Any] | None = None
     calibration_digest: str = ""
     gate: dict[str, Any] = field(default_factory=dict)
+    # cache.generation_tag: an operator's forced new generation (empty: not part of the key).
+    generation_tag: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,10 +54,13 @@ def backend_options(model: ModelConfig, backend: str) -> dict[str, Any]:
     if backend != "tensorrt":
         return {}
     options = dict(msgspec.structs.asdict(model.tensorrt))
-    if model.tensorrt.legacy_calibrator and model.calibration is not None:
-        # TensorRT <= 10's implicit calibrator reads the samples itself.
-        options["calibration_data"] = model.calibration.data
-        options["max_samples"] = model.calibration.max_samples
+    if model.profiles and model.instances > 1:
+        # TensorRT 8.5 gives each execution context a profile of its own, so the engine holds
+        # one per instance and the count belongs in the key there (and only there).
+        from edged.backends.tensorrt import TensorRTBackend
+
+        if TensorRTBackend.profiles_per_engine(model.instances) > 1:
+            options["instances"] = model.instances
     return options
 
 
@@ -74,6 +83,8 @@ def key_fields(job: BuildJob, cls: type[Backend]) -> dict[str, Any]:
     if job.precision != "fp32" and job.calibration is not None:
         # The held-out share decides which samples calibrate, the thresholds decide the verdict.
         fields["gate"] = job.gate
+    if job.generation_tag:
+        fields["generation_tag"] = job.generation_tag
     return fields
 
 
@@ -89,6 +100,7 @@ def make_job(
     cache_dir: str,
     digest: Callable[[str], str],
     calibration_digest: Callable[[ModelConfig], str] | None = None,
+    generation_tag: str = "",
 ) -> BuildJob:
     profiles = {k: [p.min, p.opt, p.max] for k, p in sorted(model.profiles.items())}
     cal = msgspec.structs.asdict(model.calibration) if model.calibration is not None else None
@@ -107,4 +119,5 @@ def make_job(
         calibration=cal,
         calibration_digest=cal_digest,
         gate=msgspec.structs.asdict(model.gate),
+        generation_tag=generation_tag,
     )

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edged.backends.base import Backend, BuildSpec, LoadOptions, Progress, TensorSpec
-from edged.build.job import BuildJob, job_key, key_fields
+from edged.build.job import FLOAT_NODES_OPTION, BuildJob, job_key, key_fields
 from edged.cache import EngineCache, Entry
 from edged.config import CalibrationConfig, GateConfig
 from edged.errors import BuildError
@@ -98,12 +98,26 @@ def _gate(
         backend.unload()
 
 
-def _build_artifact(job: BuildJob, cls: type[Backend], source: str, tmp: Path, progress: Progress) -> dict[str, Any]:
+def _build_artifact(
+    job: BuildJob,
+    cls: type[Backend],
+    source: str,
+    tmp: Path,
+    progress: Progress,
+    float_nodes: Sequence[str] = (),
+    calibration: Any = None,
+) -> dict[str, Any]:
+    options = dict(job.options)
+    if float_nodes:
+        # The nodes a mixed-precision search kept out of INT8 (names of the Q/DQ model's nodes):
+        # ONNX Runtime runs them FP32 as written; TensorRT may run them FP16.
+        options[FLOAT_NODES_OPTION] = list(float_nodes)
     spec = BuildSpec(
         source=source,
         precision=job.precision,
         profiles={k: (tuple(v[0]), tuple(v[1]), tuple(v[2])) for k, v in job.profiles.items()},
-        options=job.options,
+        options=options,
+        calibration=calibration,
     )
     return cls.build(spec, tmp, progress)
 
@@ -125,19 +139,21 @@ def build_precision(job: BuildJob, cls: type[Backend], cache: EngineCache, progr
 def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: str, progress: Progress) -> Entry:
     started = time.monotonic()
     reduced = job.precision != "fp32" and job.calibration is not None
-    source, held, reference = job.source, None, None
+    source, held, reference, calib, legacy = job.source, None, None, None, None
     extra: dict[str, Any] = {}
     if reduced:
         reference, specs = _reference(job.source)  # one FP32 session: input specs, then the gate
         calib, held = _samples(job, specs)
-        if job.precision == "int8":
+        if job.precision == "int8" and job.options.get("legacy_calibrator"):
+            legacy = calib  # TensorRT <= 10's implicit calibrator takes the FP32 model and samples
+        elif job.precision == "int8":
             progress("calibrating", None)
             qdq, extra = _qdq_model(job, cache, calib, progress)
             source = str(qdq)
     tmp = cache.temp_path(cls.artifact_suffix)
     try:
         progress(f"building {job.precision}", None)
-        extra = dict(extra, **_build_artifact(job, cls, source, tmp, progress))
+        extra = dict(extra, **_build_artifact(job, cls, source, tmp, progress, calibration=legacy))
         manifest: dict[str, Any] = dict(
             extra,
             key_fields=key_fields(job, cls),
@@ -148,6 +164,19 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
         )
         if held is not None and reference is not None:
             gate = _gate(job, cls, tmp, held, reference, progress)
+            if not gate["passed"] and job.precision == "int8" and GateConfig(**job.gate).search == "auto":
+                from edged.build.mixed import mixed_precision
+
+                def build_and_judge(
+                    qdq: Path, artefact: Path, excluded: list[str]
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+                    built = _build_artifact(job, cls, str(qdq), artefact, progress, excluded)
+                    return built, _gate(job, cls, artefact, held, reference, progress)
+
+                all_int8, _ = _qdq_model(job, cache, calib, progress)  # cached: the one just judged
+                found = mixed_precision(job, cls, cache, calib, gate, tmp, progress, all_int8, build_and_judge)
+                gate, extra = found.gate, dict(found.extra)
+                manifest.update(extra)
             manifest["gate"] = gate
             if not gate["passed"]:
                 return _reject(job, cls, cache, key, manifest, gate)

@@ -49,7 +49,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper, version_converter
 from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-from onnxruntime.quantization.calibrate import TensorsData, create_calibrator, save_tensors_data
+from onnxruntime.quantization.calibrate import TensorsData, create_calibrator
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -116,11 +116,11 @@ def ranges_key(
     method: str,
     percentile: float,
     op_types: Sequence[str] | None = DEFAULT_OP_TYPES,
-    nodes_to_exclude: Sequence[str] = (),
 ) -> str:
     """What the activation ranges depend on: the FP32 model, the calibration part of the data,
     the method (and percentile), the quantized ops and the ORT version (its pre-processing
-    names the tensors)."""
+    names the tensors). Not the nodes kept in float: the ranges of every tensor the op types
+    touch are computed either way, so the trials of a mixed-precision search share them."""
     fields = {
         "format": RANGES_FORMAT,
         "model": model_digest,
@@ -128,7 +128,6 @@ def ranges_key(
         "method": method,
         "percentile": percentile if method == "percentile" else None,
         "op_types": sorted(op_types) if op_types is not None else None,
-        "exclude": sorted(nodes_to_exclude),
         "ort": ort.__version__,
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
@@ -164,7 +163,30 @@ def _prepare(fp32_model: Path, workdir: Path) -> tuple[Path, int]:
     except ImportError:
         symbolic = False
     quant_pre_process(str(converted), str(prepared), skip_symbolic_shape=not symbolic)
+    _name_nodes(prepared)
     return prepared, opset
+
+
+def prepare(fp32_model: Path, workdir: Path) -> Path:
+    """The model as the quantizer reads it (its node names are what ``nodes_to_exclude`` takes)."""
+    return _prepare(fp32_model, workdir)[0]
+
+
+def _name_nodes(path: Path) -> None:
+    """Give unnamed nodes a stable name: ``nodes_to_exclude`` can only name named nodes."""
+    model = onnx.load(str(path))
+    taken = {n.name for n in model.graph.node if n.name}
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        if not node.name:
+            name = f"{node.op_type}_{i}"
+            while name in taken:
+                name += "_"
+            node.name = name
+            taken.add(name)
+            changed = True
+    if changed:
+        onnx.save(model, str(path))
 
 
 @contextlib.contextmanager
@@ -224,6 +246,10 @@ def _cached_ranges(path: Path, key: str) -> bool:
 
 def _write_ranges(ranges: TensorsData, path: Path, key: str, info: dict[str, Any]) -> None:
     """ORT's own cache format (so quantize_static reads it) plus an ``edged`` block."""
+    # Imported here: onnxruntime 1.23 (the last wheels for Python 3.10, JetPack 6) has no
+    # save_tensors_data, and there this is never called (_ORT_TAKES_RANGES is False).
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
     tmp = path.parent / f".tmp-{os.getpid()}-{path.name}"
     save_tensors_data(ranges, tmp)
     try:
@@ -313,9 +339,7 @@ def quantize_qdq(
     report: Progress = progress or (lambda phase, frac: None)
     started = time.monotonic()
     ops = list(op_types) if op_types is not None else _all_op_types()
-    key = ranges_key(
-        model_digest or file_digest(fp32_model), samples.digest, method, percentile, op_types, nodes_to_exclude
-    )
+    key = ranges_key(model_digest or file_digest(fp32_model), samples.digest, method, percentile, op_types)
     out.parent.mkdir(parents=True, exist_ok=True)
     # The work files (model copies, the augmented model) go next to the output, on the cache's
     # disk: /tmp is often a RAM-backed tmpfs on a Jetson.
@@ -338,6 +362,7 @@ def quantize_qdq(
         "opset": opset,
         "ranges": status,
         "op_types": ops,
+        "nodes_to_exclude": list(nodes_to_exclude),
         "seconds": round(time.monotonic() - started, 2),
         **_qdq_nodes_summary(model, ops),
     }

@@ -67,7 +67,8 @@ class BuildRunner:
         need = parse_size(self.cfg.headroom)
         deadline = time.monotonic() + self.cfg.wait_for_memory_s
         while True:
-            free = self._memory().available
+            # A probe can block (jtop takes about a second): never on the event loop.
+            free = (await asyncio.to_thread(self._memory)).available
             if free >= need:
                 return
             if time.monotonic() >= deadline:
@@ -89,15 +90,25 @@ class BuildRunner:
         )
         self._procs.add(proc)
         assert proc.stdin and proc.stdout and proc.stderr
-        proc.stdin.write(json.dumps(job.to_dict()).encode())
-        proc.stdin.close()
+        try:
+            proc.stdin.write(json.dumps(job.to_dict()).encode())
+            proc.stdin.close()
+        except (OSError, RuntimeError):
+            # The child died before it read its job (killed at once, say): its exit status,
+            # read below, says how; a closed pipe is not the daemon's error.
+            pass
         stderr_task = asyncio.ensure_future(proc.stderr.read())
         events: dict[str, Any] = {}
         try:
             rc = await asyncio.wait_for(self._pump(proc, status, on_progress, events), self.cfg.timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            proc.kill()
-            await proc.wait()
+        except asyncio.TimeoutError:
+            # A timeout fails this model's build only; it must never reach the daemon's loop.
+            await self._kill(proc, stderr_task)
+            raise BuildError(
+                f"build of '{job.model}' took longer than build.timeout_s ({self.cfg.timeout_s} s); stopped"
+            ) from None
+        except asyncio.CancelledError:
+            await self._kill(proc, stderr_task)
             raise
         finally:
             self._procs.discard(proc)
@@ -106,6 +117,13 @@ class BuildRunner:
         if rc == 0 and isinstance(result, dict):
             return result
         raise BuildError(self._explain(job.model, rc, error, tail))
+
+    @staticmethod
+    async def _kill(proc: asyncio.subprocess.Process, stderr_task: asyncio.Future[bytes]) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        stderr_task.cancel()
 
     @staticmethod
     async def _pump(

@@ -7,6 +7,7 @@ Pure functions of bytes and properties, no client and no loop, so the wire forma
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +17,9 @@ import orjson
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edged.errors import BadRequestError, EdgedError
+from edged.errors import BadRequestError, EdgedError, PayloadTooLargeError
 from edged.protocol import NUMPY_TO_V2, V2_TO_NUMPY, InferRequest, decode_infer, encode_infer, v2_datatype
+from edged.transports.mqtt_props import PublishProps, parse
 
 JSON = "application/json"
 OCTET = "application/octet-stream"
@@ -30,17 +32,31 @@ _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 @dataclass
 class Incoming:
-    """What edged keeps of a PUBLISH; copied in the paho thread, used on the loop."""
+    """What edged keeps of a PUBLISH. The MQTT 5 property block stays raw until
+    :func:`read_request` parses it (off the event loop when it is large)."""
 
     topic: str
     payload: bytes
     qos: int = 0
     received: float = field(default_factory=time.monotonic)
+    props_raw: bytes = b""
     response_topic: str = ""
     correlation: bytes | None = None
     content_type: str = ""
     user: dict[str, str] = field(default_factory=dict)
     expiry_s: int | None = None
+
+    def apply(self, props: PublishProps) -> None:
+        self.response_topic = props.response_topic
+        self.correlation = props.correlation
+        self.content_type = props.content_type
+        self.user = dict(props.user)  # a repeated name: the last one wins
+        self.expiry_s = props.expiry_s
+
+    @property
+    def size(self) -> int:
+        """Bytes that decoding walks through: what decides whether it leaves the loop."""
+        return len(self.payload) + len(self.props_raw)
 
     @property
     def deadline(self) -> float | None:
@@ -100,20 +116,33 @@ def parse_dtype(text: str) -> np.dtype[Any]:
     return np.dtype(name)
 
 
+_DIGITS = re.compile(r"[0-9]{1,12}")
+MAX_DIMS = 32  # numpy allows 64; no model input has more than a handful
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
-    """``1,16``, ``1x16`` or the JSON list ``[1, 16]``."""
+    """``1,16``, ``1x16`` or the JSON list ``[1, 16]``; ASCII digits only."""
     t = text.strip()
     try:
-        dims = orjson.loads(t) if t.startswith("[") else [int(d) for d in t.replace("x", ",").split(",") if d.strip()]
+        dims = orjson.loads(t) if t.startswith("[") else [_dim(d) for d in t.replace("x", ",").split(",") if d.strip()]
     except (ValueError, orjson.JSONDecodeError):
         dims = None
     if (
         not isinstance(dims, list)
         or not dims
+        or len(dims) > MAX_DIMS
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims)
     ):
-        raise BadRequestError(f"user property 'shape': expected non-negative integers such as '1,16', got {text!r}")
+        raise BadRequestError(
+            f"user property 'shape': expected up to {MAX_DIMS} non-negative integers such as '1,16', got {text[:80]!r}"
+        )
     return tuple(dims)
+
+
+def _dim(text: str) -> int:
+    if not _DIGITS.fullmatch(text.strip()):
+        raise ValueError(text)
+    return int(text)
 
 
 def decode_raw(msg: Incoming) -> Decoded:
@@ -150,19 +179,63 @@ def decode_json(msg: Incoming) -> Decoded:
     """The HTTP infer body, optionally with the binary tensor data extension."""
     header_length = None
     if HEADER_LENGTH in msg.user:
-        try:
-            header_length = int(msg.user[HEADER_LENGTH])
-        except ValueError:
-            raise BadRequestError(f"user property '{HEADER_LENGTH}' must be an integer") from None
+        text = msg.user[HEADER_LENGTH].strip()
+        if not _DIGITS.fullmatch(text) or int(text) > len(msg.payload):
+            raise BadRequestError(
+                f"user property '{HEADER_LENGTH}' must be an integer from 0 to the payload's {len(msg.payload)} bytes"
+            )
+        header_length = int(text)
     req = decode_infer(msg.payload, header_length)
     reply_to = msg.response_topic
     if not reply_to:
-        reply_to = reply_to_of(msg.payload[:header_length] if header_length else msg.payload)[0]
+        reply_to = reply_to_of(msg.payload[:header_length] if header_length is not None else msg.payload)[0]
     return Decoded(req, reply_to)
 
 
 def decode(msg: Incoming) -> Decoded:
     return decode_raw(msg) if msg.raw else decode_json(msg)
+
+
+@dataclass
+class Unreadable:
+    """A request that cannot run, and where its error goes ('' when nowhere)."""
+
+    error: EdgedError
+    reply_to: str = ""
+    rid: str = ""
+
+
+def wire_error(exc: BaseException) -> EdgedError:
+    """The one place where an MQTT failure becomes a wire error: edged's own errors keep their
+    code (the same as on the socket for the same fault, edged/errors.py); anything else that
+    escapes a decoder on hostile input is a bug, answered as 'internal' rather than raised."""
+    if isinstance(exc, EdgedError):
+        return exc
+    return EdgedError(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def read_request(inc: Incoming, max_body: int, refuse: EdgedError | None = None) -> Decoded | Unreadable:
+    """Properties, then payload: a request ready to run, or the error and where to send it.
+    Pure and linear in the message's size, so it may run in a worker thread. ``refuse``: an
+    error decided before reading (an unknown model), answered like an unreadable body."""
+    try:
+        if inc.props_raw:
+            inc.apply(parse(inc.props_raw))
+    except Exception as e:  # no reply path is known without the properties
+        return Unreadable(wire_error(e))
+    err = refuse
+    if err is None and len(inc.payload) > max_body:
+        err = PayloadTooLargeError(f"payload of {len(inc.payload)} bytes exceeds the limit of {max_body}")
+    if err is None:
+        try:
+            return decode(inc)
+        except Exception as e:
+            err = wire_error(e)
+    reply_to, rid = inc.response_topic, inc.user.get("id", "")
+    if not inc.raw and not (reply_to and rid) and len(inc.payload) <= max_body:
+        json_reply_to, json_rid = reply_to_of(inc.payload)
+        reply_to, rid = reply_to or json_reply_to, rid or json_rid
+    return Unreadable(err, reply_to, rid)
 
 
 def request_id(msg: Incoming) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -25,11 +25,24 @@ from edged.errors import BadRequestError, BusyError, EdgedError
 from edged.transports import mqtt_codec as codec
 
 if TYPE_CHECKING:
-    from edged.transports.mqtt import MqttTransport
+    from edged.service import Service
+    from edged.transports.mqtt_link import Link
+
+
+class Requests(Protocol):
+    """What a generation needs of the MQTT request handler (mqtt_requests.Requests)."""
+
+    service: Service
+    v5: bool
+    device: str
+
+    def drop(self, model: str, reason: str, extra: dict[str, str]) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
 SUFFIX = "/generate"
+MAX_BODY = 4 << 20  # a prompt and a few parameters; the context bounds the prompt anyway
 
 
 def model_from_topic(topic: str, prefix: str, device: str) -> str | None:
@@ -55,68 +68,73 @@ def _decode(payload: bytes) -> dict[str, Any]:
 class Replies:
     """Numbered messages to one requester, each with its Correlation Data."""
 
-    def __init__(self, transport: MqttTransport, inc: codec.Incoming, topic: str, rid: str) -> None:
-        self.transport, self.inc, self.topic, self.rid = transport, inc, topic, rid
+    def __init__(self, requests: Requests, link: Link, inc: codec.Incoming, topic: str, rid: str) -> None:
+        self.requests, self.link, self.inc, self.topic, self.rid = requests, link, inc, topic, rid
         self.seq = 0
 
     def send(self, doc: dict[str, Any], final: bool = False) -> None:
-        t = self.transport
+        r = self.requests
         body = dict(doc, seq=self.seq, final=final)
         if self.rid:
             body["id"] = self.rid
         props = None
-        if t.v5:
-            user = [("device", t.device), ("seq", str(self.seq)), ("final", "true" if final else "false")]
+        if r.v5:
+            user = [("device", r.device), ("seq", str(self.seq)), ("final", "true" if final else "false")]
             props = codec.PackedProperties(codec.pack_properties(codec.JSON, self.inc.correlation, user))
         self.seq += 1
         try:
-            t.link.publish(self.topic, orjson.dumps(body), qos=self.inc.qos, properties=props)
+            self.link.publish(self.topic, orjson.dumps(body), qos=self.inc.qos, properties=props)
         except ValueError as e:  # a response topic with wildcards, or empty
             log.warning("cannot reply on %r: %s", self.topic, e)
 
 
-async def handle(transport: MqttTransport, inc: codec.Incoming) -> None:
-    model = model_from_topic(inc.topic, transport.prefix, transport.device)
-    if model is None:
+async def handle(requests: Requests, link: Link, inc: codec.Incoming, model: str) -> None:
+    """One generate request, from its properties to its final message (or a counted drop)."""
+    extra = {"model": model, "request_id": ""}
+    try:
+        if inc.props_raw:
+            inc.apply(codec.parse(inc.props_raw))
+    except Exception:  # no reply path is known without the properties
+        requests.drop(model, "no_reply_to", extra)
         return
-    extra = {"model": model, "request_id": codec.request_id(inc)}
+    extra["request_id"] = codec.request_id(inc)
     if inc.expired():
-        transport._drop(model, "expired", extra)
+        requests.drop(model, "expired", extra)
         return
-    reply_to, rid = inc.response_topic, inc.user.get("id", "")
     err: EdgedError | None = None
     doc: dict[str, Any] = {}
     try:
+        if len(inc.payload) > MAX_BODY:
+            raise BadRequestError(f"a generate request is limited to {MAX_BODY} bytes")
         doc = _decode(inc.payload)
     except EdgedError as e:
         err = e
-    reply_to = reply_to or str(doc.get("reply_to") or "")
-    rid = str(doc.get("id") or rid)
+    reply_to = inc.response_topic or str(doc.get("reply_to") or "")
+    rid = str(doc.get("id") or inc.user.get("id", ""))
     if not reply_to:
-        transport._drop(model, "no_reply_to", extra)
+        requests.drop(model, "no_reply_to", extra)
         return
-    replies = Replies(transport, inc, reply_to, rid)
+    replies = Replies(requests, link, inc, reply_to, rid)
     if err is not None:
         replies.send(err.to_dict(), final=True)
         return
-    await _generate(transport, model, doc, inc, replies, rid or uuid.uuid4().hex)
+    await _generate(requests, model, doc, inc, replies, rid or uuid.uuid4().hex)
 
 
 async def _generate(
-    transport: MqttTransport, model: str, doc: dict[str, Any], inc: codec.Incoming, replies: Replies, rid: str
+    requests: Requests, model: str, doc: dict[str, Any], inc: codec.Incoming, replies: Replies, rid: str
 ) -> None:
-    service = transport.service
+    service = requests.service
     timer: asyncio.TimerHandle | None = None
     try:
         rt = service.model(model)
         if not gen.is_language_model(rt.cfg):
             raise BadRequestError(f"model '{model}' is not a language model")
+        timeout = gen.request_timeout(service, model)
         if "messages" in doc:
-            job = gen.make_job(
-                rt.cfg, doc, gen.request_timeout(service, model), messages=gen.messages_from(doc["messages"])
-            )
+            job = gen.make_job(rt.cfg, doc, timeout, messages=gen.messages_from(doc["messages"]))
         elif isinstance(doc.get("prompt"), str):
-            job = gen.make_job(rt.cfg, doc, gen.request_timeout(service, model), prompt=doc["prompt"])
+            job = gen.make_job(rt.cfg, doc, timeout, prompt=doc["prompt"])
         else:
             raise BadRequestError("a generate request needs 'prompt' (a string) or 'messages'")
         if inc.deadline is not None:  # the requester's expiry cancels the generation (same clock)
@@ -125,7 +143,7 @@ async def _generate(
             if not job.cancelled.is_set():
                 replies.send({"text": piece})
         if inc.expired():
-            transport._drop(model, "expired", {"model": model, "request_id": rid})
+            requests.drop(model, "expired", {"model": model, "request_id": rid})
             return
         usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens}
         replies.send({"text": "", "finish_reason": job.finish_reason, "usage": usage}, final=True)

@@ -18,6 +18,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -27,12 +28,16 @@ from paho.mqtt.properties import Properties
 
 from edged.config import MqttConfig, TlsConfig
 from edged.errors import ConfigError
+from edged.transports import mqtt_props
+from edged.transports.mqtt_acks import Deliveries
+from edged.transports.mqtt_journal import Journal
 
 log = logging.getLogger(__name__)
 
-OnMessage = Callable[[mqtt.Client, mqtt.MQTTMessage], None]
+OnMessage = Callable[["Link", mqtt.MQTTMessage], None]
 MISC_INTERVAL_S = 1.0  # keepalive pings and the dead-broker check
 STOP_TIMEOUT_S = 2.0
+JOURNAL_SPARE = 16  # refused messages hold a slot for an instant beyond the in-flight limit
 
 
 def _tls(client: mqtt.Client, tls: TlsConfig) -> None:
@@ -63,6 +68,7 @@ class Link:
         on_connected: Callable[[bool], None],
         on_message: OnMessage,
         will_topic: str = "",
+        journal_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.loop = loop
@@ -80,7 +86,11 @@ class Link:
         self._runner: asyncio.Task[None] | None = None
         self._misc: asyncio.Task[None] | None = None
         self._loop_thread = threading.get_ident()
+        mqtt_props.install()  # PUBLISH properties parsed later, linearly (mqtt_props.py says why)
         self.client = self._make_client(client_id, on_message, will_topic)
+        # Only a persistent session is redelivered to a later run: only it keeps a journal.
+        path = journal_dir / f"{client_id}.running" if journal_dir is not None and self.persistent else None
+        self.deliveries = Deliveries(self._ack, cfg.dedup_window, Journal(path, cfg.max_inflight + JOURNAL_SPARE))
 
     def _make_client(self, client_id: str, on_message: OnMessage, will_topic: str) -> mqtt.Client:
         cfg = self.cfg
@@ -89,8 +99,8 @@ class Link:
             client_id=client_id,
             protocol=MQTTProtocolVersion.MQTTv5 if self.v5 else MQTTProtocolVersion.MQTTv311,
             clean_session=None if self.v5 else not self.persistent,
-            # Acknowledged by the transport, so that a message that arrives while edged stops
-            # stays with the broker for the next start.
+            # Acknowledged by the transport once answered or dropped (mqtt_acks.py), so that a
+            # message edged dies on is redelivered, recognised and dropped, not lost or rerun.
             manual_ack=True,
         )
         paho_log = logging.getLogger(f"{__name__}.paho")
@@ -112,7 +122,7 @@ class Link:
         client.on_socket_unregister_write = self._unregister_write
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
-        client.on_message = lambda c, userdata, msg: on_message(c, msg)
+        client.on_message = lambda c, userdata, msg: on_message(self, msg)
         return client
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -122,6 +132,8 @@ class Link:
         cfg = self.cfg
         if self.v5:
             props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+            # The broker sends no more unacknowledged QoS 1/2 messages than this at once.
+            props.ReceiveMaximum = cfg.max_inflight
             if self.persistent:
                 props.SessionExpiryInterval = cfg.session_expiry_s
             self.client.connect_async(
@@ -147,6 +159,7 @@ class Link:
                     await asyncio.wait_for(asyncio.shield(runner), STOP_TIMEOUT_S)
             runner.cancel()
         self.connected.clear()
+        self.deliveries.journal.close()
 
     async def _run(self) -> None:
         delay = self.cfg.reconnect_min_s
@@ -184,6 +197,10 @@ class Link:
             await asyncio.sleep(MISC_INTERVAL_S)
             if not self._connecting and self.client.socket() is not None:
                 self.client.loop_misc()
+
+    def _ack(self, mid: int, qos: int) -> None:
+        if not self._connecting:  # otherwise void: the broker redelivers on the new connection
+            self.client.ack(mid, qos)
 
     # --- publishing -----------------------------------------------------------------------------
 
@@ -264,6 +281,7 @@ class Link:
         if self.closing:
             return
         self._accepted = True
+        self.deliveries.connected(bool(flags.session_present))
         self.connected.set()
         self._on_connected(bool(flags.session_present))
 

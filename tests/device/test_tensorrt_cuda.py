@@ -31,6 +31,7 @@ from edged.backends.base import LoadOptions, TensorSpec
 from edged.backends.tensorrt import TensorRTBackend
 from edged.backends.tensorrt.cuda import CudaDevice, IOBuffers, shared_device
 from edged.backends.tensorrt.fingerprint import gpu_fingerprint
+from edged.backends.tensorrt.profiles import PER_CONTEXT, SHARED, ProfileSlots
 from edged.backends.tensorrt.shapes import TensorPlan, io_bytes
 from edged.errors import BackendError, InvalidInputError
 
@@ -293,6 +294,11 @@ class _FakeContext:
     def __init__(self) -> None:
         self.addresses: dict[str, int] = {}
         self.shape: tuple[int, ...] = ()
+        self.profile_calls: list[tuple[int, int]] = []
+
+    def set_optimization_profile_async(self, index: int, stream: int) -> bool:
+        self.profile_calls.append((index, stream))
+        return True
 
     def set_tensor_address(self, name: str, address: int) -> bool:
         self.addresses[name] = address
@@ -325,6 +331,7 @@ def _fake_load(self: TensorRTBackend) -> tuple[tuple[TensorSpec, ...], tuple[Ten
     self._plans = tuple(plans(MAX))
     self._profiles = {"x": ((1, 1024, 1024), (1, 1024, 1024), MAX)}
     self._mapped = bool(self._mapped_option)
+    self._slots = ProfileSlots(SHARED, 1, True, "fake.engine")
     return (TensorSpec("x", "float32", (-1, 1024, 1024)),), (TensorSpec("y", "float32", (-1, 1024, 1024)),)
 
 
@@ -359,6 +366,47 @@ def test_backend_instances_infer_and_unload_returns_memory(device: CudaDevice, m
     assert not_returned < 16 * MiB
     with pytest.raises(BackendError, match="not loaded"):
         instances[1].infer({"x": np.zeros((1, 1024, 1024), np.float32)})
+
+
+def test_per_context_profiles_are_set_on_each_instance_stream(device: CudaDevice) -> None:
+    """TensorRT 8.5's scheme on real streams: instance i switches to profile i on its own stream
+    and waits for it; a fourth instance of a three-profile engine is refused; a released profile
+    is given out again."""
+    backend = TensorRTBackend(Path("/nonexistent.engine"), LoadOptions(instances=3, options={"mapped": False}))
+    backend._load_impl = types.MethodType(_fake_load, backend)  # type: ignore[method-assign]
+    backend.load()
+    backend._slots = ProfileSlots(PER_CONTEXT, 3, True, "fake.engine")
+    # As the real load leaves it: the engine's first context, already on profile 0 (the fake
+    # load makes none, and then every context, rightly, is told its profile).
+    backend._spare = backend._engine.create_execution_context()  # type: ignore[union-attr, assignment]
+    instances = run_threads(3, lambda i: backend.instance())
+    calls = {inst.profile: inst._ctx.profile_calls for inst in instances}  # type: ignore[attr-defined]
+    assert sorted(calls) == [0, 1, 2]
+    for inst in instances:
+        want = [] if inst.profile == 0 else [(inst.profile, inst.io.stream_handle)]  # type: ignore[attr-defined]
+        assert inst._ctx.profile_calls == want  # type: ignore[attr-defined]
+        x = np.full((2, 1024, 1024), inst.profile, np.float32)  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(inst.infer({"x": x})["y"], x)
+    with pytest.raises(BackendError, match="has 3, all in use"):
+        backend.instance()
+    freed = next(i for i in instances if i.profile == 1)  # type: ignore[attr-defined]
+    backend._release(freed)  # type: ignore[arg-type]
+    again = backend.instance()
+    assert again.profile == 1  # type: ignore[attr-defined]
+    backend.unload()
+
+
+def test_selftest_compares_mapped_and_copied_buffers(device: CudaDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selftest's buffers check, its engine played by the identity stand-in."""
+    from edged.selftest_checks import buffers_check
+
+    monkeypatch.setattr(TensorRTBackend, "_load_impl", _fake_load)
+    rng = np.random.default_rng(11)
+    feeds = [{"x": rng.standard_normal((1, 1024, 1024), dtype=np.float32)} for _ in range(4)]
+    check = buffers_check(Path("/nonexistent.engine"), feeds)
+    REPORT["selftest_buffers"] = check.detail
+    assert check.status == "PASS", check.detail
+    assert "mapped p50" in check.detail and "copied p50" in check.detail
 
 
 if __name__ == "__main__":

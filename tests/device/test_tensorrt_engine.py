@@ -11,10 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edged.backends.base import BuildSpec
+from edged.backends.base import BuildSpec, LoadOptions, TensorSpec
 from edged.backends.tensorrt import TensorRTBackend
 from edged.backends.tensorrt.cuda import shared_device
 from edged.backends.tensorrt.versions import parse_version
+from edged.build.calibrate import CalibrationSet
+from edged.config import CalibrationConfig
 from edged.errors import BuildError, CacheError, InvalidInputError
 
 pytestmark = pytest.mark.device
@@ -37,10 +39,12 @@ def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_mlp(tmp_path_factory.mktemp("models") / "tiny.onnx")
 
 
-def build(source: Path, dest: Path, precision: str, **options: object) -> dict[str, object]:
+def build(
+    source: Path, dest: Path, precision: str, samples: CalibrationSet | None = None, **options: object
+) -> dict[str, object]:
     phases: list[str] = []
     extra = TensorRTBackend.build(
-        BuildSpec(str(source), precision, PROFILES, options), dest, lambda phase, _: phases.append(phase)
+        BuildSpec(str(source), precision, PROFILES, options, samples), dest, lambda phase, _: phases.append(phase)
     )
     assert phases[0] == "parsing" and "building" in phases
     return extra
@@ -109,20 +113,24 @@ def test_int8_engine_from_the_qdq_model_passes_the_gate(major: int, mlp: Path, t
     backend.unload()
 
 
-def test_legacy_calibrator_up_to_10_and_refused_on_11(major: int, mlp: Path, tmp_path: Path) -> None:
+def calibration(tmp_path: Path, shape: tuple[int, ...] = (4, 16)) -> CalibrationSet:
     data = tmp_path / "calibration"
-    data.mkdir()
+    data.mkdir(exist_ok=True)
     rng = np.random.default_rng(5)
     for i in range(16):
-        np.save(data / f"{i:02}.npy", rng.standard_normal((4, 16), dtype=np.float32))
+        np.save(data / f"{i:02}.npy", rng.standard_normal(shape, dtype=np.float32))
+    return CalibrationSet.load(CalibrationConfig(data=str(data)), [TensorSpec("x", "float32", (-1, 16))])
+
+
+def test_legacy_calibrator_up_to_10_and_refused_on_11(major: int, mlp: Path, tmp_path: Path) -> None:
     engine = tmp_path / "legacy.engine"
-    options = {"legacy_calibrator": True, "calibration_data": str(data)}
+    samples = calibration(tmp_path)
     if major >= 11:
         with pytest.raises(BuildError, match="removed in TensorRT 11"):
-            build(mlp, engine, "int8", **options)
+            build(mlp, engine, "int8", samples, legacy_calibrator=True)
         return
-    extra = build(mlp, engine, "int8", **options)
-    assert extra["legacy_calibrator"] is True
+    extra = build(mlp, engine, "int8", samples, legacy_calibrator=True)
+    assert extra["legacy_calibrator"] is True and extra["calibration_samples"] == 16
     assert list((tmp_path / "timing").glob("calib-*.cache"))  # the calibration cache was kept
     backend = TensorRTBackend(engine)
     backend.load()
@@ -130,6 +138,45 @@ def test_legacy_calibrator_up_to_10_and_refused_on_11(major: int, mlp: Path, tmp
     probs = backend.instance().infer({"x": x})["probs"]
     assert np.allclose(probs.sum(axis=1), 1, atol=1e-2)
     backend.unload()
+
+
+def test_legacy_calibrator_names_a_sample_off_the_calibration_shape(major: int, mlp: Path, tmp_path: Path) -> None:
+    if major >= 11:
+        pytest.skip("TensorRT 11 has no legacy calibrator")
+    samples = calibration(tmp_path, shape=(3, 16))  # the profile's opt batch is 4
+    with pytest.raises(BuildError, match=r"calibration sample 00.npy: input 'x' has shape \[3, 16\]"):
+        build(mlp, tmp_path / "bad.engine", "int8", samples, legacy_calibrator=True)
+
+
+@pytest.mark.parametrize("instances", [3])
+def test_several_instances_of_a_dynamic_engine_serve_at_once(
+    major: int, mlp: Path, tmp_path: Path, instances: int
+) -> None:
+    """Issue 16 item 1: on 8.5 one profile per instance, on 8.6 profile sharing, on 10+ as is."""
+    import threading
+
+    engine = tmp_path / "multi.engine"
+    extra = build(mlp, engine, "fp32", instances=TensorRTBackend.profiles_per_engine(instances))
+    assert extra["profiles_per_input"] == TensorRTBackend.profiles_per_engine(instances)
+    backend = TensorRTBackend(engine, LoadOptions(instances=instances))
+    backend.load()
+    insts = [backend.instance() for _ in range(instances)]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for x in batches():
+                np.testing.assert_allclose(insts[i].infer({"x": x})["probs"], onnxruntime(mlp, x), rtol=1e-2, atol=1e-3)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(instances)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    backend.unload()
+    assert errors == []
 
 
 def test_a_bad_engine_is_a_cache_error_not_a_crash(major: int, mlp: Path, tmp_path: Path) -> None:
@@ -166,6 +213,8 @@ def test_fingerprint_names_everything_the_engine_is_bound_to(major: int) -> None
     fp = TensorRTBackend.fingerprint()
     assert set(fp) == {
         "tensorrt",
+        "tensorrt_cuda",
+        "board",
         "gpu",
         "compute_capability",
         "sm_count",

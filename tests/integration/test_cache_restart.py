@@ -14,6 +14,10 @@ from tests.helpers import DaemonProcess
 
 pytestmark = pytest.mark.integration
 
+# These tests are about what the cache holds across restarts: each start builds before READY=1
+# (the background builds of a stand-in start are tested in test_background_builds.py).
+BLOCK = {"build": {"block_ready": True}}
+
 
 def manifests(cache: Path) -> dict[str, dict[str, object]]:
     return {p.name: json.loads(p.read_text()) for p in cache.glob("*.json") if p.name != "digests.json"}
@@ -22,7 +26,7 @@ def manifests(cache: Path) -> dict[str, dict[str, object]]:
 def test_second_start_is_a_cache_hit(
     daemon_factory: Callable[..., DaemonProcess], model_dir: Path, tmp_path: Path
 ) -> None:
-    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}}, extra=BLOCK)
     d.start()
     assert "tiny: building" in d.log()
     assert d.stop() == 0
@@ -50,7 +54,7 @@ def test_second_start_is_a_cache_hit(
 def test_corrupt_artifact_is_quarantined_and_rebuilt(
     daemon_factory: Callable[..., DaemonProcess], model_dir: Path, tmp_path: Path
 ) -> None:
-    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}}, extra=BLOCK)
     d.start()
     assert d.stop() == 0
     cache = tmp_path / "cache"
@@ -72,7 +76,7 @@ def test_changed_model_rebuilds_and_manifest_mismatch(
     from edged.demo import make_tiny_mlp
 
     model = make_tiny_mlp(tmp_path / "m.onnx")
-    d = daemon_factory({"m": {"path": str(model)}})
+    d = daemon_factory({"m": {"path": str(model)}}, extra=BLOCK)
     d.start()
     assert d.stop() == 0
     cache = tmp_path / "cache"
@@ -98,7 +102,7 @@ def test_artifact_that_does_not_load_is_rebuilt(
     TensorRT, say) is moved aside and rebuilt at once; the daemon comes up ready."""
     from edged.cache import file_digest
 
-    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}})
+    d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}}, extra=BLOCK)
     d.start()
     assert d.stop() == 0
     cache = tmp_path / "cache"

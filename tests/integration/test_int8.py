@@ -177,8 +177,50 @@ def test_build_waits_for_memory_headroom_then_fails_with_what_it_needs(
         {"tiny": {"path": str(model_dir / "tiny.onnx")}},
         extra={"build": {"headroom": "100TiB", "wait_for_memory_s": 0}},
     )
-    d.start()
+    d.start(wait_ready=False)  # not ready: its only boot model failed (it used to say ready with 0 models)
     with d.client() as c:
+        wait_for(lambda: c.status()["models"]["tiny"]["state"] == "failed", 60, what="the build to give up")
         st = c.status()["models"]["tiny"]
+        assert not c.ready()
     assert st["state"] == "failed"
     assert "needs 102400.0 GiB free (build.headroom)" in st["reason"] and "available" in st["reason"]
+
+
+def test_failed_all_int8_searches_mixed_precision_once(
+    daemon_factory: Callable[..., DaemonProcess], demo_models: Path, pages: Path, tmp_path: Path
+) -> None:
+    """All-INT8 misses a tight gate: the build searches for nodes to keep in float, serves int8
+    (mixed) with the trials recorded, and the next boot reuses the result without searching."""
+    gate = {"metric": "rel_l2", "max_rel_l2": 0.2, "max_trials": 8}
+    d = daemon_factory({"det": detector(demo_models, pages, gate)})  # type: ignore[arg-type]
+    d.start(timeout=300)
+    st = status(d)
+    assert st["precision"] == "int8" and st["state"] == "ready", st
+    found = st["gate"]
+    assert found["passed"] is True and found["rel_l2"] <= 0.2, found
+    search = found["search"]
+    assert search["passed"] and search["excluded"] and len(search["trials"]) <= 8
+    assert search["trials"][0]["float_nodes"] == 0 and not search["trials"][0]["passed"]
+    assert search["trials"][0]["rel_l2"] > 0.2  # all-INT8 really failed
+    assert 0.0 < search["int8_mac_fraction"] < 1.0
+    manifest = json.loads(next((tmp_path / "cache").glob("det-*.json")).read_text())
+    assert manifest["int8_float_nodes"] == search["excluded"] and manifest["qdq_model"].endswith("-mixed.onnx")
+    assert "built int8 (mixed)" in d.log() and "MACs int8" in d.log()
+    frame = np.random.default_rng(0).random((1, 3, 160, 160), dtype=np.float32)
+    with d.client() as c:
+        assert c.infer("det", {"x": frame})["sigmoid_0.tmp_0"].shape == (1, 1, 160, 160)
+    assert d.stop() == 0
+    d.log_path.write_text("")
+    d.start(timeout=60)
+    assert "building" not in d.log() and "mixed precision" not in d.log()
+    again = status(d)
+    assert again["precision"] == "int8" and again["gate"]["search"]["excluded"] == search["excluded"]
+    out = subprocess.run(
+        [sys.executable, "-m", "edged", "build", "--config", str(d.config)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "int8 (mixed)" in out.stdout, out.stdout
+    for cmd in (["plan"], ["status", "--socket", str(d.socket)]):
+        shown = subprocess.run(
+            [sys.executable, "-m", "edged", *cmd, "--config", str(d.config)], capture_output=True, text=True
+        )
+        assert shown.returncode == 0 and "int8 (mixed)" in shown.stdout, (cmd, shown.stdout, shown.stderr)

@@ -260,8 +260,11 @@ def test_disconnect_cancels_the_generation_and_frees_the_slot(edge: DaemonProces
         t.join(30)
         c.close()
         wait_for(lambda: "cancelled after" in edge.log(), 30, what="the generation to stop")
-        r = probe.post("/v2/models/solo/generate", json={"text_input": "hi", "max_tokens": 2})
-        assert r.status_code == 200, r.text
+
+        def served() -> bool:  # the slot takes the next request (its queue place frees as it returns)
+            return probe.post("/v2/models/solo/generate", json={"text_input": "hi", "max_tokens": 2}).status_code == 200
+
+        wait_for(served, 30, interval=0.1, what="the freed slot to serve the next request")
     line = next(x for x in edge.log().splitlines() if "cancelled after" in x)
     assert int(line.split("cancelled after ")[1].split()[0]) < 1000
 
@@ -269,16 +272,24 @@ def test_disconnect_cancels_the_generation_and_frees_the_slot(edge: DaemonProces
 # --- planning: budget admission and lazy loading ------------------------------------------------
 
 
-def test_budget_admits_by_kv_cache_and_lazy_model_loads_on_first_request(smollm2: Path, tmp_path: Path) -> None:
+def test_budget_admits_by_kv_cache_and_lazy_model_loads_on_first_request(
+    smollm2: Path, model_dir: Path, tmp_path: Path
+) -> None:
     big = llm_model(smollm2, context=8192, slots=4)
     d = daemon(
         tmp_path,
-        {"big": dict(big, priority=90, queue_depth=4), "lazy": dict(llm_model(smollm2), preload="lazy")},
+        {
+            "big": dict(big, priority=90, queue_depth=4),
+            "lazy": dict(llm_model(smollm2), preload="lazy"),
+            "tiny": {"path": str(model_dir / "tiny.onnx")},  # ready needs one boot model that serves
+        },
         memory={"budget": "400MiB", "reserve": "0B"},
     )
     d.start(timeout=180)
     try:
         with http(d) as c:
+            # Builds (here: reading each GGUF's header) finish in the background after READY=1.
+            wait_for(lambda: c.get("/v2/edged/status").json()["models"]["lazy"]["state"] == "lazy", 60)
             status = c.get("/v2/edged/status").json()
             models = status["models"]
             # Weights (98 MB) fit; four 8192-token KV caches (4 x 189 MB) do not.

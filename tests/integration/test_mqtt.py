@@ -71,6 +71,8 @@ class Edged(DaemonProcess):
         device: str,
         models: Mapping[str, Mapping[str, Any]],
         cache: Path,
+        extra: Mapping[str, Mapping[str, Any]] | None = None,
+        env: dict[str, str] | None = None,
         **mqtt_keys: Any,
     ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -87,16 +89,29 @@ class Edged(DaemonProcess):
         tables: dict[str, dict[str, Any]] = {
             "server": {"socket": str(directory / "edged.sock"), "log_level": "debug"},
             "cache": {"dir": str(cache)},
+            "build": {"block_ready": True},  # engines built before READY=1
             "mqtt": {k: v for k, v in mqtt.items() if not isinstance(v, dict)},
         }
         tables.update({f"mqtt.{k}": v for k, v in mqtt.items() if isinstance(v, dict)})
+        for key, values in (extra or {}).items():
+            tables[key] = {**tables.get(key, {}), **values}
+        self.tables = tables
+        self.models = dict(models)
+        self.directory = directory
+        self.write_models(models)
+        super().__init__(directory / "edged.toml", directory / "edged.sock", directory / "edged.log", env=env)
+
+    def write_models(self, models: Mapping[str, Mapping[str, Any]]) -> None:
+        """(Re)write the config with these models; the rest stays as constructed."""
+        tables = {k: v for k, v in self.tables.items() if not k.startswith("models.")}
         for name, m in models.items():
-            tables[f"models.{name}"] = {k: v for k, v in m.items() if not isinstance(v, dict)}
+            key = f'"{name}"' if "." in name else name  # a TOML key with a dot is quoted
+            tables[f"models.{key}"] = {k: v for k, v in m.items() if not isinstance(v, dict)}
             for sub, values in m.items():
                 if isinstance(values, dict):
-                    tables[f"models.{name}.{sub}"] = values
-        config = write_config(directory / "edged.toml", tables)
-        super().__init__(config, directory / "edged.sock", directory / "edged.log")
+                    tables[f"models.{key}.{sub}"] = values
+        self.tables = tables
+        write_config(self.directory / "edged.toml", tables)
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics, 0 when the series does not exist yet."""
@@ -194,7 +209,8 @@ def test_status_online_and_model_states_are_retained(peer: Peer) -> None:
         assert state["model"] == name and state["state"] == "ready" and state["reason"] == ""
 
 
-def test_telemetry_reports_memory_counts_and_latency(peer: Peer) -> None:
+def test_telemetry_reports_memory_counts_and_latency(peer: Peer, edge: Edged) -> None:
+    socket_probs(edge, np.zeros((1, 16), np.float32))  # warm-up requests are not counted: make one
     topic = f"edged/{DEV}/telemetry"
     peer.subscribe(topic, qos=0)
     doc = peer.first(topic, lambda r: r.json()["models"]["tiny"]["requests"] > 0, timeout=10).json()
@@ -411,6 +427,10 @@ BAD: dict[str, tuple[str, bytes, str, list[tuple[str, str]], str]] = {
         "invalid_input",
     ),
     "unknown-model": ("nope", json_request(_X), "", [], "model_not_found"),
+    # An unknown model is a 404 whatever the body holds, as on the socket (issue 12).
+    "unknown-model-no-inputs": ("nope", b'{"inputs": []}', "", [], "model_not_found"),
+    "unknown-model-raw-garbage": ("nope", b"\x00\x01", OCTET, [("dtype", "FP99")], "model_not_found"),
+    "header-length-negative": ("tiny", b"{}", OCTET, [("inference-header-content-length", "-1")], "bad_request"),
 }
 
 
@@ -431,6 +451,9 @@ def test_bad_payloads_get_the_socket_error_codes(peer: Peer, edge: Edged) -> Non
     with edge.client() as c, pytest.raises(errors.InvalidInputError) as socket_err:
         c.infer("tiny", {"x": np.zeros((1, 15), np.float32)})
     assert socket_err.value.code == BAD["raw-wrong-shape"][-1]  # the socket's code for the same input
+    with edge.client() as c:
+        status, body, _ = c.request("POST", "/v2/models/nope/infer", b'{"inputs": []}')
+    assert (status, json.loads(body)["code"]) == (404, BAD["unknown-model-no-inputs"][-1])
 
 
 def test_requests_without_a_reply_path_are_logged_and_harmless(module_broker: Broker, peer: Peer, edge: Edged) -> None:

@@ -100,5 +100,22 @@ def test_topic_keys_that_cannot_work_stop_the_start(tmp_path: Path, tiny: dict[s
     d = Edged(tmp_path / "edge", 1, device, {"tiny": tiny}, tmp_path / "cache", **keys)
     d.start(wait_ready=False)
     assert d.proc is not None
-    assert d.proc.wait(timeout=30) == 1
+    assert d.proc.wait(timeout=30) == 78  # EX_CONFIG: systemd does not restart it
     assert f"mqtt.{key}" in d.log()
+
+
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [
+        ({"homeassistant": {"enabled": True}, "telemetry_interval_s": 0}, "mqtt.homeassistant"),
+        ({"homeassistant": {"enabled": True, "prefix": "ha/#"}}, "mqtt.homeassistant.prefix"),
+    ],
+)
+def test_home_assistant_keys_that_cannot_work_stop_the_start(
+    tmp_path: Path, tiny: dict[str, Any], keys: dict[str, Any], named: str
+) -> None:
+    d = Edged(tmp_path / "edge", 1, "dev-x", {"tiny": tiny}, tmp_path / "cache", **keys)
+    d.start(wait_ready=False)
+    assert d.proc is not None
+    assert d.proc.wait(timeout=30) != 0
+    assert named in d.log()

@@ -54,6 +54,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
         {
             "server": {"socket": str(tmp / "edged.sock"), "max_body": "1MiB"},
             "cache": {"dir": str(tmp / "cache")},
+            "build": {"block_ready": True},
             "models.tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"},
             "models.lazy": {"path": str(model_dir / "tiny_b.onnx"), "preload": "lazy"},
             "models.broken": {"path": str(tmp / "missing.onnx")},

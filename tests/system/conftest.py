@@ -1,15 +1,24 @@
 """Fixtures of the system tests: each test boots its own systemd in private namespaces.
 
 See systemd_ns.py for how, and docs/systemd.md ("System tests") for why each step is there.
-The tests skip, with the reason, when not root or when this machine cannot boot systemd.
+The tests skip, with the reason, when not root or when this machine cannot boot systemd; under
+CI (CI=true, where .ci/run is root on a machine that boots it) either is a failure instead, so
+a regression in the namespace set-up cannot pass green as a row of skips.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 
 import pytest
 from systemd_ns import Boot, BootError, BootOptions, SystemdNamespace, missing_prerequisite
+
+
+def _cannot_run(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"system tests must run under CI: {reason}")
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +32,7 @@ def boot_systemd(systemd_prerequisite: str | None, tmp_path_factory: pytest.Temp
     a systemd whose edged-test.target wants those units; every namespace is torn down after the
     test (units stopped, then its init killed by PID, then its cgroup removed)."""
     if systemd_prerequisite is not None:
-        pytest.skip(systemd_prerequisite)
+        _cannot_run(systemd_prerequisite)
     booted: list[SystemdNamespace] = []
 
     def boot(units: Mapping[str, str], options: BootOptions | None = None) -> SystemdNamespace:
@@ -34,7 +43,7 @@ def boot_systemd(systemd_prerequisite: str | None, tmp_path_factory: pytest.Temp
         try:
             ns.boot()
         except (BootError, TimeoutError) as e:
-            pytest.skip(f"systemd cannot boot in a namespace here: {e}")
+            _cannot_run(f"systemd cannot boot in a namespace here: {e}")
         return ns
 
     yield boot

@@ -85,6 +85,8 @@ class Edged:
         return StrictClient(self.socket, timeout=timeout)
 
     def write_config(self, tables: dict[str, dict[str, Any]]) -> Path:
+        # Engines are built before READY=1 unless a test asks for background builds.
+        tables = {"build": {"block_ready": True}, **tables}
         path = self.path(CONFIG)
         path.parent.mkdir(mode=0o755, exist_ok=True)
         part = write_config(path.with_name(path.name + ".part"), tables)

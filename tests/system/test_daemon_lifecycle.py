@@ -122,9 +122,9 @@ def test_active_only_once_warm_and_the_first_request_costs_what_later_ones_do(
     for name, m in models.items():
         assert m["state"] == "ready", (name, m)
         assert m["infer_us"] is not None, f"{name} was not warmed before READY=1"
-    # warm_request_path pushed requests through the HTTP app before READY=1: 3 for det's binary
-    # body (+ ours), 6 for tiny (binary and JSON).
-    assert models["det"]["requests"] >= 4 and models["tiny"]["requests"] >= 6, models
+    # warm_request_path pushed requests through the HTTP app before READY=1; they are not
+    # traffic, so the counts hold only ours (one det request so far).
+    assert models["det"]["requests"] == 1 and models["tiny"]["requests"] == 0, models
 
     # systemd counted the unit active only after every model had started warming: the journal
     # (MODEL=/PHASE= fields) against the monotonic time systemd entered "active".
@@ -271,7 +271,7 @@ def test_reload_under_load_swaps_the_model_without_failing_a_request(boot_system
     assert edged.main_pid() == pid and edged.prop("NRestarts") == "0"
     assert edged.prop("StatusText") == "1 models ready"
     outcomes = request_outcomes(edged)
-    assert {o for (m, o) in outcomes if m == "tiny"} == {"ok"}, outcomes
+    assert {o for (m, o), n in outcomes.items() if m == "tiny" and n} == {"ok"}, outcomes
 
 
 # --- 4. failed reload -----------------------------------------------------------------------------

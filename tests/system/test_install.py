@@ -83,12 +83,19 @@ def test_install_upgrade_uninstall(boot_systemd: Boot, checkout: Path) -> None:
     install()
     ns.wait_state("edged.service", "active", timeout=120)
     assert ns.state("edged.socket") == "active"
-    assert http_get(ns, "/v2/health/ready") == "HTTP/1.1 200 OK"
+    assert http_get(ns, "/v2/health/live") == "HTTP/1.1 200 OK"
+    # The shipped config's example model has no file yet: no boot model serves, so not ready (it
+    # used to answer ready with 0 models ready).
+    assert http_get(ns, "/v2/health/ready") == "HTTP/1.1 503 Service Unavailable"
     conf = ns.root_path("/etc/edged/edged.toml")
     st = conf.stat()
     assert stat.S_IMODE(st.st_mode) == 0o640 and st.st_uid == 0
     enabled = ns.systemctl("is-enabled", "edged.socket", "edged.service").stdout.split()
     assert enabled == ["enabled", "enabled"]
+    # The apt hook: installed where apt reads it, and it recorded the versions installed now.
+    if ns.root_path("/etc/apt/apt.conf.d").is_dir():
+        assert "edged-apt-hook" in ns.root_path("/etc/apt/apt.conf.d/80edged").read_text()
+        assert len(ns.root_path("/var/lib/edged/apt-versions").read_text().strip()) == 64
     pid_before = ns.show("edged.service", "MainPID")["MainPID"]
 
     # ExecReload= (SIGHUP): the same process re-reads its config and is active again.
@@ -108,6 +115,7 @@ def test_install_upgrade_uninstall(boot_systemd: Boot, checkout: Path) -> None:
     assert ns.state("edged.service") == "inactive"
     assert not ns.root_path("/opt/edged").exists()
     assert not ns.root_path("/etc/systemd/system/edged.service").exists()
+    assert not ns.root_path("/etc/apt/apt.conf.d/80edged").exists()
     assert conf.exists()  # kept without --purge
     install("--uninstall", "--purge")
     assert not ns.root_path("/etc/edged").exists()

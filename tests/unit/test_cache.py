@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
@@ -118,3 +119,54 @@ def test_source_digests_rehash_only_on_change(tmp_path: Path) -> None:
     time.sleep(0.01)  # a new mtime, not synchronisation
     model.write_bytes(b"two")
     assert again.digest(str(model)) != first
+
+
+def test_artefacts_are_trusted_by_stamp_and_verified_in_full_on_demand(tmp_path: Path) -> None:
+    """A reload must not re-read every engine: a lookup hashes an artefact only when its (size,
+    mtime, inode) changed; verify() reads it in full (what a failed load does)."""
+    from edged.cache import file_digest
+
+    reads: list[str] = []
+
+    def counting(path: str) -> str:
+        reads.append(path)
+        return file_digest(path)
+
+    cache = EngineCache(tmp_path)
+    cache.prepare()
+    cache.digests = SourceDigests(tmp_path, hasher=counting)
+    key = commit(cache)
+    for _ in range(3):
+        assert cache.lookup("m", key, ".bin") is not None
+    assert len(reads) == 1
+    artifact = cache.artifact_path("m", key, ".bin")
+    st = artifact.stat()
+    with open(artifact, "r+b") as f:  # bit rot: same size, same inode, mtime put back
+        f.write(b"E")
+    os.utime(artifact, ns=(st.st_atime_ns, st.st_mtime_ns))
+    entry = cache.lookup("m", key, ".bin")
+    assert entry is not None and len(reads) == 1  # trusted by its stamp...
+    assert "corrupted" in cache.verify(entry)  # ...and caught by the full check
+
+
+def test_source_digests_prune_files_that_are_gone(tmp_path: Path) -> None:
+    kept, gone = tmp_path / "kept.onnx", tmp_path / "gone.onnx"
+    kept.write_bytes(b"k")
+    gone.write_bytes(b"g")
+    d = SourceDigests(tmp_path)
+    d.digest(str(kept))
+    d.digest(str(gone))
+    gone.unlink()
+    assert d.prune() == 1
+    d.save()
+    assert list(json.loads((tmp_path / "digests.json").read_text())) == [str(kept)]
+
+
+def test_a_failed_build_removes_its_own_temporaries(tmp_path: Path) -> None:
+    cache = EngineCache(tmp_path)
+    cache.prepare()
+    mine = cache.temp_path(".onnx")
+    other = tmp_path / ".tmp-1-abc.onnx"
+    other.write_bytes(b"another process's")
+    cache.remove_temporaries(os.getpid())
+    assert not mine.exists() and other.exists()

@@ -1,7 +1,16 @@
 from __future__ import annotations
 
-from edged.config import MemoryConfig
+import asyncio
+from pathlib import Path
+
+from edged.background import BackgroundBuilds
+from edged.boot import Boot
+from edged.build.runner import BuildRunner
+from edged.cache import EngineCache
+from edged.config import MemoryConfig, from_mapping
 from edged.memory import PlanItem, budget_bytes, choose_evictions, plan, probe_meminfo
+from edged.metrics import Metrics
+from edged.registry import ModelRuntime, Registry
 
 MiB = 1 << 20
 
@@ -52,3 +61,30 @@ def test_budget_from_meminfo(tmp_path) -> None:
     # 50% of total, less the reserve; never more than is available.
     assert budget_bytes(MemoryConfig(budget="50%", reserve="0"), info) == 500000 * 1024
     assert budget_bytes(MemoryConfig(budget="100%", reserve="1KiB"), info) == 800000 * 1024 - 1024
+
+
+def _boot(tmp_path: Path, budget_mib: int) -> tuple[Boot, list[ModelRuntime], dict[str, ModelRuntime]]:
+    """The boot planner on a real registry: 'a' has its engine, 'b' builds behind a stand-in."""
+    cfg = from_mapping({"models": {"a": {"path": "a.onnx"}, "b": {"path": "b.onnx"}}}, base=tmp_path)
+    cache = EngineCache(tmp_path / "cache")
+    reg = Registry(cfg, cache, BuildRunner(cfg.build, probe_meminfo), Metrics(), budget_mib * MiB)
+    a, b = reg.models["a"], reg.models["b"]
+    a.footprint, b.footprint = 30 * MiB, 40 * MiB
+    sub = ModelRuntime("b", b.cfg, stands_in_for="onnxruntime int8", footprint=25 * MiB)
+    loop = asyncio.new_event_loop()
+    loop.close()  # the planner never touches the loop
+    return Boot(reg, BackgroundBuilds(reg, loop, lambda: None, lambda: None), loop), [a, b], {"b": sub}
+
+
+def test_the_plan_counts_the_stand_in_and_the_engine_together(tmp_path: Path) -> None:
+    boot, models, subs = _boot(tmp_path, budget_mib=100)
+    p = boot.plan(models, subs)
+    assert p.admitted == ("a", "b") and p.used == (30 + 40 + 25) * MiB
+    assert "b" in subs
+
+
+def test_without_room_for_both_the_engine_is_built_first(tmp_path: Path) -> None:
+    boot, models, subs = _boot(tmp_path, budget_mib=80)  # 30 + 40 fits, 30 + 40 + 25 does not
+    p = boot.plan(models, subs)
+    assert p.admitted == ("a", "b") and p.used == 70 * MiB
+    assert subs == {}  # no stand-in: b is built before READY=1, as with block_ready

@@ -1,5 +1,5 @@
 """The TensorRT backend's parts that run without TensorRT: availability, import isolation,
-model inspection, calibration samples, timing cache naming, and the type check against the
+model inspection, timing cache naming, and the type check against the
 official stubs (which is what stands in for running it here)."""
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import pytest
 from edged.backends import resolve
 from edged.backends.tensorrt import TensorRTBackend
 from edged.backends.tensorrt.build import timing_cache_path
-from edged.backends.tensorrt.calibrator import load_samples
 from edged.backends.tensorrt.versions import BuildOptions, read_model_traits
-from edged.errors import BuildError
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "edged" / "backends" / "tensorrt"
@@ -127,49 +125,6 @@ def test_model_traits_see_qdq_nodes_and_fp16(tmp_path: Path) -> None:
     assert (half.qdq, half.fp16) == (False, True)
 
 
-def test_calibration_samples_from_npz_and_npy(tmp_path: Path) -> None:
-    npz = tmp_path / "npz"
-    npz.mkdir()
-    for i in range(3):
-        np.savez(npz / f"{i}.npz", image=np.full((3, 8, 8), i, np.float64), extra=np.ones(2))
-    samples = load_samples(str(npz), {"image": ("float32", 4)}, max_samples=2)
-    assert len(samples) == 2
-    assert samples[1]["image"].shape == (1, 3, 8, 8)  # the batch dimension added
-    assert samples[1]["image"].dtype == np.float32 and samples[1]["image"][0, 0, 0, 0] == 1
-    npy = tmp_path / "npy"
-    npy.mkdir()
-    np.save(npy / "a.npy", np.zeros((2, 16), np.float32))
-    assert load_samples(str(npy), {"x": ("float32", 2)}, 10)[0]["x"].shape == (2, 16)
-
-
-@pytest.mark.parametrize(
-    "inputs, match",
-    [
-        ({"image": ("float32", 4), "mask": ("float32", 4)}, "mask"),
-        ({"image": ("float32", 2)}, "rank"),
-    ],
-)
-def test_calibration_samples_that_do_not_fit_name_the_file(
-    tmp_path: Path,
-    inputs: dict[str, tuple[str, int]],
-    match: str,
-) -> None:
-    np.savez(tmp_path / "bad.npz", image=np.zeros((1, 3, 8, 8), np.float32))
-    with pytest.raises(BuildError, match=match):
-        load_samples(str(tmp_path), inputs, 10)
-
-
-def test_npy_samples_need_a_single_input_model(tmp_path: Path) -> None:
-    np.save(tmp_path / "a.npy", np.zeros((1, 4), np.float32))
-    with pytest.raises(BuildError, match="npz"):
-        load_samples(str(tmp_path), {"a": ("float32", 2), "b": ("float32", 2)}, 10)
-    with pytest.raises(BuildError, match="No such file"):
-        load_samples(str(tmp_path / "missing"), {"a": ("float32", 2)}, 10)
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(BuildError, match=r"no \.npy"):
-        load_samples(str(tmp_path / "empty"), {"a": ("float32", 2)}, 10)
-
-
 def test_timing_cache_is_kept_per_device_fingerprint(tmp_path: Path) -> None:
     dest = tmp_path / ".tmp-1-x.engine"
     orin = {"tensorrt": "10.3.0.30", "gpu": "Orin", "l4t": "36.4.3"}
@@ -256,3 +211,23 @@ def test_the_stub_check_catches_removed_apis(tmp_path: Path) -> None:
     run = _mypy(tmp_path, str(misuse))
     for api in ("build_engine", "get_binding_shape", "max_batch_size"):
         assert f'has no attribute "{api}"' in run.stdout, run.stdout + run.stderr
+
+
+def test_int64_is_narrowed_for_an_input_tensorrt_8_made_int32() -> None:
+    """A loaded engine (its state set as ``_load_impl`` sets it) whose ``ids`` input TensorRT 8.x
+    typed INT32: the build's gate feeds INT64 and is served; values INT32 cannot hold are refused."""
+    from edged.backends.base import TensorSpec
+    from edged.errors import InvalidInputError
+
+    backend = TensorRTBackend(Path("fake.engine"))
+    spec = TensorSpec("ids", "int32", (-1, 4))
+    backend._inputs, backend._input_map, backend._loaded = (spec,), {"ids": spec}, True
+    backend._int32_inputs = frozenset({"ids"})
+    ids = np.arange(8, dtype=np.int64).reshape(2, 4)
+    backend.check_inputs({"ids": ids})
+    narrowed = backend.narrowed({"ids": ids})["ids"]
+    assert narrowed.dtype == np.int32 and narrowed.tolist() == ids.tolist()
+    with pytest.raises(InvalidInputError, match="outside int32"):
+        backend.check_inputs({"ids": np.full((1, 4), 2**40, np.int64)})
+    with pytest.raises(InvalidInputError, match="expected int32"):
+        backend.check_inputs({"ids": np.zeros((1, 4), np.float32)})  # only INT64 is narrowed

@@ -8,8 +8,14 @@ import threading
 import pytest
 
 from edged.backends.tensorrt.cuda import format_cuda_version
-from edged.backends.tensorrt.fingerprint import parse_driver_version, parse_tegra_release
-from edged.backends.tensorrt.trtlog import capture_errors, record, severity_level
+from edged.backends.tensorrt.fingerprint import (
+    deb_cuda,
+    parse_board,
+    parse_driver_version,
+    parse_tegra_release,
+    wheel_cuda,
+)
+from edged.backends.tensorrt.trtlog import capture_errors, record, severity_level, wanted
 
 JP5 = (
     "# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64, "
@@ -97,3 +103,39 @@ def test_captures_are_per_thread() -> None:
         record(1, "mine")
         seen = list(errors)
     assert seen == ["mine"]
+
+
+def test_tensorrt_cuda_build_from_wheel_names() -> None:
+    assert wheel_cuda(["tensorrt", "tensorrt-cu12", "tensorrt_cu12_bindings", "tensorrt_cu12_libs"]) == "cu12"
+    assert wheel_cuda(["tensorrt-cu13", "tensorrt_cu13_libs"]) == "cu13"
+    assert wheel_cuda(["tensorrt", "tensorrt-stubs"]) == ""
+
+
+def test_tensorrt_cuda_build_from_jetpack_packages() -> None:
+    status = (
+        "Package: libnvinfer-dev\nVersion: 10.3.0.30-1+cuda12.5\n\n"
+        "Package: libnvinfer10\nStatus: install ok installed\nVersion: 10.3.0.30-1+cuda12.5\n\n"
+    )
+    assert deb_cuda(status) == "cuda12.5"
+    assert deb_cuda("Package: libnvinfer8\nVersion: 8.5.2-1+cuda11.4\n") == "cuda11.4"
+    assert deb_cuda("Package: python3\nVersion: 3.10\n") == ""
+
+
+def test_board_names_the_module_sku() -> None:
+    nano = parse_board(
+        "NVIDIA Jetson Orin Nano Engineering Reference Developer Kit\x00",
+        "nvidia,p3768-0000+p3767-0003\x00nvidia,p3767-0003\x00nvidia,tegra234\x00",
+    )
+    nx = parse_board(
+        "NVIDIA Jetson Orin Nano Engineering Reference Developer Kit\x00",
+        "nvidia,p3768-0000+p3767-0001\x00nvidia,p3767-0001\x00",
+    )
+    assert nano != nx and "p3767-0003" in nano and "p3767-0001" in nx
+    assert parse_board("", "") == ""
+
+
+def test_verbose_messages_are_dropped_first_unless_debug_is_on(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="edged.backends.tensorrt.trt"):
+        assert wanted(1) and wanted(2) and not wanted(4) and not wanted(3)
+    with caplog.at_level(logging.DEBUG, logger="edged.backends.tensorrt.trt"):
+        assert wanted(4)

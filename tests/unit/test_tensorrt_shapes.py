@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from edged.backends.tensorrt.shapes import (
@@ -101,3 +102,14 @@ def test_dims_reads_any_indexable_shape() -> None:
 
     assert dims(FakeDims()) == (-1, 3, 224)
     assert dims((1, 16)) == (1, 16)
+
+
+def test_int64_for_an_input_tensorrt_8_made_int32() -> None:
+    from edged.backends.tensorrt.shapes import narrow_int64
+
+    ids = np.array([[0, 7, 2**31 - 1, -(2**31)]], np.int64)
+    out = narrow_int64("ids", ids)
+    assert out.dtype == np.int32 and out.tolist() == ids.tolist()
+    assert narrow_int64("ids", np.zeros((0, 4), np.int64)).dtype == np.int32
+    with pytest.raises(ValueError, match="input 'ids' holds values outside int32"):
+        narrow_int64("ids", np.array([2**31], np.int64))

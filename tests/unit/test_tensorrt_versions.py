@@ -7,6 +7,7 @@ import pytest
 from edged.backends.tensorrt.versions import (
     BuildOptions,
     ModelTraits,
+    check_dla,
     parse_version,
     plan_build,
     unsupported_reason,
@@ -102,12 +103,12 @@ def test_fp32_is_strongly_typed_from_10() -> None:
     assert plan_build(TRT_11, "fp32", DEFAULT, FP32_MODEL).builder_flags == ()
 
 
-LEGACY = BuildOptions(legacy_calibrator=True, calibration_data="/data/cal")
+LEGACY = BuildOptions(legacy_calibrator=True)
 
 
 @pytest.mark.parametrize("version", [TRT_8_5, TRT_8_6, TRT_10_3, TRT_10_13])
 def test_legacy_calibrator_up_to_10_is_weakly_typed_int8(version: tuple[int, int, int]) -> None:
-    plan = plan_build(version, "int8", LEGACY, FP32_MODEL)
+    plan = plan_build(version, "int8", LEGACY, FP32_MODEL, samples=True)
     assert plan.calibrator
     assert not plan.strongly_typed
     assert "INT8" in plan.builder_flags
@@ -117,14 +118,14 @@ def test_legacy_calibrator_up_to_10_is_weakly_typed_int8(version: tuple[int, int
 
 def test_legacy_calibrator_is_refused_on_11_with_a_clear_message() -> None:
     with pytest.raises(BuildError, match=r"removed in TensorRT 11.*legacy_calibrator = false"):
-        plan_build(TRT_11, "int8", LEGACY, FP32_MODEL)
+        plan_build(TRT_11, "int8", LEGACY, FP32_MODEL, samples=True)
 
 
-def test_legacy_calibrator_needs_the_fp32_model_and_data() -> None:
+def test_legacy_calibrator_needs_the_fp32_model_and_samples() -> None:
     with pytest.raises(BuildError, match="FP32 model"):
-        plan_build(TRT_8_6, "int8", LEGACY, QDQ)
-    with pytest.raises(BuildError, match="calibration_data"):
-        plan_build(TRT_8_6, "int8", BuildOptions(legacy_calibrator=True), FP32_MODEL)
+        plan_build(TRT_8_6, "int8", LEGACY, QDQ, samples=True)
+    with pytest.raises(BuildError, match=r"calibration samples \(\[models.NAME.calibration\]\)"):
+        plan_build(TRT_8_6, "int8", LEGACY, FP32_MODEL)
 
 
 def test_legacy_calibrator_is_ignored_with_a_note_for_other_precisions() -> None:
@@ -187,9 +188,85 @@ def test_build_options_from_the_config_table() -> None:
         {"dla_core": -2},
         {"builder_optimization_level": 9},
         {"legacy_calibrator": 1},
-        {"max_samples": 0},
+        {"instances": "2"},
+        {"keep_fp32": "Sigmoid"},
+        {"keep_fp32": ["Sigmoid", 3]},
     ],
 )
 def test_build_options_reject_bad_values(bad: dict[str, object]) -> None:
     with pytest.raises(BuildError, match="tensorrt option"):
         BuildOptions.from_mapping(bad)
+
+
+@pytest.mark.parametrize("bad", [{"instances": 0}, {"device": -1}, {"float_parts": "bf16"}])
+def test_build_options_reject_bad_ranges(bad: dict[str, object]) -> None:
+    with pytest.raises(BuildError, match="tensorrt option"):
+        BuildOptions.from_mapping(bad)
+
+
+def test_keep_fp32_is_a_list_of_names() -> None:
+    assert BuildOptions.from_mapping({"keep_fp32": ["Sigmoid", "head/conv"]}).keep_fp32 == ("Sigmoid", "head/conv")
+
+
+# --- profiles for several instances of a dynamic engine -----------------------------------------
+
+FOUR = BuildOptions(instances=4)
+
+
+def test_8_5_builds_one_profile_per_instance() -> None:
+    plan = plan_build(TRT_8_5, "fp32", FOUR, FP32_MODEL)
+    assert plan.profile_copies == 4 and plan.preview_features == ()
+
+
+def test_8_6_builds_one_shared_profile_with_the_preview_feature() -> None:
+    plan = plan_build(TRT_8_6, "int8", FOUR, QDQ)
+    assert plan.profile_copies == 1 and plan.preview_features == ("PROFILE_SHARING_0806",)
+
+
+@pytest.mark.parametrize("version", [TRT_10_3, TRT_10_13, TRT_11])
+def test_10_and_later_share_profile_0_as_built(version: tuple[int, int, int]) -> None:
+    plan = plan_build(version, "fp32", FOUR, FP32_MODEL)
+    assert plan.profile_copies == 1 and plan.preview_features == ()
+
+
+# --- DLA -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [(11, 0, 0), (11, 3, 2)])
+def test_dla_on_a_tensorrt_without_dla_says_so(version: tuple[int, int, int]) -> None:
+    with pytest.raises(BuildError, match=r"no DLA support.*dla_core = -1"):
+        plan_build(version, "int8", BuildOptions(dla_core=0), QDQ)
+    with pytest.raises(BuildError, match="no DLA support"):
+        check_dla(version, 0, {})
+
+
+def test_dla_needs_static_profiles_and_says_what_to_change() -> None:
+    assert plan_build((11, 4, 1), "int8", BuildOptions(dla_core=0), QDQ).dla_core == 0
+    static = {"x": ((1, 3, 64, 64), (1, 3, 64, 64), (1, 3, 64, 64))}
+    check_dla(TRT_10_3, 0, static)
+    check_dla(TRT_10_3, -1, {"x": ((1, 3), (2, 3), (4, 3))})  # GPU: any profile
+    with pytest.raises(BuildError, match=r"'x'.*min = opt = max.*dla_core = -1"):
+        check_dla(TRT_10_3, 0, {"x": ((1, 3), (2, 3), (4, 3))})
+
+
+# --- strongly typed int8: float parts in FP16 ----------------------------------------------------
+
+
+def test_float_parts_go_fp16_only_on_strongly_typed_int8() -> None:
+    assert plan_build(TRT_10_3, "int8", DEFAULT, QDQ).fp16_float_parts
+    assert plan_build(TRT_11, "int8", DEFAULT, QDQ).fp16_float_parts
+    assert not plan_build(TRT_10_3, "int8", BuildOptions(float_parts="fp32"), QDQ).fp16_float_parts
+    assert not plan_build(TRT_8_6, "int8", DEFAULT, QDQ).fp16_float_parts  # the FP16 flag does it
+    assert not plan_build(TRT_10_3, "fp32", DEFAULT, FP32_MODEL).fp16_float_parts
+
+
+def test_a_dla_model_with_a_dynamic_profile_is_refused_at_config_time() -> None:
+    from edged.config import from_mapping
+    from edged.errors import ConfigError
+
+    model = {"path": "m.onnx", "profiles": {"x": {"min": [1, 3], "opt": [2, 3], "max": [4, 3]}}}
+    from_mapping({"models": {"m": model}})  # on the GPU: fine
+    with pytest.raises(ConfigError, match=r"models.m.profiles.x: DLA .* set min = opt = max .* or dla_core = -1"):
+        from_mapping({"models": {"m": dict(model, tensorrt={"dla_core": 0})}})
+    static = {"x": {"min": [2, 3], "opt": [2, 3], "max": [2, 3]}}
+    assert from_mapping({"models": {"m": dict(model, profiles=static, tensorrt={"dla_core": 0})}}).models["m"]

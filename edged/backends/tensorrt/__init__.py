@@ -6,10 +6,13 @@ usable instead of failing. Its parts:
 
 - ``versions``: what differs between TensorRT versions (pure; the build plan);
 - ``shapes``: profiles, dtypes and buffer sizes (pure);
+- ``profiles``: which optimization profile each execution context uses, per version (pure);
+- ``fp16``: a Q/DQ model's float parts in FP16 for strongly typed builds (an ONNX graph pass);
 - ``cuda``: the primary context, streams and page-locked/device buffers (pycuda, no TensorRT);
 - ``fingerprint``: what an engine is bound to, for the cache key;
 - ``trtlog``: TensorRT's logger bridged into ``logging``;
-- ``build`` and ``calibrator``: engine building (the build child process);
+- ``build`` and ``calibrator``: engine building (the build child process); the legacy
+  calibrator reads its samples through ``edged.build.calibrate``, the one loader;
 - ``backend``: loading, instances, inference.
 """
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from edged.backends.base import Backend, BuildSpec, Instance, LoadOptions, Progress, TensorSpec
 from edged.backends.tensorrt.cuda import CudaDevice, IOBuffers, shared_device
-from edged.backends.tensorrt.fingerprint import gpu_fingerprint
+from edged.backends.tensorrt.fingerprint import board_model, gpu_fingerprint, tensorrt_cuda
+from edged.backends.tensorrt.profiles import ProfileSlots, profile_scheme, select_profile
 from edged.backends.tensorrt.shapes import (
     Profile,
     Shape,
@@ -30,11 +31,12 @@ from edged.backends.tensorrt.shapes import (
     io_bytes,
     is_dynamic,
     max_shape,
+    narrow_int64,
     numpy_dtype,
     out_of_profile,
 )
 from edged.backends.tensorrt.trtlog import capture_errors, get_logger
-from edged.backends.tensorrt.versions import parse_version, unsupported_reason, uses_device_memory_v2
+from edged.backends.tensorrt.versions import BuildOptions, parse_version, unsupported_reason, uses_device_memory_v2
 from edged.errors import BackendError, CacheError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -47,7 +49,14 @@ log = logging.getLogger(__name__)
 def _fingerprint() -> dict[str, str]:
     import tensorrt as trt
 
-    return {"tensorrt": trt.__version__, **gpu_fingerprint(shared_device(0))}
+    # cu12 and cu13 builds of one TensorRT share a version string; Orin NX 8GB and Orin Nano
+    # 8GB report the same GPU: both go into the key.
+    return {
+        "tensorrt": trt.__version__,
+        "tensorrt_cuda": tensorrt_cuda(),
+        "board": board_model(),
+        **gpu_fingerprint(shared_device(0)),
+    }
 
 
 class _TrtInstance(Instance):
@@ -59,17 +68,20 @@ class _TrtInstance(Instance):
         ctx: trt.IExecutionContext,
         io: IOBuffers,
         outputs: tuple[str, ...],
+        profile: int,
     ) -> None:
         super().__init__(backend)
         self._trt = backend  # ``self.backend`` typed as what it is
         self._ctx: trt.IExecutionContext | None = ctx
         self.io = io
         self._outputs = outputs
+        self.profile = profile
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         ctx = self._ctx
         if ctx is None:
             raise BackendError("this instance was closed")
+        inputs = self._trt.narrowed(inputs)
         with self.io.device.activate():
             for name, arr in inputs.items():
                 if not ctx.set_input_shape(name, arr.shape):
@@ -119,6 +131,8 @@ class TensorRTBackend(Backend):
         self._context_bytes = 0
         self._live: list[_TrtInstance] = []
         self._instances_lock = threading.Lock()
+        self._slots: ProfileSlots | None = None
+        self._int32_inputs: frozenset[str] = frozenset()
 
     # --- class level ------------------------------------------------------------------------------
 
@@ -148,6 +162,12 @@ class TensorRTBackend(Backend):
         return str(trt.__version__)
 
     @classmethod
+    def profiles_per_engine(cls, instances: int) -> int:
+        """Identical optimization profiles a dynamic engine needs for ``instances`` contexts on the
+        installed TensorRT (8.5: one each; later versions share one)."""
+        return profile_scheme(parse_version(cls.version())).copies(instances)
+
+    @classmethod
     def fingerprint(cls) -> dict[str, str]:
         return dict(_fingerprint())
 
@@ -155,7 +175,9 @@ class TensorRTBackend(Backend):
     def build(cls, spec: BuildSpec, dest: Path, progress: Progress) -> dict[str, Any]:
         from edged.backends.tensorrt.build import build_engine
 
-        with shared_device(0).activate():
+        # On the GPU the model will be loaded on: an engine is tuned for (and on a multi-GPU
+        # host may only load on) the device that built it.
+        with shared_device(BuildOptions.from_mapping(spec.options).device).activate():
             return build_engine(spec, dest, progress, cls.fingerprint())
 
     # --- loading --------------------------------------------------------------------------------
@@ -177,8 +199,13 @@ class TensorRTBackend(Backend):
             plans = _buffer_plans(ctx, specs, profiles)
         self._device, self._runtime, self._engine, self._spare = device, runtime, engine, ctx
         self._plans, self._profiles = plans, profiles
+        self._int32_inputs = frozenset(p.name for p in plans if p.is_input and p.dtype == "int32")
+        version = parse_version(trt.__version__)
+        self._slots = ProfileSlots(
+            profile_scheme(version), engine.num_optimization_profiles, bool(profiles), self.artifact.name
+        )
         self._mapped = device.integrated and device.can_map if self._mapped_option is None else self._mapped_option
-        v2 = uses_device_memory_v2(parse_version(trt.__version__))
+        v2 = uses_device_memory_v2(version)
         self._context_bytes = engine.device_memory_size_v2 if v2 else engine.device_memory_size
         log.info(
             "loaded %s: %d I/O tensors, %d bytes of activations per context%s",
@@ -208,32 +235,61 @@ class TensorRTBackend(Backend):
         return runtime, engine
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
-        super().check_inputs(inputs)
+        super().check_inputs(self.narrowed(inputs))
         for name, arr in inputs.items():
             prof = self._profiles.get(name)
             why = out_of_profile(arr.shape, prof) if prof else ""
             if why:
                 raise InvalidInputError(f"input '{name}': {why}")
 
+    def narrowed(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """INT64 arrays for the inputs TensorRT 8.x made INT32, as INT32 (range-checked): what a
+        direct caller holds for such a model (the build's accuracy gate feeds the ONNX model's
+        INT64). The wire takes the engine's INT32, as the model's metadata says."""
+        if not self._int32_inputs or not any(
+            arr.dtype == np.int64 and name in self._int32_inputs for name, arr in inputs.items()
+        ):
+            return inputs
+        try:
+            return {
+                name: narrow_int64(name, arr) if arr.dtype == np.int64 and name in self._int32_inputs else arr
+                for name, arr in inputs.items()
+            }
+        except ValueError as e:
+            raise InvalidInputError(str(e)) from None
+
     # --- instances ------------------------------------------------------------------------------
 
     def _instance_impl(self) -> Instance:
-        device, engine = self._device, self._engine
-        assert device is not None and engine is not None
+        device, engine, slots = self._device, self._engine, self._slots
+        assert device is not None and engine is not None and slots is not None
         with self._instances_lock:
+            # Together, so the engine's first context (made at load, on profile 0 already) is the
+            # one that gets profile 0: with them apart, two threads could cross and one context
+            # ask for profile 0 while the first still holds it (TensorRT 8.5 refuses that).
+            index = slots.acquire()  # raises when TensorRT 8.5 has no profile left for a context
             ctx, self._spare = self._spare, None
-        with device.activate():
-            if ctx is None:
-                ctx = engine.create_execution_context()
+        first = ctx is not None
+        try:
+            with device.activate():
                 if ctx is None:
-                    raise BackendError(f"{self.artifact.name}: no execution context (out of device memory?)")
-            io = IOBuffers(device, self._plans, mapped=self._mapped)
-            for plan in self._plans:
-                if not ctx.set_tensor_address(plan.name, io.address(plan.name)):
+                    ctx = engine.create_execution_context()
+                    if ctx is None:
+                        raise BackendError(f"{self.artifact.name}: no execution context (out of device memory?)")
+                io = IOBuffers(device, self._plans, mapped=self._mapped)
+                try:
+                    select_profile(ctx, slots, index, first, io.stream_handle, io.synchronize)
+                    for plan in self._plans:
+                        if not ctx.set_tensor_address(plan.name, io.address(plan.name)):
+                            raise BackendError(f"TensorRT refused the buffer of {plan.name!r}")
+                except BaseException:
                     io.free()
-                    raise BackendError(f"TensorRT refused the buffer of {plan.name!r}")
+                    raise
+        except BaseException:
+            slots.release(index)
+            raise
         outputs = tuple(p.name for p in self._plans if not p.is_input)
-        inst = _TrtInstance(self, ctx, io, outputs)
+        inst = _TrtInstance(self, ctx, io, outputs, index)
         with self._instances_lock:
             self._live.append(inst)
         return inst
@@ -245,6 +301,8 @@ class TensorRTBackend(Backend):
             self._live.remove(inst)
         with inst.io.device.activate():
             inst.free()
+        if self._slots is not None:
+            self._slots.release(inst.profile)
 
     def _unload_impl(self) -> None:
         with self._instances_lock:
@@ -260,6 +318,7 @@ class TensorRTBackend(Backend):
             del spare
             self._engine = None
             self._runtime = None
+        self._slots = None
 
     def _footprint_impl(self) -> int:
         try:

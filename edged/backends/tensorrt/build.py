@@ -8,22 +8,25 @@ a cleared entry) reuses the tactic timings of earlier builds on the same GPU and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-import os
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edged.backends.base import BuildSpec, Progress
-from edged.backends.tensorrt.calibrator import load_samples, make_calibrator
+from edged.backends.tensorrt.calibrator import BatchFeeder, make_calibrator
+from edged.backends.tensorrt.fp16 import to_mixed_fp16
 from edged.backends.tensorrt.shapes import Profile, Shape, dims, numpy_dtype, resolve_profiles
 from edged.backends.tensorrt.trtlog import capture_errors, get_logger
 from edged.backends.tensorrt.versions import (
     BuildOptions,
     BuildPlan,
+    check_dla,
     parse_version,
     plan_build,
     read_model_traits,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NetworkInput = tuple[str, Shape, str]  # name, shape (-1 dynamic), numpy dtype
+DLA_FALLBACK_LISTED = 50  # layer names kept in the manifest; the count is always exact
 
 
 def build_engine(spec: BuildSpec, dest: Path, progress: Progress, fingerprint: Mapping[str, str]) -> dict[str, Any]:
@@ -45,28 +49,36 @@ def build_engine(spec: BuildSpec, dest: Path, progress: Progress, fingerprint: M
 
     started = time.monotonic()
     opts = BuildOptions.from_mapping(spec.options)
+    version = parse_version(trt.__version__)
     progress("parsing", None)
-    plan = plan_build(parse_version(trt.__version__), spec.precision, opts, read_model_traits(spec.source), spec.source)
+    traits = read_model_traits(spec.source)
+    plan = plan_build(version, spec.precision, opts, traits, spec.source, samples=spec.calibration is not None)
     for note in plan.notes:
         log.warning("%s: %s", spec.source, note)
     builder = trt.Builder(get_logger())
     network = builder.create_network(_network_flags(plan))
     parser = trt.OnnxParser(network, get_logger())
-    _parse(parser, spec.source)
+    with network_source(spec.source, plan, opts, dest.parent) as (source, float_info):
+        _parse(parser, source)
     inputs = _network_inputs(network)
     profiles = resolve_profiles([(n, s) for n, s, _ in inputs], spec.profiles)
+    check_dla(version, plan.dla_core, profiles)
     config = builder.create_builder_config()
     _configure(builder, config, plan, opts)
-    profile = _add_profile(builder, config, profiles)
+    profile = add_profiles(builder, config, profiles, plan.profile_copies)
     timing_path = timing_cache_path(opts, dest, fingerprint)
     _load_timing_cache(config, timing_path)
-    calibrator = None
+    calibrator, feeder = None, None
     if plan.calibrator:
-        calibrator = _attach_calibrator(config, profile, inputs, opts, spec, timing_path.parent)
+        feeder = calibration_feeder(spec, inputs, profiles)
+        calibrator = _attach_calibrator(config, profile, feeder, opts, spec, timing_path.parent)
+    fallback = dla_gpu_layers(config, network) if plan.dla_core >= 0 else None
     progress("building", None)
     with capture_errors() as errors:
         serialized = builder.build_serialized_network(network, config)
     del calibrator  # kept alive through the build: TensorRT calls back into it
+    if feeder is not None and feeder.error is not None:
+        raise feeder.error  # TensorRT read it as "no more data" and may even have built
     if serialized is None:
         raise BuildError(
             "TensorRT could not build the engine: " + ("; ".join(errors[-5:]) or "see the log for TensorRT's reasons")
@@ -75,7 +87,13 @@ def build_engine(spec: BuildSpec, dest: Path, progress: Progress, fingerprint: M
         f.write(serialized)
     _save_timing_cache(config, timing_path)
     progress("building", 1.0)
-    return _manifest(trt.__version__, plan, opts, timing_path, time.monotonic() - started)
+    extra = _manifest(trt.__version__, plan, opts, timing_path, time.monotonic() - started)
+    extra.update(float_info)
+    if fallback is not None:
+        extra["dla_gpu_fallback"] = fallback
+    if feeder is not None:
+        extra["calibration_samples"] = feeder.fed
+    return extra
 
 
 def _manifest(version: str, plan: BuildPlan, opts: BuildOptions, timing_path: Path, seconds: float) -> dict[str, Any]:
@@ -83,13 +101,34 @@ def _manifest(version: str, plan: BuildPlan, opts: BuildOptions, timing_path: Pa
         "tensorrt": version,
         "strongly_typed": plan.strongly_typed,
         "builder_flags": list(plan.builder_flags),
+        "preview_features": list(plan.preview_features),
+        "profiles_per_input": plan.profile_copies,
         "legacy_calibrator": plan.calibrator,
         "dla_core": plan.dla_core,
+        "device": opts.device,
         "workspace": opts.workspace,
         "builder_optimization_level": plan.optimization_level,
         "timing_cache": timing_path.name,
         "build_s": round(seconds, 1),
     }
+
+
+@contextlib.contextmanager
+def network_source(
+    source: str, plan: BuildPlan, opts: BuildOptions, workdir: Path
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The model file the parser reads, and what was done to it for the manifest. A strongly
+    typed network takes every tensor's type from the model, so the float parts of a Q/DQ model
+    would run FP32 (8.x ran them FP16 through the FP16 flag): with ``float_parts = "fp16"`` they
+    are converted to FP16 first, outputs and the ops named in ``keep_fp32`` (by default the
+    numerically sensitive ones that produce outputs) kept FP32."""
+    if not plan.fp16_float_parts:
+        yield source, {"float_parts": "fp32" if plan.strongly_typed else "builder flags"}
+        return
+    with tempfile.TemporaryDirectory(prefix=".tmp-fp16-", dir=workdir) as tmp:
+        converted = Path(tmp) / "mixed.onnx"
+        summary = to_mixed_fp16(Path(source), converted, opts.keep_fp32, opts.int8_float_nodes)
+        yield str(converted), {"float_parts": "fp16", "fp16": summary}
 
 
 def _network_flags(plan: BuildPlan) -> int:
@@ -143,26 +182,50 @@ def _configure(builder: trt.Builder, config: trt.IBuilderConfig, plan: BuildPlan
         config.builder_optimization_level = plan.optimization_level
     for name in plan.builder_flags:
         config.set_flag(_builder_flag(name))
+    for name in plan.preview_features:
+        if name != "PROFILE_SHARING_0806":
+            raise BuildError(f"unknown preview feature {name}")
+        config.set_preview_feature(trt.PreviewFeature.PROFILE_SHARING_0806, True)
     if plan.dla_core >= 0:
         cores = builder.num_DLA_cores
         if plan.dla_core >= cores:
-            raise BuildError(f"tensorrt.dla_core = {plan.dla_core}, but this device has {cores} DLA core(s)")
+            raise BuildError(
+                f"tensorrt.dla_core = {plan.dla_core}, but this device has {cores} DLA core(s) "
+                "(Jetson AGX Orin and Orin NX have 2, Orin Nano and discrete GPUs none): set dla_core = -1"
+            )
         config.default_device_type = trt.DeviceType.DLA
         config.DLA_core = plan.dla_core
 
 
-def _add_profile(
-    builder: trt.Builder, config: trt.IBuilderConfig, profiles: Mapping[str, Profile]
+def add_profiles(
+    builder: trt.Builder, config: trt.IBuilderConfig, profiles: Mapping[str, Profile], copies: int
 ) -> trt.IOptimizationProfile | None:
+    """``copies`` identical profiles (one per execution context on TensorRT 8.5, else one);
+    returns the first, which the legacy calibrator calibrates at."""
     import tensorrt as trt
 
     if not profiles:
         return None
-    profile = builder.create_optimization_profile()
-    for name, (lo, opt, hi) in profiles.items():
-        profile.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
-    config.add_optimization_profile(profile)
-    return profile
+    first = None
+    for _ in range(copies):
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in profiles.items():
+            profile.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
+        if config.add_optimization_profile(profile) < 0:
+            raise BuildError("TensorRT refused the optimization profile; the log says why")
+        first = first or profile
+    return first
+
+
+def dla_gpu_layers(config: trt.IBuilderConfig, network: trt.INetworkDefinition) -> dict[str, Any]:
+    """The layers TensorRT says cannot run on the DLA (they fall back to the GPU), for the
+    manifest and so the status."""
+    names = [
+        network.get_layer(i).name for i in range(network.num_layers) if not config.can_run_on_DLA(network.get_layer(i))
+    ]
+    if names:
+        log.warning("%d of %d layers cannot run on the DLA and fall back to the GPU", len(names), network.num_layers)
+    return {"layers": names[:DLA_FALLBACK_LISTED], "count": len(names), "of": network.num_layers}
 
 
 def timing_cache_path(opts: BuildOptions, dest: Path, fingerprint: Mapping[str, str]) -> Path:
@@ -200,31 +263,31 @@ def _save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
         log.warning("cannot save timing cache %s: %s", path, e)
 
 
+def calibration_feeder(spec: BuildSpec, inputs: list[NetworkInput], profiles: Mapping[str, Profile]) -> BatchFeeder:
+    """The legacy calibrator's samples, checked against the shapes TensorRT calibrates at: a
+    dynamic input's profile ``opt`` shape, a static input's own shape."""
+    shapes = {name: (tuple(profiles[name][1]) if name in profiles else shape, dtype) for name, shape, dtype in inputs}
+    return BatchFeeder(spec.calibration.named_feeds(), shapes)
+
+
+def calibration_digest(source: str, samples_digest: str) -> str:
+    """A calibration cache is valid for one model and one sample set (the loader's digest)."""
+    return hashlib.sha256(f"{file_digest(source)}:{samples_digest}".encode()).hexdigest()[:20]
+
+
 def _attach_calibrator(
     config: trt.IBuilderConfig,
     profile: trt.IOptimizationProfile | None,
-    inputs: list[NetworkInput],
+    feeder: BatchFeeder,
     opts: BuildOptions,
     spec: BuildSpec,
     cache_dir: Path,
 ) -> trt.IInt8EntropyCalibrator2:
-    samples = load_samples(
-        opts.calibration_data, {name: (dtype, len(shape)) for name, shape, dtype in inputs}, opts.max_samples
-    )
-    cache_path = opts.calibration_cache or str(cache_dir / f"calib-{_calibration_digest(spec.source, opts)}.cache")
-    calibrator = make_calibrator(samples, cache_path)
+    digest = calibration_digest(spec.source, str(spec.calibration.digest))
+    cache_path = opts.calibration_cache or str(cache_dir / f"calib-{digest}.cache")
+    calibrator = make_calibrator(feeder, cache_path)
     config.int8_calibrator = calibrator
     if profile is not None:  # dynamic shapes: calibration runs at this profile's opt shapes
         config.set_calibration_profile(profile)
-    log.info("calibrating %s on %d samples (cache %s)", spec.source, len(samples), cache_path)
+    log.info("calibrating %s on %d sample files (cache %s)", spec.source, len(spec.calibration), cache_path)
     return calibrator
-
-
-def _calibration_digest(source: str, opts: BuildOptions) -> str:
-    """A calibration cache is valid for one model and one sample set."""
-    h = hashlib.sha256(file_digest(source).encode())
-    for entry in sorted(os.scandir(opts.calibration_data), key=lambda e: e.name):
-        st = entry.stat()
-        h.update(f"{entry.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    h.update(str(opts.max_samples).encode())
-    return h.hexdigest()[:20]

@@ -160,6 +160,10 @@ class IOBuffers:
     def stream_handle(self) -> int:
         return int(self._stream.handle)
 
+    def synchronize(self) -> None:
+        """Wait for the work queued on this instance's stream."""
+        self._stream.synchronize()
+
     def address(self, name: str) -> int:
         return self._buffers[name].address
 

@@ -148,3 +148,15 @@ def io_bytes(plans: Iterable[TensorPlan], mapped: bool) -> int:
 
 def _fmt(shape: Iterable[int]) -> str:
     return "[" + ",".join("?" if d < 0 else str(d) for d in shape) + "]"
+
+
+def narrow_int64(name: str, arr: np.ndarray) -> np.ndarray:
+    """An INT64 array for an input TensorRT 8.x's ONNX parser made INT32, as INT32; values that
+    INT32 cannot hold are refused rather than wrapped."""
+    info = np.iinfo(np.int32)
+    if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+        raise ValueError(
+            f"input '{name}' holds values outside int32, the type TensorRT 8.x gives this input (its ONNX parser "
+            "turns INT64 inputs into INT32)"
+        )
+    return arr.astype(np.int32)

@@ -35,8 +35,18 @@ def severity_level(severity: int) -> int:
     return _LEVELS.get(severity, logging.DEBUG)
 
 
+def wanted(severity: int) -> bool:
+    """Whether a message of this severity goes anywhere: errors always (a capture may want them),
+    the rest only when the logger would emit their level. TensorRT hands a Python logger every
+    message, VERBOSE included, each with the GIL taken; answering "no" first keeps that cost to
+    the call itself during a build (a Python ``ILogger`` cannot filter inside TensorRT)."""
+    return severity <= _ERROR_SEVERITY or log.isEnabledFor(severity_level(severity))
+
+
 def record(severity: int, msg: str) -> None:
     """Log one TensorRT message and remember it if it is an error and a capture is open."""
+    if not wanted(severity):
+        return
     level = severity_level(severity)
     if log.isEnabledFor(level):
         log.log(level, "%s", msg)

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from edged.backends.tensorrt.profiles import profile_scheme
 from edged.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -118,25 +119,31 @@ _OPTION_TYPES: dict[str, type] = {
     "legacy_calibrator": bool,
     "builder_optimization_level": int,
     "timing_cache": str,
-    "calibration_data": str,
     "calibration_cache": str,
-    "max_samples": int,
+    "instances": int,
+    "device": int,
+    "keep_fp32": list,
+    "float_parts": str,
+    "int8_float_nodes": list,
 }
 
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """The TensorRT part of ``BuildSpec.options`` (the keys of ``[models.X.tensorrt]`` and, for
-    the legacy calibrator, ``calibration_data``/``max_samples``)."""
+    """The TensorRT part of ``BuildSpec.options``: the keys of ``[models.X.tensorrt]``, and
+    ``instances`` where the engine needs one profile per instance (TensorRT 8.5)."""
 
     workspace: int = 1 << 30
     dla_core: int = -1
     legacy_calibrator: bool = False
     builder_optimization_level: int = 3
     timing_cache: str = ""  # file; "" = timing/ beside the engine, one per device fingerprint
-    calibration_data: str = ""  # legacy calibrator only: a folder of .npy/.npz samples
     calibration_cache: str = ""  # legacy calibrator only; "" = beside the timing cache
-    max_samples: int = 256
+    instances: int = 1  # concurrent execution contexts (8.5 builds one profile for each)
+    device: int = 0  # the GPU ordinal the engine is built on, and later loaded on
+    float_parts: str = "fp16"  # strongly typed int8: the unquantized float ops in fp16 or fp32
+    keep_fp32: tuple[str, ...] = ()  # op types or node names kept FP32 (with float_parts fp16)
+    int8_float_nodes: tuple[str, ...] = ()  # the Q/DQ model's nodes the mixed-precision search kept float
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> BuildOptions:
@@ -146,16 +153,22 @@ class BuildOptions:
                 values[key] = _size(value, key)
             elif key in _OPTION_TYPES:
                 want = _OPTION_TYPES[key]
-                if type(value) is not want:
+                if want is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+                    values[key] = tuple(value)
+                elif type(value) is want and want is not list:
+                    values[key] = value
+                else:
                     raise BuildError(f"tensorrt option {key}: expected {want.__name__}")
-                values[key] = value
             else:  # options shared with other backends are not ours to judge
                 log.debug("tensorrt build ignores option %r", key)
         opts = cls(**values)
-        if opts.workspace <= 0 or opts.dla_core < -1 or opts.max_samples < 1:
+        if opts.workspace <= 0 or opts.dla_core < -1 or opts.instances < 1 or opts.device < 0:
             raise BuildError(
-                "tensorrt options: workspace and max_samples must be positive, dla_core -1 (GPU) or a core number"
+                "tensorrt options: workspace and instances must be positive, device a GPU ordinal, "
+                "dla_core -1 (GPU) or a core number"
             )
+        if opts.float_parts not in ("fp16", "fp32"):
+            raise BuildError("tensorrt option float_parts: expected 'fp16' or 'fp32'")
         if not 0 <= opts.builder_optimization_level <= 5:
             raise BuildError("tensorrt option builder_optimization_level: expected 0..5")
         return opts
@@ -172,10 +185,13 @@ class BuildPlan:
     optimization_level: int | None  # None: this version has no builder_optimization_level
     dla_core: int
     notes: tuple[str, ...] = ()  # warnings for the build log
+    preview_features: tuple[str, ...] = ()  # PreviewFeature names to enable
+    profile_copies: int = 1  # identical optimization profiles (one per instance on 8.5)
+    fp16_float_parts: bool = False  # convert a Q/DQ model's float parts to FP16 (strongly typed)
 
 
 def _precision_plan(
-    major: int, precision: str, opts: BuildOptions, traits: ModelTraits, source: str
+    major: int, precision: str, opts: BuildOptions, traits: ModelTraits, source: str, samples: bool
 ) -> tuple[bool, tuple[str, ...], bool]:
     """(strongly typed, builder flags, calibrator) for one precision."""
     v = f"{major}.x"
@@ -184,8 +200,8 @@ def _precision_plan(
             raise BuildError(LEGACY_REFUSED.format(v=v))
         if traits.qdq:
             raise BuildError("the legacy calibrator calibrates the FP32 model; got a Q/DQ model")
-        if not opts.calibration_data:
-            raise BuildError("the legacy calibrator needs calibration_data (a sample folder)")
+        if not samples:
+            raise BuildError("the legacy calibrator needs calibration samples ([models.NAME.calibration])")
         return False, ("INT8", "FP16"), True
     if precision == "int8":
         if not traits.qdq:
@@ -202,9 +218,42 @@ def _precision_plan(
     raise BuildError(f"tensorrt cannot build precision {precision!r}")
 
 
+DLA_MISSING = (
+    "tensorrt.dla_core = {core}, but TensorRT {v} has no DLA support (TensorRT 11.0-11.3 dropped "
+    "it; 11.4.1 brings it back on Jetson AGX Orin with JetPack 7.2.2 or later). Set dla_core = -1 "
+    "to run on the GPU, or use the TensorRT 8.5/8.6/10.x of JetPack 5/6/7"
+)
+DLA_DYNAMIC = (
+    "DLA needs static shapes: the profile of input {name!r} is min {lo} / opt {opt} / max {hi}. "
+    "Give it min = opt = max (one shape), or set dla_core = -1 to run the dynamic model on the GPU"
+)
+
+
+def dla_supported(version: Version) -> bool:
+    """TensorRT 11.0-11.3 have no DLA at all."""
+    return not ((11, 0, 0) <= version < (11, 4, 0))
+
+
+def check_dla(version: Version, dla_core: int, profiles: Mapping[str, tuple[Any, Any, Any]]) -> None:
+    """Refuse a DLA build that cannot run on the DLA, naming what to change."""
+    if dla_core < 0:
+        return
+    if not dla_supported(version):
+        raise BuildError(DLA_MISSING.format(core=dla_core, v=".".join(map(str, version))))
+    for name, (lo, opt, hi) in profiles.items():
+        if not tuple(lo) == tuple(opt) == tuple(hi):
+            raise BuildError(DLA_DYNAMIC.format(name=name, lo=list(lo), opt=list(opt), hi=list(hi)))
+
+
 def plan_build(
-    version: Version, precision: str, opts: BuildOptions, traits: ModelTraits, source: str = ""
+    version: Version,
+    precision: str,
+    opts: BuildOptions,
+    traits: ModelTraits,
+    source: str = "",
+    samples: bool = False,
 ) -> BuildPlan:
+    """``samples``: calibration samples come with the build (the legacy calibrator needs them)."""
     reason = unsupported_reason(version)
     if reason:
         raise BuildError(reason)
@@ -212,7 +261,9 @@ def plan_build(
     notes: list[str] = []
     if major > NEWEST_MAJOR:
         notes.append(f"TensorRT {major} is newer than this edged knows; building as for 11")
-    strongly, flags, calibrator = _precision_plan(major, precision, opts, traits, source)
+    if opts.dla_core >= 0 and not dla_supported(version):
+        raise BuildError(DLA_MISSING.format(core=opts.dla_core, v=".".join(map(str, version))))
+    strongly, flags, calibrator = _precision_plan(major, precision, opts, traits, source, samples)
     if opts.legacy_calibrator and precision != "int8":
         notes.append(f"legacy_calibrator applies to int8 only; ignored for {precision}")
     if calibrator and major == 10:
@@ -236,4 +287,16 @@ def plan_build(
         network_flags: tuple[str, ...] = ("EXPLICIT_BATCH",)
     else:  # 11 types every network strongly and ignores the (deprecated) flag
         network_flags = ("STRONGLY_TYPED",) if strongly and major == 10 else ()
-    return BuildPlan(network_flags, strongly, flags, calibrator, level, opts.dla_core, tuple(notes))
+    scheme = profile_scheme(version)
+    return BuildPlan(
+        network_flags,
+        strongly,
+        flags,
+        calibrator,
+        level,
+        opts.dla_core,
+        tuple(notes),
+        preview_features=("PROFILE_SHARING_0806",) if scheme.preview_sharing else (),
+        profile_copies=scheme.copies(opts.instances),
+        fp16_float_parts=strongly and precision == "int8" and opts.float_parts == "fp16",
+    )

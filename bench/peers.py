@@ -1,8 +1,8 @@
 """Issue 7's benchmark: edged, PyTriton, a hand-written FastAPI server and the in-process floor on
 the same ONNX models, in one run, as ratios to the floor measured in that run.
 
-    scripts/bench.sh [--quick]          (sets up bench/.venv and the models, then runs this)
-    .venv/bin/python -m bench.run [--quick] [--out bench-results] [--publish docs/img]
+    scripts/bench.sh peers [--quick] [--out bench-results] [--publish docs/img]
+    (sets up bench/.venv for PyTriton and the models, then runs this)
 
 Phases: cold start (fresh starts interleaved across servers: start → ready, first request, memory),
 serving (latency and throughput at each concurrency, every target round-robin), and edged's
@@ -160,7 +160,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and starts (a few minutes)")
     ap.add_argument("--out", default=str(REPO / "bench-results"), help="where bench.json, bench.md, PNGs go")
@@ -168,7 +168,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work folder (server logs)")
     ap.add_argument("--report-only", action="store_true", help="redo the report from the last run's raw.pkl")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:

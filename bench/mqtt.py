@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """MQTT round trips through edged against a raw paho echo, through the same broker, in one run.
 
-  .venv/bin/python scripts/bench_mqtt.py [--rounds 2000] [--qos 1] [--out bench-results/mqtt.json]
+  scripts/bench.sh mqtt [--rounds 2000] [--qos 1] [--out bench-results/mqtt.json]
 
 A mosquitto of its own (set_tcp_nodelay true) on a free loopback port; edged as a subprocess
 with two models: the tiny MLP (1x16 -> 1x4) and a small sensor CNN on a 1x3x64x64 FP32 frame
@@ -42,7 +42,6 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from edged.demo import make_tiny_mlp  # noqa: E402
 from tests.helpers import DaemonProcess, write_config  # noqa: E402
@@ -274,7 +273,7 @@ def start_edged(work: Path, port: int) -> DaemonProcess:
     return DaemonProcess(config, work / "edged.sock", work / "edged.log").start()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200)
@@ -282,7 +281,7 @@ def main() -> int:
     ap.add_argument("--qos", type=int, choices=(0, 1), default=1)
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "mqtt.json")
     ap.add_argument("--echo", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the echo process
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.echo:
         run_echo(args.echo, args.qos)
         return 0
@@ -290,7 +289,9 @@ def main() -> int:
         work = Path(tmp)
         broker = Broker(work / "broker")
         broker.start()
-        echo = subprocess.Popen([sys.executable, __file__, "--echo", str(broker.port), "--qos", str(args.qos)])
+        echo = subprocess.Popen(
+            [sys.executable, "-m", "bench.mqtt", "--echo", str(broker.port), "--qos", str(args.qos)], cwd=REPO
+        )
         daemon = start_edged(work, broker.port)
         try:
             req = Requester(broker.port, args.qos)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """edged against its floor, side by side in one run (this machine is shared and noisy).
 
-  .venv/bin/python scripts/bench.py [--quick] [--out bench-results/core.json]
+  scripts/bench.sh core [--quick] [--out bench-results/core.json]
 
 Measures, on the same models:
   * the tiny MLP: in-process ONNX Runtime (the floor) against edged over the socket (binary
@@ -31,7 +31,6 @@ import numpy as np
 import onnxruntime as ort
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from edged.client import Client, encode_request  # noqa: E402
 from edged.demo import setup as demo_setup  # noqa: E402
@@ -175,11 +174,11 @@ def _one(d: DaemonProcess, req: bytes) -> float:
     return t
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(REPO / "bench-results" / "core.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rounds, per, frame_per, starts = (5, 200, 4, 3) if args.quick else (10, 500, 8, 7)
     data = REPO / "data"
     demo_setup(data)

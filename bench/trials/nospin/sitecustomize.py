@@ -1,4 +1,4 @@
-"""Loaded by Python at start-up when this folder is on PYTHONPATH (bench/probe_spinning.py puts
+"""Loaded by Python at start-up when this folder is on PYTHONPATH (bench/spinning.py puts
 it there for one edged daemon): ONNX Runtime sessions that edged creates get
 ``session.intra_op.allow_spinning = 0``. A trial of a one-line change to
 edged/backends/onnxruntime.py, made without touching that file."""

@@ -6,12 +6,13 @@ the benchmark see it), against the same with one GET /v2/health/live through the
 after READY=1 (what warming through the real socket would do). Each start reports, per model, the
 first request after a 0.5 s idle gap over the request after the same gap on the warm daemon.
 
-    .venv/bin/python -m bench.probe_first_request [--starts 6]
+    scripts/bench.sh first-request [--starts 6]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import tempfile
@@ -24,10 +25,11 @@ from bench.servers import EdgedServer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=6)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "first_request.json")
+    args = ap.parse_args(argv)
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     work = Path(tempfile.mkdtemp(prefix="edged-probe-"))
     ratios: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
@@ -46,11 +48,13 @@ def main() -> None:
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"socket_touched" if t else "ready_only": v for t, v in ratios.items()}, indent=2))
     for touch, by_model in ratios.items():
         label = "one GET through the socket after READY=1" if touch else "READY=1 only"
         print(
             f"{label}: first / after gap, median: "
-            + ", ".join(f"{m} {statistics.median(v):.2f}x" for m, v in by_model.items())
+            + ", ".join(f"{m} {statistics.median(v):.2f}x (worst {max(v):.2f}x)" for m, v in by_model.items())
         )
 
 

@@ -4,12 +4,12 @@ Three daemons serve the same model, interleaved with the in-process floor, at co
   * ``edged``: as configured by default;
   * ``edged-onewrite``: uvicorn's httptools protocol writes a response's head and body with two
     ``transport.write`` calls (two ``write`` syscalls, seen with strace on the daemon);
-    bench/onewrite/sitecustomize.py coalesces them, without touching edged's code;
+    bench/trials/onewrite/sitecustomize.py coalesces them, without touching edged's code;
   * ``edged-inline``: ``[server] inline_threshold_us`` high enough that the model runs on the
     event loop: no hand-off to a worker thread and back (for the frame models; the tiny model
     runs inline already).
 
-    .venv/bin/python -m bench.probe_overhead [--model tiny|conv640|ocr_det] [--rounds 8]
+    scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 class OneWriteEdged(EdgedServer):
     def extra_env(self) -> dict[str, str]:
-        return dict(super().extra_env(), PYTHONPATH=f"{REPO / 'bench' / 'onewrite'}:{REPO}")
+        return dict(super().extra_env(), PYTHONPATH=f"{REPO / 'bench' / 'trials' / 'onewrite'}:{REPO}")
 
 
 def _no_copy(server: EdgedServer, spec: ModelSpec, x: np.ndarray, conc: int) -> Runner:
@@ -45,11 +45,11 @@ def _no_copy(server: EdgedServer, spec: ModelSpec, x: np.ndarray, conc: int) -> 
     return run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--model", default="tiny")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     spec = specs[args.model]
     work = Path(tempfile.mkdtemp(prefix="edged-probe-"))

@@ -1,4 +1,4 @@
-"""Loaded by Python at start-up when this folder is on PYTHONPATH (bench/probe_tiny.py puts it
+"""Loaded by Python at start-up when this folder is on PYTHONPATH (bench/overhead.py puts it
 there for one edged daemon): uvicorn's httptools protocol writes a response's head and its body
 with two ``transport.write`` calls, two syscalls that can wake the client twice. This trial
 holds the head back and writes head and body in one call when the body is complete in one

@@ -4,10 +4,10 @@ After each run, a session's intra-op pool threads spin for a while waiting for m
 cores shared with a client, the daemon's event loop and other processes, the spinning threads
 take the cores the next piece of work needs. This compares, interleaved, the frame models in
 process and served by edged, each with spinning on (ONNX Runtime's default, what edged does) and
-off (``session.intra_op.allow_spinning = 0``; for edged through bench/nospin/sitecustomize.py,
+off (``session.intra_op.allow_spinning = 0``; for edged through bench/trials/nospin/sitecustomize.py,
 which patches the session options without touching edged's code).
 
-    .venv/bin/python -m bench.probe_spinning [--rounds 4]
+    scripts/bench.sh spinning [--rounds 4]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 class NoSpinEdged(EdgedServer):
     def extra_env(self) -> dict[str, str]:
-        return dict(super().extra_env(), PYTHONPATH=f"{REPO / 'bench' / 'nospin'}:{REPO}")
+        return dict(super().extra_env(), PYTHONPATH=f"{REPO / 'bench' / 'trials' / 'nospin'}:{REPO}")
 
 
 def session(spec: ModelSpec, spin: bool) -> Any:
@@ -42,10 +42,10 @@ def session(spec: ModelSpec, spin: bool) -> Any:
     return ort.InferenceSession(spec.path, so, providers=["CPUExecutionProvider"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     frames = {m: s for m, s in specs.items() if s.frame}
     budgets = {"conv640": Budget(600, 0.5), "ocr_det": Budget(40, 1.0)}

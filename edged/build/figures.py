@@ -1,0 +1,30 @@
+"""One-line renderings of a gate's figures for tables and the log (no numpy: the CLI imports
+this to print ``edged status``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def describe(gate: Mapping[str, Any] | None) -> str:
+    """One line for ``edged build``/``plan`` tables and the log: the verdict, the figures and
+    what a mixed-precision search chose."""
+    if not gate:
+        return "-"
+    keys = ("rel_l2", "cosine", "top1", "mask_iou", "det_f1")
+    parts = [f"{k}={gate[k]:.4g}" for k in keys if isinstance(gate.get(k), float)]
+    search = gate.get("search") or {}
+    if search.get("passed"):
+        parts.append(f"mixed: {len(search['excluded'])} nodes float, {search['int8_mac_fraction']:.0%} MACs int8")
+    elif search:
+        parts.append(f"mixed: no pass in {len(search.get('trials', []))} trials")
+    return ("pass " if gate.get("passed") else "FAIL ") + " ".join(parts)
+
+
+def precision_text(precision: str | None, gate: Mapping[str, Any] | None) -> str:
+    """``int8 (mixed)`` when a mixed-precision search chose nodes to keep in float."""
+    search = (gate or {}).get("search") or {}
+    if precision == "int8" and search.get("passed") and search.get("excluded"):
+        return "int8 (mixed)"
+    return precision or "-"
