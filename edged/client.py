@@ -3,7 +3,11 @@
 Both speak the Open Inference Protocol with the binary tensor extension, so tensors cross as raw
 bytes. For frame-sized inputs, ``Client.infer_shm`` creates a POSIX shared memory region per input
 once, registers it with the daemon once, and reuses it: only the frame's bytes are copied, into
-the region, and nothing large crosses the socket.
+the region, and nothing large crosses the socket. Its regions have names unique to the client
+(``{model}.{input}.{pid}.{random}``), so programs and clients never collide; they are released on
+close() and at interpreter exit, and the daemon releases those of a process that was killed.
+
+The client stays light: numpy, orjson and the standard library (no msgspec, onnx, uvicorn).
 
 Errors come back as the daemon's own exception classes (``edged.errors``), chosen by the stable
 ``code`` in the error body.
@@ -12,11 +16,16 @@ Errors come back as the daemon's own exception classes (``edged.errors``), chose
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
+import json
 import math
 import mmap
 import os
+import secrets
 import socket
+import struct
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,9 +98,17 @@ def encode_request(
     return b"".join([header, *chunks]), headers
 
 
+def _load_json(raw: memoryview) -> Any:
+    """edged writes NaN and Infinity for non-finite outputs (as Triton does); orjson refuses them."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(bytes(raw))
+
+
 def decode_response(body: bytes, header_len: int | None) -> dict[str, np.ndarray]:
     view = memoryview(body)
-    doc = orjson.loads(view[:header_len] if header_len is not None else view)
+    doc = _load_json(view[:header_len] if header_len is not None else view)
     binary = view[header_len:] if header_len is not None else view[:0]
     out: dict[str, np.ndarray] = {}
     offset = 0
@@ -129,12 +146,19 @@ class ShmTensor:
         }
 
 
+# POSIX ACL xattr (linux/posix_acl_xattr.h): version 2, then (tag, perm, id) entries by tag.
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_UNDEFINED = 0xFFFFFFFF
+
+
 class ShmRegion:
     """A POSIX shared memory object this process created (``/dev/shm/<key>``), mapped once."""
 
-    def __init__(self, name: str, byte_size: int, mode: int = 0o660) -> None:
+    def __init__(self, name: str, byte_size: int, mode: int = 0o600) -> None:
         self.name = name
-        self.key = f"/edged-{os.getpid()}-{name}"
+        # Unique, never derived from the region name alone: a key left by a killed process, or
+        # one a second client of this process holds, must not collide with this one.
+        self.key = f"/edged-{os.getpid()}-{secrets.token_hex(6)}"
         self.byte_size = byte_size
         path = f"/dev/shm{self.key}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)
@@ -144,6 +168,19 @@ class ShmRegion:
         finally:
             os.close(fd)
         self.array_view = np.frombuffer(self._map, dtype=np.uint8)
+
+    def grant(self, uid: int) -> bool:
+        """Let user ``uid`` (the daemon's) read and write this object, and nobody else: a POSIX
+        ACL entry, not a group mode (every member of a group could open the object directly).
+        False where the file system has no ACLs."""
+        entries = [(_ACL_USER_OBJ, 6, _ACL_UNDEFINED), (_ACL_USER, 6, uid), (_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED)]
+        entries += [(_ACL_MASK, 6, _ACL_UNDEFINED), (_ACL_OTHER, 0, _ACL_UNDEFINED)]
+        blob = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+        try:
+            os.setxattr(f"/dev/shm{self.key}", "system.posix_acl_access", blob)
+        except OSError:
+            return False
+        return True
 
     def put(self, arr: np.ndarray, offset: int = 0) -> ShmTensor:
         data = np.ascontiguousarray(arr)
@@ -158,13 +195,16 @@ class ShmRegion:
         out: np.ndarray = self.array_view[offset : offset + n].view(dt).reshape(tuple(shape)).copy()
         return out
 
-    def close(self) -> None:
-        del self.array_view
-        self._map.close()
-        try:
+    def unlink(self) -> None:
+        """Remove the name from /dev/shm; the memory lives on while it is mapped or registered."""
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm{self.key}")
-        except FileNotFoundError:
-            pass
+
+    def close(self) -> None:
+        if hasattr(self, "array_view"):
+            del self.array_view
+            self._map.close()
+        self.unlink()
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -178,6 +218,37 @@ class _UnixConnection(http.client.HTTPConnection):
         sock.connect(self._path)
         self.sock = sock
 
+    def server_uid(self) -> int:
+        """The daemon's user id, from the kernel (SO_PEERCRED), not from anything it says."""
+        if self.sock is None:
+            self.connect()
+        cred = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", cred)[1])
+
+
+class _Regions:
+    """A client's registered regions, apart from the client so that a finalizer can release them
+    at interpreter exit (or when the client is collected) without keeping the client alive."""
+
+    def __init__(self, conn: _UnixConnection) -> None:
+        self.conn = conn
+        # slot -> region: the name given to shm_region(), or "{model}.{input}" for infer_shm (whose
+        # regions are registered under a unique name, region.name)
+        self.by_name: dict[str, ShmRegion] = {}
+
+    def release(self) -> None:
+        # At exit a hung daemon must not hold the program for the full request timeout.
+        self.conn.timeout = min(self.conn.timeout or 2.0, 2.0)
+        if self.conn.sock is not None:
+            self.conn.sock.settimeout(self.conn.timeout)
+        for region in self.by_name.values():
+            with contextlib.suppress(Exception):  # the daemon may be gone; the region still closes
+                self.conn.request("POST", f"/v2/systemsharedmemory/region/{region.name}/unregister", body=b"")
+                self.conn.getresponse().read()
+            region.close()
+        self.by_name.clear()
+        self.conn.close()
+
 
 class Client:
     """Blocking client over one keep-alive connection (not thread-safe: one per thread)."""
@@ -185,7 +256,8 @@ class Client:
     def __init__(self, socket_path: str | None = None, timeout: float = 30.0) -> None:
         self.socket_path = socket_path or default_socket()
         self._conn = _UnixConnection(self.socket_path, timeout)
-        self._regions: dict[str, ShmRegion] = {}
+        self._shm = _Regions(self._conn)
+        self._finalizer = weakref.finalize(self, self._shm.release)
 
     def request(
         self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
@@ -266,38 +338,63 @@ class Client:
         return list(self._json("GET", "/v2/systemsharedmemory/status"))
 
     def shm_region(self, name: str, byte_size: int) -> ShmRegion:
-        """Create and register a region (or return the registered one if it is large enough)."""
-        region = self._regions.get(name)
+        """Create and register a region named ``name`` (or return the registered one if it is large
+        enough). Names are per process on the daemon's side; two clients of one process must
+        choose different names (``infer_shm`` does)."""
+        return self._region(name, name, byte_size)
+
+    def _region(self, slot: str, name: str, byte_size: int) -> ShmRegion:
+        regions = self._shm.by_name
+        region = regions.get(slot)
         if region is not None and region.byte_size >= byte_size:
             return region
         if region is not None:
-            self.unregister_shm(name)
+            del regions[slot]
+            self.unregister_shm(region.name)
             region.close()
         region = ShmRegion(name, byte_size)
         try:
+            self._share(region)
             self.register_shm(name, region.key, byte_size)
-        except Exception:
+        except BaseException:
             region.close()
             raise
-        self._regions[name] = region
+        # The daemon holds the object open now: without its name in /dev/shm, nothing is left
+        # behind if this process is killed (the daemon releases the registration itself).
+        region.unlink()
+        regions[slot] = region
         return region
+
+    def _share(self, region: ShmRegion) -> None:
+        """The object is created 0600; a daemon running as another user gets an ACL entry."""
+        uid = self._conn.server_uid()
+        if uid != os.getuid() and not region.grant(uid):
+            os.chmod(f"/dev/shm{region.key}", 0o660)  # no ACLs here: the group must do
 
     def infer_shm(
         self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None, request_id: str = ""
     ) -> dict[str, np.ndarray]:
         """Send every input through a reused shared memory region (one per input name)."""
-        tensors = {n: self.shm_region(f"{model}.{n}", a.nbytes).put(a) for n, a in inputs.items()}
-        return self.infer(model, tensors, outputs, request_id)
+        try:
+            return self.infer(model, self._shm_tensors(model, inputs), outputs, request_id)
+        except errors.SharedMemoryNotFoundError:
+            # The daemon restarted (and forgot the regions): register new ones, once.
+            self._forget_regions(model)
+            return self.infer(model, self._shm_tensors(model, inputs), outputs, request_id)
+
+    def _shm_tensors(self, model: str, inputs: Mapping[str, np.ndarray]) -> dict[str, ShmTensor]:
+        pid = os.getpid()
+        return {
+            n: self._region(f"{model}.{n}", f"{model}.{n}.{pid}.{secrets.token_hex(4)}", a.nbytes).put(a)
+            for n, a in inputs.items()
+        }
+
+    def _forget_regions(self, model: str) -> None:
+        for slot in [k for k in self._shm.by_name if k.startswith(f"{model}.")]:
+            self._shm.by_name.pop(slot).close()
 
     def close(self) -> None:
-        for name, region in self._regions.items():
-            try:
-                self.unregister_shm(name)
-            except (errors.EdgedError, OSError):
-                pass
-            region.close()
-        self._regions.clear()
-        self._conn.close()
+        self._finalizer()  # unregisters and closes every region once, then the connection
 
     def __enter__(self) -> Client:
         return self
@@ -324,7 +421,18 @@ class AsyncClient:
         self, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes, dict[str, str]]:
         async with self._lock:
-            return await asyncio.wait_for(self._roundtrip(method, path, body, headers), self.timeout)
+            try:
+                return await asyncio.wait_for(self._roundtrip(method, path, body, headers), self.timeout)
+            except BaseException:
+                # Cancelled, timed out or failed mid-exchange: the answer may still arrive on this
+                # connection and would be read as the next request's. Never reuse it.
+                self._drop()
+                raise
+
+    def _drop(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
 
     async def _roundtrip(
         self, method: str, path: str, body: bytes, headers: Mapping[str, str] | None

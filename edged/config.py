@@ -47,6 +47,10 @@ class ServerConfig(_Table, frozen=True):
     socket_mode: str = "0660"
     socket_group: str = ""
     max_body: str = "256MiB"
+    # The JSON part of an infer request (a whole JSON body, or the header of a binary one).
+    # Python objects cost 4-16 times the JSON's bytes and parsing holds the interpreter's lock,
+    # so large tensors travel with the binary extension or shared memory (413 beyond).
+    max_json: str = "8MiB"
     request_timeout_ms: PositiveInt = 10_000
     # Idle keep-alive connections are closed after this long (uvicorn's default is 5 s; local
     # clients such as camera pipelines keep one connection for hours).
@@ -55,6 +59,21 @@ class ServerConfig(_Table, frozen=True):
     # worker thread costs 40-95 us on a small board, more than the work itself.
     inline_threshold_us: NonNegInt = 60
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Limits that keep one hostile or broken client from starving the others (see configs/edged.toml).
+    max_header_size: str = "16KiB"
+    max_headers: PositiveInt = 100
+    read_timeout_s: PositiveFloat = 30.0
+    max_connections: PositiveInt = 512
+    max_regions: PositiveInt = 1024
+    max_regions_per_peer: PositiveInt = 256
+    max_region_size: str = "256MiB"
+    # "" = every client may load/unload models; else only members of this group (and root).
+    admin_group: str = ""
+    # Extra listeners: TCP addresses ("127.0.0.1:8000", "[::1]:8000") for the same API (a
+    # non-loopback one needs tcp_token_file), and a metrics-only address for Prometheus.
+    tcp: list[str] = msgspec.field(default_factory=list)
+    tcp_token_file: str = ""
+    metrics: str = ""
 
 
 class CacheConfig(_Table, frozen=True):
@@ -365,6 +384,9 @@ def _resolve(base: Path, value: str) -> str:
 def _check_sizes(cfg: Config, src: str) -> None:
     sizes = {
         "server.max_body": cfg.server.max_body,
+        "server.max_header_size": cfg.server.max_header_size,
+        "server.max_region_size": cfg.server.max_region_size,
+        "server.max_json": cfg.server.max_json,
         "memory.reserve": cfg.memory.reserve,
         "build.headroom": cfg.build.headroom,
         "cache.quarantine_max_bytes": cfg.cache.quarantine_max_bytes,
@@ -456,7 +478,11 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
         )
     return msgspec.structs.replace(
         cfg,
-        server=msgspec.structs.replace(cfg.server, socket=_resolve(base, cfg.server.socket)),
+        server=msgspec.structs.replace(
+            cfg.server,
+            socket=_resolve(base, cfg.server.socket),
+            tcp_token_file=_resolve(base, cfg.server.tcp_token_file),
+        ),
         cache=msgspec.structs.replace(cfg.cache, dir=_resolve(base, cfg.cache.dir)),
         mqtt=mqtt,
         models=models,

@@ -266,38 +266,12 @@ class Daemon:
         self._spawn(self.reloader.reload())
 
     async def _serve(self, app: App) -> None:
-        fds = systemd.listen_fds()
-        if fds:
-            sock = socket.socket(fileno=fds[0])
-            sock.setblocking(False)
-            log.info("serving on the socket systemd passed (fd %d)", fds[0])
-        else:
-            sock = bind_socket(
-                self.cfg.server.socket, int(self.cfg.server.socket_mode, 8), self.cfg.server.socket_group
-            )
-            self._owned_socket = self.cfg.server.socket
-            log.info("serving on %s", self.cfg.server.socket)
-        config = uvicorn.Config(
-            app,
-            http="httptools",
-            loop="none",
-            lifespan="off",
-            access_log=False,
-            log_config=None,
-            server_header=False,
-            date_header=False,
-            interface="asgi3",
-            proxy_headers=False,
-            timeout_graceful_shutdown=int(self.cfg.lifecycle.drain_timeout_s),
-            timeout_keep_alive=self.cfg.server.keepalive_s,
-        )
-        config.load()
-        self.server = uvicorn.Server(config)
-        # What Server.serve() would do; edged drives startup and shutdown itself so that the
-        # lifecycle (and its signal handling) stays in one place.
-        self.server.lifespan = config.lifespan_class(config)
+        from edged.transports import listener
+
+        listeners = listener.listeners_from(self.cfg, bind_socket)
+        self._owned_socket = next((x.owned_path for x in listeners if x.owned_path), None)
         self.app = app
-        await self.server.startup(sockets=[sock])
+        self.server = await listener.start(app, self.cfg, listeners)
 
     def _summary(self) -> str:
         assert self.registry is not None
@@ -311,7 +285,7 @@ class Daemon:
         """Read by /metrics at scrape time: every configured model, with its requests in flight."""
         assert self.registry is not None
         # list(): /metrics renders off the loop, and a reload may add a model meanwhile.
-        return {n: rt.queue.pending if rt.queue else 0 for n, rt in list(self.registry.models.items())}
+        return {n: rt.queue.backlog if rt.queue else 0 for n, rt in list(self.registry.models.items())}
 
     def _on_state(self, rt: ModelRuntime) -> None:
         if self.mqtt is not None:

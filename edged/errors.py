@@ -8,6 +8,7 @@ nothing from edged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 
@@ -79,6 +80,40 @@ class SharedMemoryNotFoundError(SharedMemoryError):
     code = "shm_region_not_found"
 
 
+class SharedMemoryTruncatedError(SharedMemoryError):
+    """The region's object was shrunk after registration: an error for that request, not a signal."""
+
+    code = "shm_region_truncated"
+
+
+class SharedMemoryForbiddenError(SharedMemoryError):
+    """The shared memory object belongs to another user than the client's."""
+
+    code = "shm_forbidden"
+    http_status = 403
+
+
+class SharedMemoryLimitError(SharedMemoryError):
+    """Too many regions registered, in total or by this user."""
+
+    code = "shm_limit"
+    http_status = 429
+
+
+class SharedMemoryTooLargeError(SharedMemoryError):
+    """A region larger than server.max_region_size."""
+
+    code = "shm_too_large"
+    http_status = 413
+
+
+class ForbiddenError(EdgedError):
+    """The client's user may not do this (e.g. load/unload without server.admin_group)."""
+
+    code = "forbidden"
+    http_status = 403
+
+
 # --- availability (retry later) ---------------------------------------------------------------
 
 
@@ -138,3 +173,32 @@ class BudgetError(EdgedError):
 
     code = "over_budget"
     http_status = 507
+
+
+# --- the wire table ------------------------------------------------------------------------------
+# One table for every transport: a fault raises one of the classes above wherever it is found,
+# and each transport reports the class's code (HTTP: in the JSON body, with the class's status;
+# MQTT: in the JSON reply and the 'code' user property). The same fault therefore carries the
+# same code on the socket and over MQTT; the order of checks (model first, then the body) lives
+# in the service, which both transports call.
+
+
+@dataclass(frozen=True)
+class WireCode:
+    code: str
+    http_status: int
+    meaning: str  # the first line of the class's docstring, or its name
+    cls: type[EdgedError]
+
+
+def wire_codes() -> dict[str, WireCode]:
+    """Every stable code, from the exception tree as loaded (a transport may add its own, such
+    as HTTP's 405), most general class first when two share a code."""
+    table: dict[str, WireCode] = {}
+    stack: list[type[EdgedError]] = [EdgedError]
+    while stack:
+        cls = stack.pop(0)
+        meaning = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
+        table.setdefault(cls.code, WireCode(cls.code, cls.http_status, meaning, cls))
+        stack.extend(cls.__subclasses__())
+    return table

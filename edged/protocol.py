@@ -9,58 +9,72 @@ self-consistent; whether its tensors fit the model is the service's job.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
 
-from edged.errors import BadRequestError
+# Re-exported: the transports, the client and the tests import the protocol from here.
+from edged.encoding import OFFLOAD_BYTES as OFFLOAD_BYTES
+from edged.encoding import Part as Part
+from edged.encoding import encode_infer as encode_infer
+from edged.encoding import encode_infer_async as encode_infer_async
+from edged.encoding import encode_infer_parts as encode_infer_parts
+from edged.errors import BadRequestError, InvalidInputError, PayloadTooLargeError
+from edged.tensors import NUMPY_TO_V2 as NUMPY_TO_V2
+from edged.tensors import V2_TO_NUMPY as V2_TO_NUMPY
+from edged.tensors import InferRequest as InferRequest
+from edged.tensors import OutputRequest as OutputRequest
+from edged.tensors import ShmResolver as ShmResolver
+from edged.tensors import from_bytes, from_json_data, parse_dtype, parse_shape
+from edged.tensors import v2_datatype as v2_datatype
 
-V2_TO_NUMPY = {
-    "BOOL": "bool",
-    "UINT8": "uint8",
-    "UINT16": "uint16",
-    "UINT32": "uint32",
-    "UINT64": "uint64",
-    "INT8": "int8",
-    "INT16": "int16",
-    "INT32": "int32",
-    "INT64": "int64",
-    "FP16": "float16",
-    "FP32": "float32",
-    "FP64": "float64",
-}
-NUMPY_TO_V2 = {v: k for k, v in V2_TO_NUMPY.items()}
-
-# (region name, offset, byte size) -> a writable view of exactly that many bytes.
-ShmResolver = Callable[[str, int, int], memoryview]
-
-_JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
-
-
-@dataclass
-class OutputRequest:
-    name: str
-    binary: bool = False
-    shm_region: str | None = None
-    shm_offset: int = 0
-    shm_size: int = 0
-
-
-@dataclass
-class InferRequest:
-    id: str = ""
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)
-    outputs: list[OutputRequest] | None = None  # None: every output, as JSON unless binary_all
-    binary_all: bool = False
-    parameters: dict[str, Any] = field(default_factory=dict)
+# How many tensors one request may name when the model's own count is not known (a model that
+# is not loaded yet). Past it a request is refused before its list is walked.
+MAX_TENSORS = 1024
+# Inference-Header-Content-Length: ASCII digits only, and no more than this many of them.
+_MAX_DIGITS = 18
+# Headers at most this long are remembered with their plan; the cache holds at most _PLAN_BYTES
+# of them (a stream's header is a few hundred bytes; a failed request's is never kept).
+_PLAN_HEADER_MAX = 8192
+_PLAN_BYTES = 1 << 20
+# The JSON part's default bound (server.max_json).
+MAX_JSON = 8 << 20
+# JSON objects a request may hold besides two per named tensor (the tensor and its parameters):
+# the body, its parameters, and room for clients that send empty objects.
+_SPARE_OBJECTS = 16
+# A JSON part this short parses in well under a millisecond whatever it holds: not scanned.
+_SMALL_JSON = 4096
+# Counting braces scans the body in slices of this size, so that on a worker thread no single
+# call holds the interpreter lock for long.
+_SCAN_SLICE = 1 << 20
 
 
-def v2_datatype(dtype: str) -> str:
-    return NUMPY_TO_V2.get(dtype, dtype.upper())
+@dataclass(frozen=True)
+class Limits:
+    """How many inputs and outputs a request may name: the model's own counts when known."""
+
+    inputs: int = MAX_TENSORS
+    outputs: int = MAX_TENSORS
+    model: str = ""
+    json_bytes: int = MAX_JSON
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def parse_header_length(raw: str | bytes, what: str = "Inference-Header-Content-Length") -> int:
+    """A strict non-negative decimal: Python's int() also takes ' 12', '+12' and '1_000'."""
+    text = raw.decode("latin-1") if isinstance(raw, bytes) else raw
+    if not text or len(text) > _MAX_DIGITS or not (text.isascii() and text.isdigit()):
+        raise BadRequestError(f"{what} must be a decimal integer of at most {_MAX_DIGITS} digits")
+    return int(text)
 
 
 def _obj(value: Any, what: str) -> dict[str, Any]:
@@ -69,44 +83,31 @@ def _obj(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _shape(raw: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(raw, list) or not all(isinstance(d, int) and d >= 0 for d in raw):
-        raise BadRequestError(f"{where}: 'shape' must be a list of non-negative integers")
-    return tuple(raw)
-
-
-def _dtype(raw: Any, where: str) -> np.dtype[Any]:
-    name = V2_TO_NUMPY.get(raw) if isinstance(raw, str) else None
-    if name is None:
-        raise BadRequestError(f"{where}: unsupported 'datatype' {raw!r}; one of {', '.join(V2_TO_NUMPY)}")
-    return np.dtype(name)
-
-
-def _from_json_data(data: Any, dtype: np.dtype[Any], shape: tuple[int, ...], where: str) -> np.ndarray:
-    try:
-        arr = np.asarray(data, dtype=dtype)
-    except (ValueError, TypeError, OverflowError) as e:
-        raise BadRequestError(f"{where}: 'data' does not hold {dtype} values: {e}") from None
-    count = math.prod(shape)
-    if arr.size != count:
-        raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, 'data' has {arr.size}")
-    return arr.reshape(shape)
-
-
-def _from_bytes(buf: memoryview | bytes, dtype: np.dtype[Any], shape: tuple[int, ...], where: str) -> np.ndarray:
-    need = math.prod(shape) * dtype.itemsize
-    if len(buf) != need:
-        raise BadRequestError(
-            f"{where}: shape {list(shape)} of {v2_datatype(dtype.name)} needs {need} bytes, got {len(buf)}"
-        )
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
-
-
 def _int_param(params: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
     value = params.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise BadRequestError(f"{where}: parameter '{key}' must be a non-negative integer")
     return value
+
+
+def _shm_params(params: Mapping[str, Any], where: str) -> tuple[str, int, int] | None:
+    """(region, offset, byte size), or None when no region is named; the extension's rules:
+    a region needs its byte size, and offset or byte size without a region is an error."""
+    if "shared_memory_region" not in params:
+        for key in ("shared_memory_byte_size", "shared_memory_offset") if params else ():
+            if key in params:
+                raise BadRequestError(f"{where}: '{key}' without 'shared_memory_region'")
+        return None
+    region = params["shared_memory_region"]
+    if not isinstance(region, str) or not region:
+        raise BadRequestError(f"{where}: 'shared_memory_region' must be a non-empty string")
+    if "shared_memory_byte_size" not in params:
+        raise BadRequestError(f"{where}: 'shared_memory_region' needs 'shared_memory_byte_size'")
+    return (
+        region,
+        _int_param(params, "shared_memory_offset", where, 0),
+        _int_param(params, "shared_memory_byte_size", where),
+    )
 
 
 @dataclass(frozen=True)
@@ -129,22 +130,14 @@ def _plan_input(raw: Any, idx: int) -> _InputPlan:
     if not isinstance(name, str) or not name:
         raise BadRequestError(f"inputs[{idx}]: 'name' must be a non-empty string")
     where = f"input '{name}'"
-    shape = _shape(inp.get("shape"), where)
-    dtype = _dtype(inp.get("datatype"), where)
+    shape = parse_shape(inp.get("shape"), where)
+    dtype = parse_dtype(inp.get("datatype"), where)
     params = _obj(inp.get("parameters") or {}, f"{where}: 'parameters'")
-    if "shared_memory_region" in params:
-        region = params["shared_memory_region"]
-        if not isinstance(region, str):
-            raise BadRequestError(f"{where}: 'shared_memory_region' must be a string")
-        return _InputPlan(
-            name,
-            dtype,
-            shape,
-            "shm",
-            _int_param(params, "shared_memory_byte_size", where),
-            region,
-            _int_param(params, "shared_memory_offset", where, 0),
-        )
+    shm = _shm_params(params, where)
+    if params and ("data" in inp) + (shm is not None) + ("binary_data_size" in params) > 1:
+        raise BadRequestError(f"{where}: give one of 'data', 'binary_data_size' or 'shared_memory_region'")
+    if shm is not None:
+        return _InputPlan(name, dtype, shape, "shm", shm[2], shm[0], shm[1])
     if "binary_data_size" in params:
         return _InputPlan(name, dtype, shape, "binary", _int_param(params, "binary_data_size", where))
     if "data" not in inp:
@@ -157,28 +150,34 @@ def _materialize(p: _InputPlan, binary: memoryview, offset: int, shm: ShmResolve
     if p.kind == "shm":
         if shm is None:
             raise BadRequestError(f"{where}: shared memory is not available on this transport")
-        return _from_bytes(shm(p.region, p.offset, p.size), p.dtype, p.shape, where), offset
+        need = math.prod(p.shape) * p.dtype.itemsize
+        if p.size != need:  # checked before the region is touched
+            raise BadRequestError(
+                f"{where}: shape {list(p.shape)} of {v2_datatype(p.dtype.name)} needs {need} bytes, "
+                f"'shared_memory_byte_size' is {p.size}"
+            )
+        return from_bytes(shm(p.region, p.offset, p.size), p.dtype, p.shape, where), offset
     if p.kind == "binary":
         if offset + p.size > len(binary):
             raise BadRequestError(f"{where}: 'binary_data_size' {p.size} runs past the end of the binary data")
-        return _from_bytes(binary[offset : offset + p.size], p.dtype, p.shape, where), offset + p.size
-    return _from_json_data(p.data, p.dtype, p.shape, where), offset
+        return from_bytes(binary[offset : offset + p.size], p.dtype, p.shape, where), offset + p.size
+    raise AssertionError("JSON inputs are converted by _convert_json")
 
 
 def _decode_output(raw: Any, binary_all: bool, idx: int) -> OutputRequest:
     out = _obj(raw, f"outputs[{idx}]")
     name = out.get("name")
-    if not isinstance(name, str):
-        raise BadRequestError(f"outputs[{idx}]: 'name' must be a string")
-    params = _obj(out.get("parameters") or {}, f"output '{name}': 'parameters'")
-    req = OutputRequest(name, bool(params.get("binary_data", binary_all)))
-    if "shared_memory_region" in params:
-        region = params["shared_memory_region"]
-        if not isinstance(region, str):
-            raise BadRequestError(f"output '{name}': 'shared_memory_region' must be a string")
-        req.shm_region = region
-        req.shm_size = _int_param(params, "shared_memory_byte_size", f"output '{name}'")
-        req.shm_offset = _int_param(params, "shared_memory_offset", f"output '{name}'", 0)
+    if not isinstance(name, str) or not name:
+        raise BadRequestError(f"outputs[{idx}]: 'name' must be a non-empty string")
+    where = f"output '{name}'"
+    params = _obj(out.get("parameters") or {}, f"{where}: 'parameters'")
+    binary = params.get("binary_data", binary_all)
+    if not isinstance(binary, bool):
+        raise BadRequestError(f"{where}: 'binary_data' must be true or false")
+    req = OutputRequest(name, binary)
+    shm = _shm_params(params, where)
+    if shm is not None:
+        req.shm_region, req.shm_offset, req.shm_size = shm
     return req
 
 
@@ -191,118 +190,204 @@ class _RequestPlan:
     outputs: tuple[OutputRequest, ...] | None
 
 
-# Clients send the same header for every frame of a stream (only the bytes after it change), so
-# a header without inline JSON data is parsed once and its plan reused.
-_PLANS: dict[bytes, _RequestPlan] = {}
-_PLAN_CACHE_SIZE = 256
+def _unique(names: Sequence[str], what: str) -> None:
+    if len(names) < 2:
+        return
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            raise BadRequestError(f"{what} '{n}' is given twice")
+        seen.add(n)
 
 
-def _plan(header: memoryview) -> _RequestPlan:
+def _check_counts(n_inputs: int, n_outputs: int, limits: Limits) -> None:
+    """Refused before the lists are walked: a request names no more tensors than the model has."""
+    if n_inputs <= limits.inputs and n_outputs <= limits.outputs:
+        return
+    whose = f"model '{limits.model}' has" if limits.model else "a request may name at most"
+    if n_inputs > limits.inputs:
+        raise InvalidInputError(f"the request lists {n_inputs} inputs; {whose} {limits.inputs}")
+    raise InvalidInputError(f"the request asks for {n_outputs} outputs; {whose} {limits.outputs}")
+
+
+def _check_json_size(body: bytes | memoryview, end: int, limits: Limits) -> None:
+    """Before parsing: the JSON part is within server.max_json, and holds no more objects than a
+    request for this model can (every object needs a '{', so counting them bounds the objects;
+    a body of 480,000 tiny objects cost 3.2 s of parsing and collecting)."""
+    if end > limits.json_bytes:
+        raise PayloadTooLargeError(
+            f"the JSON part of the request is {end} bytes, over the limit of {limits.json_bytes} (server.max_json); "
+            "send large tensors with the binary tensor extension or shared memory"
+        )
+    allowed = 2 * (limits.inputs + limits.outputs) + _SPARE_OBJECTS
+    if end <= max(allowed, _SMALL_JSON):
+        return  # too short to hold more objects than allowed, or too short to matter
+    raw = body if isinstance(body, bytes) else bytes(memoryview(body)[:end])
+    found = 0
+    for start in range(0, end, _SCAN_SLICE):
+        found += raw.count(b"{", start, min(end, start + _SCAN_SLICE))
+        if found > allowed:
+            whose = f"for model '{limits.model}'" if limits.model else ""
+            raise InvalidInputError(f"the request holds more JSON objects than a request {whose} can ({allowed})")
+
+
+def load_json(header: memoryview | bytes) -> Any:
+    """orjson, strict JSON; a document that orjson refuses and that holds NaN or Infinity (which
+    Python's json, NumPy and tritonclient write for non-finite values, and Triton accepts) is read
+    again with the standard library, which accepts them."""
     try:
-        doc = orjson.loads(header)
+        return orjson.loads(header)
     except orjson.JSONDecodeError as e:
-        raise BadRequestError(f"malformed JSON: {e}") from None
+        raw = bytes(header)
+        if b"NaN" not in raw and b"Infinity" not in raw:
+            raise BadRequestError(f"malformed JSON: {e}") from None
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e2:  # JSONDecodeError, bad UTF-8, too deep, huge ints
+            raise BadRequestError(f"malformed JSON: {e2}") from None
+
+
+def _plan(header: memoryview | bytes, limits: Limits) -> _RequestPlan:
+    return plan_document(load_json(header), limits)
+
+
+def plan_document(doc: Any, limits: Limits) -> _RequestPlan:
+    """The request's plan from its parsed JSON: every field checked, nothing converted yet."""
     doc = _obj(doc, "request body")
     inputs_raw = doc.get("inputs")
     if not isinstance(inputs_raw, list) or not inputs_raw:
         raise BadRequestError("'inputs' must be a non-empty list")
-    params = _obj(doc.get("parameters") or {}, "'parameters'")
-    binary_all = bool(params.get("binary_data_output", False))
-    inputs = tuple(_plan_input(raw, idx) for idx, raw in enumerate(inputs_raw))
-    names = [p.name for p in inputs]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise BadRequestError(f"input '{dup}' is given twice")
     outputs_raw = doc.get("outputs")
+    if outputs_raw is not None and not isinstance(outputs_raw, list):
+        raise BadRequestError("'outputs' must be a list")
+    _check_counts(len(inputs_raw), len(outputs_raw or ()), limits)
+    params = _obj(doc.get("parameters") or {}, "'parameters'")
+    binary_all = params.get("binary_data_output", False)
+    if not isinstance(binary_all, bool):
+        raise BadRequestError("parameter 'binary_data_output' must be true or false")
+    inputs = tuple(_plan_input(raw, idx) for idx, raw in enumerate(inputs_raw))
+    _unique([p.name for p in inputs], "input")
     outputs = None
     if outputs_raw is not None:
-        if not isinstance(outputs_raw, list):
-            raise BadRequestError("'outputs' must be a list")
         outputs = tuple(_decode_output(o, binary_all, i) for i, o in enumerate(outputs_raw))
-    return _RequestPlan(str(doc.get("id", "")), binary_all, params, inputs, outputs)
+        _unique([o.name for o in outputs], "output")
+    rid = doc.get("id", "")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise BadRequestError("'id' must be a string")
+    return _RequestPlan(str(rid), binary_all, params, inputs, outputs)
 
 
-def _cached_plan(header: memoryview) -> _RequestPlan:
-    key = header.tobytes()
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(header)
-        if all(p.kind != "json" for p in plan.inputs):
-            if len(_PLANS) >= _PLAN_CACHE_SIZE:
-                _PLANS.clear()
-            _PLANS[key] = plan
-    return plan
+class _PlanCache:
+    """Plans of binary-extension headers, bounded by bytes (LRU). Clients send the same header
+    for every frame of a stream (only the bytes after it change), so it is parsed once."""
+
+    def __init__(self, max_bytes: int, max_header: int) -> None:
+        self.max_bytes, self.max_header = max_bytes, max_header
+        self.bytes = 0
+        self._plans: OrderedDict[bytes, _RequestPlan] = OrderedDict()
+        self._lock = threading.Lock()  # large bodies are decoded on a worker thread
+
+    def get(self, key: bytes) -> _RequestPlan | None:
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+            return plan
+
+    def put(self, key: bytes, plan: _RequestPlan) -> None:
+        if len(key) > self.max_header or any(p.kind == "json" for p in plan.inputs):
+            return
+        with self._lock:
+            if key in self._plans:
+                return
+            self._plans[key] = plan
+            self.bytes += len(key)
+            while self.bytes > self.max_bytes:
+                old, _ = self._plans.popitem(last=False)
+                self.bytes -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+            self.bytes = 0
 
 
-def decode_infer(
-    body: bytes | memoryview, header_length: int | None = None, shm: ShmResolver | None = None
-) -> InferRequest:
-    """Parse an infer body: JSON alone, or (binary extension) JSON of ``header_length`` bytes
-    followed by the tensors' raw bytes in the order of the inputs that declare them."""
+PLANS = _PlanCache(_PLAN_BYTES, _PLAN_HEADER_MAX)
+
+
+@dataclass
+class ParsedBody:
+    """The part of decoding that may be slow (JSON parsing, JSON data to arrays): it touches
+    no shared memory and no event-loop state, so it may run on a worker thread."""
+
+    plan: _RequestPlan
+    key: bytes | None  # the header, when the plan may be cached once the request decodes
+    binary: memoryview
+    arrays: dict[str, np.ndarray]
+
+
+def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limits = DEFAULT_LIMITS) -> ParsedBody:
     view = memoryview(body)
+    key = None
     if header_length is None:
+        _check_json_size(body, len(view), limits)
+        plan = _plan(view, limits)  # plain JSON carries its data inline: nothing to reuse
         header_length = len(view)
-        plan = _plan(view)  # plain JSON carries its data inline: nothing to reuse
     elif header_length > len(view):
         raise BadRequestError(f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)")
     else:
-        plan = _cached_plan(view[:header_length])
-    binary = view[header_length:]
+        header = view[:header_length]
+        key = header.tobytes() if header_length <= PLANS.max_header else None
+        cached = PLANS.get(key) if key is not None else None
+        if cached is not None:
+            _check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
+            key = None
+        else:
+            _check_json_size(body, header_length, limits)
+        plan = cached or _plan(header, limits)
+    arrays = {
+        p.name: from_json_data(p.data, p.dtype, p.shape, f"input '{p.name}'") for p in plan.inputs if p.kind == "json"
+    }
+    return ParsedBody(plan, key, view[header_length:], arrays)
+
+
+def finish_decode(parsed: ParsedBody, shm: ShmResolver | None = None) -> InferRequest:
+    """The cheap rest, on the caller's thread: binary tensors are views of the body, shared
+    memory is resolved, and only a request that decoded completely has its plan remembered."""
+    plan, binary = parsed.plan, parsed.binary
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     for p in plan.inputs:
-        inputs[p.name], offset = _materialize(p, binary, offset, shm)
+        if p.kind == "json":
+            inputs[p.name] = parsed.arrays[p.name]
+        else:
+            inputs[p.name], offset = _materialize(p, binary, offset, shm)
     if offset != len(binary):
         raise BadRequestError(f"{len(binary) - offset} bytes of binary data belong to no input")
+    if parsed.key is not None:
+        PLANS.put(parsed.key, plan)
     outputs = [dataclasses.replace(o) for o in plan.outputs] if plan.outputs is not None else None
-    return InferRequest(plan.id, inputs, outputs, plan.binary_all, plan.parameters)
+    return InferRequest(plan.id, inputs, outputs, plan.binary_all, dict(plan.parameters))
 
 
-def encode_infer(
-    model: str,
-    req: InferRequest,
-    results: Mapping[str, np.ndarray],
+def decode_infer(
+    body: bytes | memoryview,
+    header_length: int | None = None,
     shm: ShmResolver | None = None,
-) -> tuple[bytes, int | None]:
-    """(body, header length or None when the body is plain JSON)."""
-    wanted = req.outputs
-    if wanted is None:
-        wanted = [OutputRequest(n, req.binary_all) for n in results]
-    entries: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
-    for out in wanted:
-        arr = results.get(out.name)
-        if arr is None:
-            raise BadRequestError(f"requested output '{out.name}' is not an output of '{model}'")
-        entry: dict[str, Any] = {
-            "name": out.name,
-            "datatype": v2_datatype(arr.dtype.name),
-            "shape": list(arr.shape),
-        }
-        if out.shm_region is not None and shm is not None:
-            data = np.ascontiguousarray(arr)
-            if data.nbytes > out.shm_size:
-                raise BadRequestError(
-                    f"output '{out.name}' needs {data.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
-                )
-            dest = np.frombuffer(shm(out.shm_region, out.shm_offset, data.nbytes), dtype=np.uint8)
-            dest[:] = data.reshape(-1).view(np.uint8)
-            entry["parameters"] = {
-                "shared_memory_region": out.shm_region,
-                "shared_memory_byte_size": data.nbytes,
-            }
-        elif out.binary:
-            raw = np.ascontiguousarray(arr).tobytes()
-            chunks.append(raw)
-            entry["parameters"] = {"binary_data_size": len(raw)}
-        else:
-            flat = arr.reshape(-1)
-            entry["data"] = flat.astype(np.float32) if flat.dtype == np.float16 else flat
-        entries.append(entry)
-    doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
-    if req.id:
-        doc["id"] = req.id
-    header = orjson.dumps(doc, option=_JSON_OPTS)
-    if not chunks:
-        return header, None
-    return b"".join([header, *chunks]), len(header)
+    limits: Limits = DEFAULT_LIMITS,
+) -> InferRequest:
+    """Parse an infer body: JSON alone, or (binary extension) JSON of ``header_length`` bytes
+    followed by the tensors' raw bytes in the order of the inputs that declare them."""
+    return finish_decode(parse_body(body, header_length, limits), shm)
+
+
+def check_json_part(body: bytes | memoryview, header_length: int | None, limits: Limits) -> int:
+    """The JSON part's length, once it is known to be within bounds (see _check_json_size)."""
+    end = len(body) if header_length is None else header_length
+    if end > len(body):
+        raise BadRequestError(f"Inference-Header-Content-Length {end} exceeds the body ({len(body)} bytes)")
+    _check_json_size(body, end, limits)
+    return end

@@ -30,7 +30,7 @@ from edged.errors import BackendError, BudgetError, CacheError, EdgedError, Mode
 from edged.memory import PlanItem, choose_evictions, rss_bytes
 from edged.metrics import Metrics
 from edged.scheduler import ModelQueue
-from edged.warmup import warm_inputs
+from edged.warmup import inline_max_elements, warm_inputs
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ModelRuntime:
             "footprint_measured": self.measured,
             "inline": bool(self.queue and self.queue.inline),
             "infer_us": None if self.infer_us is None else round(self.infer_us, 1),
-            "queue": self.queue.pending if self.queue else 0,
+            "queue": self.queue.backlog if self.queue else 0,
             **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0}),
             "cache_key": self.entry.key if self.entry and not self.stands_in_for else None,
             "gate": self.gate,
@@ -293,7 +293,7 @@ class Registry:
             rt.cfg.max_queue_delay_us,
             batchable=_batchable(backend),
         )
-        queue.start(inline=inline)
+        queue.start(inline, inline_max_elements(backend.inputs, rt.cfg, rt.infer_us) if inline and rt.infer_us else 0)
         rt.queue = queue
         rt.last_used = time.monotonic()
         self.set_state(
@@ -363,7 +363,7 @@ class Registry:
         """Let the requests already queued for a replaced model finish, then unload it."""
         queue = old.queue
         deadline = time.monotonic() + self.cfg.lifecycle.drain_timeout_s
-        while queue is not None and queue.pending and time.monotonic() < deadline:
+        while queue is not None and queue.backlog and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         if old.backend is not None:
             await self.unload(old, UNLOADED, why, notify=self.models.get(old.name) is old)

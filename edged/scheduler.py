@@ -3,7 +3,13 @@
 Each model has one bounded queue and one worker thread per instance (each instance owns its
 execution context, so no locks around inference). The event loop only enqueues and is woken once
 per finished batch through ``call_soon_threadsafe``. A model whose inference is cheaper than that
-hand-off (tens of microseconds on a small board) runs inline on the loop instead.
+hand-off (tens of microseconds on a small board) runs inline on the loop instead, but only for
+requests no larger than the warm-up measured (``inline_max_elements``): a larger request, whose
+cost grows with it, goes to the model's worker thread like any other.
+
+``queue_depth`` bounds what a model holds: requests queued or running. A request whose caller
+timed out or went away is taken out of the queue at once, so it holds neither a slot nor its
+inputs.
 
 Dynamic batching: a worker that takes a request looks for more queued requests with the same
 input shapes, waiting at most ``max_queue_delay_us`` for company, concatenates them along the
@@ -14,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -38,6 +46,11 @@ class _Work:
     request_id: str
     rows: int = 1
     signature: tuple[tuple[str, tuple[int, ...], str], ...] = field(default=())
+    released: bool = False  # its slot of queue_depth was given back (only touched on the loop)
+
+
+# A finished request: its work item, and its result or its error.
+_Done = tuple[_Work, "dict[str, np.ndarray] | None", "BaseException | None"]
 
 
 @dataclass
@@ -69,22 +82,28 @@ class ModelQueue:
         self.max_delay = max_queue_delay_us / 1e6
         self._queue: collections.deque[_Work] = collections.deque()
         self._cond = threading.Condition()
-        self._pending = 0  # queued + running; only touched on the loop
+        self._backlog = 0  # requests queued or running; only touched on the loop
         self._closed = False
         self.inline = False
+        self.inline_max_elements = 0
         self._inline_instance: Instance | None = None
+        # The inline instance is also the worker's: whoever holds this runs it. The loop never
+        # waits for it (a busy worker sends the request to the queue instead).
+        self._inline_lock = threading.Lock()
         self.workers = [WorkerState(f"{model}#{i}") for i in range(len(self._instances))]
         self._threads: list[threading.Thread] = []
         self.fault_wedge = threading.Event()  # test-only fault switch (EDGED_TEST_FAULTS)
 
     # --- lifecycle ---
 
-    def start(self, inline: bool = False) -> None:
-        """Inline models run on the loop with the first instance; the rest get worker threads."""
+    def start(self, inline: bool = False, inline_max_elements: int = 0) -> None:
+        """Every instance gets a worker thread. An inline model also runs requests of at most
+        ``inline_max_elements`` input elements (the warm-up's size) on the loop, with the first
+        instance; 0 means the size of the instance's static input shapes, dynamic axes as 1."""
         self.inline = inline and self.max_batch == 1
         if self.inline:
             self._inline_instance = self._instances[0]
-            return
+            self.inline_max_elements = inline_max_elements or _static_elements(self._instances[0])
         for inst, state in zip(self._instances, self.workers):
             t = threading.Thread(target=self._worker, args=(inst, state), name=f"edged-{state.name}", daemon=True)
             t.start()
@@ -107,8 +126,9 @@ class ModelQueue:
             t.join(max(0.0, deadline - time.monotonic()))
 
     @property
-    def pending(self) -> int:
-        return self._pending
+    def backlog(self) -> int:
+        """Requests this model holds, queued or running (what ``queue_depth`` bounds)."""
+        return self._backlog
 
     def healthy(self, stall_timeout: float) -> bool:
         now = time.monotonic()
@@ -119,27 +139,45 @@ class ModelQueue:
     async def submit(self, inputs: Tensors, timeout: float, request_id: str = "") -> dict[str, np.ndarray]:
         if self._closed:
             raise ShuttingDownError(f"model '{self.model}' is not serving")
-        if self._pending >= self.depth:
+        if self._backlog >= self.depth:
             raise BusyError(f"model '{self.model}' queue is full ({self.depth} requests)")
-        if self._inline_instance is not None:
-            # Synchronous on the loop: nothing else runs meanwhile, so it never overlaps itself.
-            return self._inline_instance.infer(inputs, checked=True)
+        inst = self._inline_instance
+        if inst is not None and _elements(inputs) <= self.inline_max_elements and self._inline_lock.acquire(False):
+            # Synchronous on the loop, bounded by the warm-up's size; the lock keeps the worker
+            # (running a larger request on the same instance) from overlapping it.
+            try:
+                return inst.infer(inputs, checked=True)
+            finally:
+                self._inline_lock.release()
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
         work = _Work(inputs, time.monotonic() + timeout, fut, request_id)
         if self.max_batch > 1:
             work.signature = tuple((k, v.shape[1:], v.dtype.str) for k, v in inputs.items())
             work.rows = next(iter(inputs.values())).shape[0] if inputs else 1
-        self._pending += 1
+        self._backlog += 1
+        with self._cond:
+            self._queue.append(work)
+            self._cond.notify()
         try:
-            with self._cond:
-                self._queue.append(work)
-                self._cond.notify()
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), timeout)
-            except asyncio.TimeoutError:
-                raise DeadlineExceededError(f"model '{self.model}': no result within {timeout * 1000:.0f} ms") from None
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"model '{self.model}': no result within {timeout * 1000:.0f} ms") from None
         finally:
-            self._pending -= 1
+            if not fut.done():
+                self._withdraw(work)  # timed out or cancelled: drop it if no worker has it yet
+
+    def _withdraw(self, work: _Work) -> None:
+        with self._cond:
+            try:
+                self._queue.remove(work)  # at most queue_depth items: bounded
+            except ValueError:
+                return  # a worker is running it: its slot is released when it finishes
+        self._release(work)
+
+    def _release(self, work: _Work) -> None:
+        if not work.released:
+            work.released = True
+            self._backlog -= 1
 
     # --- workers (threads) ---
 
@@ -198,40 +236,44 @@ class ModelQueue:
             try:
                 while self.fault_wedge.is_set():  # test-only: simulate a wedged worker
                     time.sleep(0.05)
-                self._run(inst, live)
+                with self._inline_lock if inst is self._inline_instance else contextlib.nullcontext():
+                    done = self._run(inst, live)
             finally:
                 state.busy_since = None
                 state.batches += 1
                 state.rows += sum(w.rows for w in live)
+            # Answered only once the worker is idle again: whoever sees the answer sees it idle.
+            self._resolve_all(done)
 
-    def _run(self, inst: Instance, batch: list[_Work]) -> None:
+    def _run(self, inst: Instance, batch: list[_Work]) -> list[_Done]:
         try:
             if len(batch) == 1:
-                self._resolve(batch[0], inst.infer(batch[0].inputs, checked=True), None)
-                return
+                return [(batch[0], inst.infer(batch[0].inputs, checked=True), None)]
             names = list(batch[0].inputs)
             joined = {n: np.concatenate([w.inputs[n] for w in batch]) for n in names}
             out = inst.infer(joined, checked=True)
-            results, start = [], 0
+            results: list[_Done] = []
+            start = 0
             for w in batch:
                 end = start + w.rows
                 results.append((w, {k: v[start:end] for k, v in out.items()}, None))
                 start = end
-            self._resolve_all(results)
+            return results
         except EdgedError as e:
-            self._resolve_all([(w, None, e) for w in batch])
+            return [(w, None, e) for w in batch]
         except Exception as e:  # never let one request kill a worker
             log.exception("worker failed", extra={"model": self.model})
-            self._resolve_all([(w, None, e) for w in batch])
+            return [(w, None, e) for w in batch]
 
     def _resolve(self, w: _Work, result: dict[str, np.ndarray] | None, err: BaseException | None) -> None:
         self._resolve_all([(w, result, err)])
 
-    def _resolve_all(self, done: Sequence[tuple[_Work, dict[str, np.ndarray] | None, BaseException | None]]) -> None:
+    def _resolve_all(self, done: Sequence[_Done]) -> None:
         """Hand results to the loop: one wake-up per batch, not one per request."""
 
         def settle() -> None:
             for w, result, err in done:
+                self._release(w)
                 if w.future.done():
                     continue
                 if err is not None:
@@ -244,3 +286,15 @@ class ModelQueue:
 
     def batch_stats(self) -> dict[str, int]:
         return {"batches": sum(w.batches for w in self.workers), "rows": sum(w.rows for w in self.workers)}
+
+
+def _elements(inputs: Tensors) -> int:
+    total = 0
+    for a in inputs.values():
+        total += a.size
+    return total
+
+
+def _static_elements(inst: Instance) -> int:
+    """Input elements at the model's static shape, dynamic axes counted as 1."""
+    return sum(math.prod(max(d, 1) for d in spec.shape) for spec in inst.backend.inputs)

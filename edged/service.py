@@ -15,16 +15,27 @@ from typing import Any
 import numpy as np
 
 from edged import __version__
+from edged.config import parse_size
 from edged.errors import (
+    BadRequestError,
     EdgedError,
     InvalidInputError,
     ModelNotFoundError,
     ModelNotReadyError,
     ShuttingDownError,
 )
+from edged.jsonchild import decode_infer_async
 from edged.memory import MemoryInfo, Plan
 from edged.metrics import Metrics
-from edged.protocol import v2_datatype
+from edged.protocol import (
+    MAX_TENSORS,
+    OFFLOAD_BYTES,
+    InferRequest,
+    Limits,
+    ShmResolver,
+    decode_infer,
+    v2_datatype,
+)
 from edged.registry import FAILED, LAZY, READY, UNLOADED, ModelRuntime, Registry
 
 log = logging.getLogger(__name__)
@@ -48,6 +59,7 @@ class Service:
         self.status_line = "starting"
         # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
         self.unready: Callable[[], str] = lambda: ""
+        self._limits: dict[str, tuple[Any, tuple[int, int], Limits]] = {}
 
     # --- health and metadata ---
 
@@ -79,6 +91,25 @@ class Service:
         }
 
     # --- inference ---
+
+    async def decode_infer(
+        self, name: str, body: bytes | memoryview, header_length: int | None, shm: ShmResolver | None = None
+    ) -> InferRequest:
+        """The one decoder both transports call: the model first (an unknown model is a 404
+        whatever the body holds), then the body, bounded by the model's own tensor counts and
+        decoded off the loop when large, then the requested outputs against the model's."""
+        rt = self.model(name)
+        limits = self._limits_for(rt)
+        if (len(body) if header_length is None else header_length) <= OFFLOAD_BYTES:
+            req = decode_infer(body, header_length, shm, limits)  # the hot path: no hand-off
+        else:
+            req = await decode_infer_async(body, header_length, shm, limits)
+        if req.outputs is not None and rt.outputs:
+            known = {s.name for s in rt.outputs}
+            for out in req.outputs:
+                if out.name not in known:
+                    raise BadRequestError(f"requested output '{out.name}' is not an output of '{name}'")
+        return req
 
     async def infer(
         self, name: str, inputs: Mapping[str, np.ndarray], request_id: str = "", transport: str = "http"
@@ -113,6 +144,22 @@ class Service:
             raise
         self.metrics.observe(name, transport, "ok", time.perf_counter() - started)
         return out
+
+    def _limits_for(self, rt: ModelRuntime) -> Limits:
+        """What a request to this model may name, remembered until the config or the model's
+        tensors change (a reload, a lazy model's first load)."""
+        cfg = self.registry.cfg
+        key = (len(rt.inputs), len(rt.outputs))
+        cached = self._limits.get(rt.name)
+        if cached is not None and cached[0] is cfg and cached[1] == key:
+            return cached[2]
+        max_json = parse_size(cfg.server.max_json)
+        if rt.inputs and rt.outputs:
+            limits = Limits(key[0], key[1], rt.name, max_json)
+        else:  # not loaded yet: its counts are unknown
+            limits = Limits(MAX_TENSORS, MAX_TENSORS, rt.name, max_json)
+        self._limits[rt.name] = (cfg, key, limits)
+        return limits
 
     async def _await_model(self, rt: ModelRuntime) -> tuple[ModelRuntime, Any]:
         if self.stopping:

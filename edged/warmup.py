@@ -8,6 +8,7 @@ real sample file.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -60,3 +61,16 @@ def _from_file(path: str, specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray
     if len(specs) != 1:
         raise ConfigError(f"warm-up sample {path} is a single array; the model has {len(specs)} inputs")
     return {specs[0].name: np.asarray(data, dtype=specs[0].np_dtype)}
+
+
+# Work a request may do on the event loop: the inline path is for requests whose run costs about
+# as much as the hand-off to a worker, never for one that holds every other client up.
+INLINE_BUDGET_US = 1000.0
+
+
+def inline_max_elements(specs: tuple[TensorSpec, ...], model: ModelConfig, infer_us: float) -> int:
+    """The most input elements a request to an inline model may have and still run on the loop:
+    the warm-up's element count, scaled (linearly, which overestimates the cost of a small
+    model's larger request) to what fits in INLINE_BUDGET_US given the measured run time."""
+    warm = sum(math.prod(concrete_shape(s, model)) for s in specs)
+    return max(warm, int(warm * INLINE_BUDGET_US / max(infer_us, 1.0)))

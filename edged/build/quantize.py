@@ -90,8 +90,11 @@ QDQ_OPTIONS: dict[str, Any] = {
     "QDQOpTypePerChannelSupportToAxis": {"Conv": 0, "ConvTranspose": 1, "MatMul": 1},
 }
 
-# ORT 1.32 takes precomputed ranges; older wheels (the ones built for JetPack) calibrate inside
-# quantize_static, so there the ranges cannot be reused and the caller should cache the model.
+# ORT 1.32 takes precomputed ranges; older wheels (the ones built for JetPack, the last for Python
+# 3.10) would calibrate inside quantize_static with their own reading of the options (there a
+# percentile calibration came out as minmax). On those edged still computes the ranges itself,
+# with the same calibrator and options, and hands them to ORT's QDQ quantizer directly; only the
+# on-disk ranges cache needs ORT's save_tensors_data, so there the ranges are not reused.
 _ORT_TAKES_RANGES = "calibration_cache_path" in inspect.signature(quantize_static).parameters
 
 
@@ -347,12 +350,10 @@ def quantize_qdq(
         work = Path(tmpdir)
         report("preparing", None)
         prepared, opset = _prepare(fp32_model, work)
-        ranges_file, status = _ensure_ranges(
-            prepared, samples, method, percentile, ops, key, ranges_cache, work, report
-        )
+        ranges, status = _ensure_ranges(prepared, samples, method, percentile, ops, key, ranges_cache, work, report)
         report("quantizing", None)
         tmp_out = work / "qdq.onnx"
-        _run_quantizer(prepared, tmp_out, samples, method, percentile, ops, nodes_to_exclude, ranges_file)
+        _run_quantizer(prepared, tmp_out, method, ops, nodes_to_exclude, ranges)
         model = _finish(tmp_out, out)
     summary = {
         "method": method,
@@ -388,11 +389,11 @@ def _ensure_ranges(
     ranges_cache: Path | None,
     work: Path,
     report: Progress,
-) -> tuple[Path | None, str]:
-    """(the ranges file for quantize_static, "cached" | "computed" | "ort"); None and "ort"
-    where this ORT calibrates inside quantize_static."""
+) -> tuple[Path | TensorsData, str]:
+    """The activation ranges: a ranges file quantize_static reads ("cached" or "computed"), or,
+    on an ORT that cannot take one, the ranges themselves ("computed", not cached)."""
     if not _ORT_TAKES_RANGES:
-        return None, "ort"
+        return _compute_ranges(prepared, samples, method, percentile, ops, work, report), "computed"
     ranges_file = ranges_cache or work / "ranges.json"
     if ranges_cache is not None and _cached_ranges(ranges_file, key):
         return ranges_file, "cached"
@@ -416,29 +417,20 @@ def _finish(tmp_out: Path, out: Path) -> onnx.ModelProto:
 def _run_quantizer(
     prepared: Path,
     out: Path,
-    samples: CalibrationSet,
     method: str,
-    percentile: float,
     ops: list[str],
     nodes_to_exclude: Sequence[str],
-    ranges_file: Path | None,
+    ranges: Path | TensorsData,
 ) -> None:
-    kwargs: dict[str, Any] = {}
-    options = dict(QDQ_OPTIONS)
-    if ranges_file is not None:
-        kwargs["calibration_cache_path"] = str(ranges_file)
-        reader = None
-    else:
-        log.warning("onnxruntime %s cannot take precomputed ranges; it calibrates again", ort.__version__)
-        reader = samples.reader()
-        if method == "percentile":
-            options["CalibPercentile"] = percentile
     try:
         with _quiet():
+            if isinstance(ranges, TensorsData):
+                _quantize_with_ranges(prepared, out, ops, nodes_to_exclude, ranges)
+                return
             quantize_static(
                 str(prepared),
                 str(out),
-                calibration_data_reader=reader,
+                calibration_data_reader=None,
                 quant_format=QuantFormat.QDQ,
                 op_types_to_quantize=ops,
                 per_channel=True,
@@ -447,13 +439,37 @@ def _run_quantizer(
                 weight_type=QuantType.QInt8,
                 nodes_to_exclude=list(nodes_to_exclude),
                 calibrate_method=METHODS[method],
-                extra_options=options,
-                **kwargs,
+                extra_options=dict(QDQ_OPTIONS),
+                calibration_cache_path=str(ranges),
             )
     except BuildError:
         raise
     except Exception as e:  # ORT raises bare ValueError/RuntimeError for model problems
         raise BuildError(f"onnxruntime quantization failed: {type(e).__name__}: {e}") from e
+
+
+def _quantize_with_ranges(
+    prepared: Path, out: Path, ops: list[str], nodes_to_exclude: Sequence[str], ranges: TensorsData
+) -> None:
+    """What quantize_static does after calibrating (ORT 1.17-1.23), with edged's ranges."""
+    from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
+    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer, update_opset_version
+
+    model = update_opset_version(load_model_with_shape_infer(prepared), QuantType.QInt8)
+    quantizer = QDQQuantizer(
+        model,
+        True,  # per_channel
+        False,  # reduce_range
+        QuantType.QInt8,
+        QuantType.QInt8,
+        ranges,
+        [],  # nodes_to_quantize: all of op_types_to_quantize
+        list(nodes_to_exclude),
+        ops,
+        dict(QDQ_OPTIONS),
+    )
+    quantizer.quantize_model()
+    quantizer.model.save_model_to_file(str(out), False)
 
 
 def check_qdq(model: onnx.ModelProto) -> list[str]:

@@ -8,29 +8,36 @@ is a split of the path, not a framework, because the infer route is on every req
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeGuard
 
+import numpy as np
 import orjson
 
 from edged.errors import (
     BadRequestError,
+    ConfigError,
     EdgedError,
+    ForbiddenError,
     NotFoundError,
     PayloadTooLargeError,
     ShuttingDownError,
 )
-from edged.protocol import InferRequest, decode_infer, encode_infer
+from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length
 from edged.service import Service
 from edged.transports import openai_api
-from edged.transports.shm import SharedMemoryRegistry
+from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
+from edged.transports.shm import SharedMemoryRegistry, ShmLimits
+from edged.transports.shm_io import ShmRequest
 
 log = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Body = bytes | list[Part]
 
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = b"application/octet-stream"
@@ -43,28 +50,50 @@ class HttpError(EdgedError):
     http_status = 405
 
 
+class UnauthorizedError(EdgedError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class ClientGoneError(BadRequestError):
+    """The client closed the connection before its request body arrived (nobody reads the answer)."""
+
+    code = "client_disconnected"
+
+
 class App:
     def __init__(self, service: Service, shm: SharedMemoryRegistry, max_body: int) -> None:
         self.service = service
         self.shm = shm
         self.max_body = max_body
         self.accepting = True
+        server = service.registry.cfg.server
+        shm.limits = ShmLimits.from_config(server)
+        self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
         self.generation = openai_api.GenerationRoutes(service, max_body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are not served
-        if openai_api.handles(scope["path"]):  # language models: they stream, so they own send
-            self.generation.accepting = self.accepting
-            await self.generation(scope, receive, send)
-            return
         try:
+            door: Door | None = scope.get(DOOR_KEY)
+            if door is not None:
+                _check_door(door, scope)
+            if openai_api.handles(scope["path"]):  # language models: they stream, so they own send
+                self.generation.accepting = self.accepting
+                await self.generation(scope, receive, send)  # answers its own errors
+                return
             status, body, headers = await self._dispatch(scope, receive)
         except EdgedError as e:
             status, body, headers = e.http_status, orjson.dumps(e.to_dict()), _JSON
+            if status == 401:
+                headers = [*_JSON, (b"www-authenticate", b"Bearer")]
         except Exception as e:  # a bug must answer 500, never drop the connection silently
             log.exception("unhandled error on %s", scope.get("path"))
             status, body, headers = 500, orjson.dumps({"error": str(e), "code": "internal"}), _JSON
+        if isinstance(body, list):  # a large infer response, in parts
+            await self._send_parts(send, status, headers, body)
+            return
         await send(
             {
                 "type": "http.response.start",
@@ -74,18 +103,56 @@ class App:
         )
         await send({"type": "http.response.body", "body": body})
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+    async def _send_parts(self, send: Send, status: int, headers: list[tuple[bytes, bytes]], parts: list[Part]) -> None:
+        length = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"content-length", str(length).encode())],
+            }
+        )
+        for i, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(parts)})
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | memoryview:
+        length = None
         for key, value in scope["headers"]:
-            if key == b"content-length" and int(value) > self.max_body:
-                raise PayloadTooLargeError(f"body of {int(value)} bytes exceeds the limit of {self.max_body}")
+            if key == b"content-length":
+                length = parse_header_length(value, "Content-Length")
+                if length > self.max_body:
+                    raise PayloadTooLargeError(f"body of {length} bytes exceeds the limit of {self.max_body}")
         message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGoneError("the client closed the connection")
         body: bytes = message.get("body", b"")
         if not message.get("more_body"):
             return body  # the common case: one message, no copy
+        if length is None:  # chunked transfer: sizes unknown until the end
+            return await self._read_chunked(body, message, receive)
+        # Each chunk is copied into place as it arrives: joining a large body at the end would
+        # hold the loop for one long copy, and so would zero-filling a bytearray (a 128 MiB body:
+        # 100-250 ms on a loaded 2-core machine). np.empty maps untouched pages instead.
+        view = np.empty(length, np.uint8).data
+        size = 0
+        while True:
+            end = size + len(body)
+            if end > length:
+                raise BadRequestError(f"the body is longer than its Content-Length ({length})")
+            view[size:end] = body
+            size = end
+            if not message.get("more_body"):
+                return view[:size]
+            message = await receive()
+            body = message.get("body", b"")
+
+    async def _read_chunked(self, body: bytes, message: dict[str, Any], receive: Receive) -> bytes:
         parts = [body]
         size = len(body)
         while message.get("more_body"):
             message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGoneError("the client closed the connection")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
@@ -93,7 +160,7 @@ class App:
             parts.append(chunk)
         return b"".join(parts)
 
-    async def _dispatch(self, scope: Scope, receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _dispatch(self, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
         path = scope["path"]
         method = scope["method"]
         parts = path.strip("/").split("/")
@@ -110,7 +177,7 @@ class App:
 
     async def _models(
         self, method: str, name: str, rest: list[str], scope: Scope, receive: Receive
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    ) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
         if len(rest) >= 2 and rest[0] == "versions":
             rest = rest[2:]  # one version per model: any version names it
         if rest == ["infer"]:
@@ -126,14 +193,23 @@ class App:
             return (200 if ready else 503), orjson.dumps(doc), _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
-    async def _infer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _infer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
+        peer = scope.get(PEER_KEY)
+        shm = ShmRequest(self.shm.region_for(peer), peer)
         try:
-            req = await self._infer_request(name, scope, receive)
-        except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
-            self.service.metrics.reject(name, "http", e.code)
-            raise
-        outputs = await self.service.infer(name, req.inputs, req.id)
-        out, out_header_len = encode_infer(name, req, outputs, self.shm.resolve)
+            try:
+                req = await self._infer_request(name, scope, receive, shm)
+            except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
+                self.service.metrics.reject(name, "http", e.code)
+                raise
+            outputs = await self.service.infer(name, req.inputs, req.id)
+            parts, out_header_len = await encode_infer_async(name, req, outputs, shm.output)
+            if shm.writes:
+                await shm.flush()
+        finally:
+            shm.release()
+        first = parts[0]
+        out: Body = first if len(parts) == 1 and isinstance(first, bytes) else parts
         if out_header_len is None:
             return 200, out, _JSON
         return (
@@ -142,7 +218,7 @@ class App:
             [(b"content-type", _BINARY), (b"inference-header-content-length", str(out_header_len).encode())],
         )
 
-    async def _infer_request(self, name: str, scope: Scope, receive: Receive) -> InferRequest:
+    async def _infer_request(self, name: str, scope: Scope, receive: Receive, shm: ShmRequest) -> InferRequest:
         if not self.accepting:
             raise ShuttingDownError("edged is shutting down")
         self.service.model(name)  # an unknown model is a 404 whatever the body holds
@@ -150,11 +226,11 @@ class App:
         header_len = None
         for key, value in scope["headers"]:
             if key == b"inference-header-content-length":
-                try:
-                    header_len = int(value)
-                except ValueError:
-                    raise BadRequestError("Inference-Header-Content-Length must be an integer") from None
-        return decode_infer(body, header_len, self.shm.resolve)
+                header_len = parse_header_length(value, "Inference-Header-Content-Length")
+        req = await self.service.decode_infer(name, body, header_len, shm.input)
+        if shm.reads:
+            await shm.fill()  # inputs are copied out of client memory before the model sees them
+        return req
 
     async def _other(
         self, method: str, parts: list[str], scope: Scope, receive: Receive
@@ -186,6 +262,7 @@ class App:
         if parts == ["index"]:
             return 200, orjson.dumps(self.service.repository_index()), _JSON
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
+            self._check_admin(scope, f"{parts[2]} models")
             if parts[2] == "load":
                 await self.service.load(parts[1])
             else:
@@ -193,32 +270,41 @@ class App:
             return 200, b"{}", _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
+    def _check_admin(self, scope: Scope, what: str) -> None:
+        if self.admin_gid is None:
+            return
+        peer: Peer | None = scope.get(PEER_KEY)
+        if peer is None or not in_group(peer, self.admin_gid):
+            raise ForbiddenError(f"only root and members of server.admin_group may {what}")
+
     async def _shm(
         self, method: str, parts: list[str], scope: Scope, receive: Receive
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        peer: Peer | None = scope.get(PEER_KEY)
         if parts == ["status"]:
             _expect(method, "GET")
-            return 200, orjson.dumps(self.shm.status()), _JSON
+            return 200, orjson.dumps(self.shm.status_for(peer)), _JSON
         if parts == ["unregister"]:
             _expect(method, "POST")
-            self.shm.unregister()
+            await self._read_body(scope, receive)
+            self.shm.unregister_for(peer)
             return 200, b"{}", _JSON
         if len(parts) == 3 and parts[0] == "region":
             name, action = parts[1], parts[2]
             if action == "status":
                 _expect(method, "GET")
-                return 200, orjson.dumps(self.shm.status(name)), _JSON
+                return 200, orjson.dumps(self.shm.status_for(peer, name)), _JSON
             _expect(method, "POST")
             body = await self._read_body(scope, receive)
             if action == "register":
-                self._register(name, body)
+                self._register(peer, name, body)
                 return 200, b"{}", _JSON
             if action == "unregister":
-                self.shm.unregister(name)
+                self.shm.unregister_for(peer, name)
                 return 200, b"{}", _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
-    def _register(self, name: str, body: bytes) -> None:
+    def _register(self, peer: Peer | None, name: str, body: bytes | memoryview) -> None:
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as e:
@@ -226,9 +312,34 @@ class App:
         if not isinstance(doc, dict) or not isinstance(doc.get("key"), str):
             raise BadRequestError('register needs {"key": str, "offset": int, "byte_size": int}')
         offset, size = doc.get("offset", 0), doc.get("byte_size")
-        if not isinstance(offset, int) or not isinstance(size, int):
+        if not _is_int(offset) or not _is_int(size):
             raise BadRequestError("'offset' and 'byte_size' must be integers")
-        self.shm.register(name, doc["key"], offset, size)
+        self.shm.register(peer, name, doc["key"], offset, size)
+
+
+def _check_door(door: Door, scope: Scope) -> None:
+    """What the listener the request came through lets in (listener.py)."""
+    if door.token is not None:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if not hmac.compare_digest(given, b"Bearer " + door.token):
+            raise UnauthorizedError("this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)")
+    if door.metrics_only:
+        path = scope["path"]
+        if path != "/metrics" and not path.startswith("/v2/health/"):
+            raise NotFoundError(f"{door.label} serves only /metrics and /v2/health")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _group_id(name: str) -> int:
+    import grp
+
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.admin_group: no group named '{name}' on this system") from None
 
 
 def _expect(method: str, allowed: str) -> None:

@@ -18,7 +18,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edged.errors import BadRequestError, EdgedError, PayloadTooLargeError
-from edged.protocol import NUMPY_TO_V2, V2_TO_NUMPY, InferRequest, decode_infer, encode_infer, v2_datatype
+from edged.protocol import NUMPY_TO_V2, V2_TO_NUMPY, InferRequest, decode_infer, encode_infer, load_json, v2_datatype
 from edged.transports.mqtt_props import PublishProps, parse
 
 JSON = "application/json"
@@ -166,8 +166,8 @@ def reply_to_of(payload: bytes) -> tuple[str, str]:
     """The ``reply_to`` and ``id`` an MQTT 3.1.1 client puts in its JSON, even from a body that
     fails validation later, so the error still reaches it. ('', '') when unreadable."""
     try:
-        doc = orjson.loads(payload)
-    except orjson.JSONDecodeError:
+        doc = load_json(payload)  # NaN and Infinity too, as the request decoder reads them
+    except BadRequestError:
         return "", ""
     if not isinstance(doc, dict):
         return "", ""

@@ -59,7 +59,7 @@ class Telemetry:
                 "requests_per_s": self.rate(name, st.requests, now),
                 "failures": st.failures,
                 **st.percentiles(),
-                "queue": rt.queue.pending if rt.queue is not None else 0,
+                "queue": rt.queue.backlog if rt.queue is not None else 0,
             }
         for gone in set(self._last) - set(models):
             del self._last[gone]

@@ -1,64 +1,171 @@
 """System shared memory regions (the Open Inference Protocol's system shared memory extension).
 
 A client creates a POSIX shared memory object once, registers it under a region name, and then
-names the region in each request: the daemon maps it once and reads the frame in place. Mapping
-per request would cost page faults on both sides every frame (5.5 ms for a 4.9 MB frame against
-0.2 ms for a mapping shared once and reused), hence register-once.
+names the region in each request. Every client is untrusted, so:
+
+- A region belongs to the peer that registered it (SO_PEERCRED: uid and process). Names are per
+  owner: only the owner process sees it, uses it or unregisters it (root sees every region in
+  status). Its object is opened only when the object's owner uid is the peer's uid (or the peer is
+  root), checked with fstat on the opened descriptor, so nobody reaches another user's object
+  through the daemon's rights.
+- The daemon never touches client pages through a mapping: an owner that shrinks its object would
+  turn the next access into SIGBUS, which kills the process. The descriptor opened at
+  registration is kept, inputs are copied in with pread into daemon-owned buffers and outputs
+  written with pwrite after an fstat size check; a kernel copy cannot fault the process, and a
+  short read is an error for that request only. Replacing the object's name after registration
+  does not change the region: it stays bound to the object that was opened.
+- Regions count against a total and a per-uid limit (each keeps a descriptor), and the regions of
+  a process that exits are released (pidfd readable), so a client killed without cleaning up
+  leaves nothing behind.
+
+Bookkeeping runs on the event loop only; copies of large tensors run on a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import mmap
 import os
 import re
-import threading
-from dataclasses import dataclass
+import select
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from edged.errors import SharedMemoryError, SharedMemoryNotFoundError
+from edged.config import ServerConfig, parse_size
+from edged.errors import (
+    SharedMemoryError,
+    SharedMemoryForbiddenError,
+    SharedMemoryLimitError,
+    SharedMemoryNotFoundError,
+    SharedMemoryTooLargeError,
+)
+from edged.transports.peer import Peer
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _KEY_RE = re.compile(r"^/?[A-Za-z0-9_.@-]{1,200}$")
+_NAME_MAX = 256
+_POLL_S = 2.0  # without pidfds (seccomp, old kernels) exited owners are found by polling
 
 
-@dataclass
+@dataclass(frozen=True)
+class ShmLimits:
+    max_regions: int = 1024
+    max_regions_per_peer: int = 256
+    max_region_size: int = 256 * 1024 * 1024
+
+    @classmethod
+    def from_config(cls, server: ServerConfig) -> ShmLimits:
+        return cls(server.max_regions, server.max_regions_per_peer, parse_size(server.max_region_size))
+
+
+@dataclass(eq=False)
 class Region:
     name: str
     key: str
     offset: int
     byte_size: int
-    mapping: mmap.mmap
-    view: memoryview
+    fd: int
+    uid: int
+    pid: int
+    users: int = 0  # requests copying from or to it right now
+    released: bool = False
 
-    def status(self) -> dict[str, object]:
-        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+    def status(self, with_owner: bool = False) -> dict[str, object]:
+        doc: dict[str, object] = {
+            "name": self.name,
+            "key": self.key,
+            "offset": self.offset,
+            "byte_size": self.byte_size,
+        }
+        if with_owner:
+            doc["owner_uid"], doc["owner_pid"] = self.uid, self.pid
+        return doc
+
+    def close_if_idle(self) -> None:
+        if self.released and self.users == 0 and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass(eq=False)
+class _Owner:
+    """One registering process: its regions and the watch that releases them when it exits."""
+
+    uid: int
+    pid: int
+    pidfd: int | None
+    regions: dict[str, Region] = field(default_factory=dict)
+
+    def exited(self) -> bool:
+        if self.pidfd is not None:
+            poller = select.poll()  # not select(): a pidfd may be above FD_SETSIZE
+            poller.register(self.pidfd, select.POLLIN)
+            return bool(poller.poll(0))
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
 
 class SharedMemoryRegistry:
-    def __init__(self, shm_dir: str = SHM_DIR) -> None:
+    def __init__(self, limits: ShmLimits | None = None, shm_dir: str = SHM_DIR) -> None:
+        self.limits = limits or ShmLimits()
         self._dir = shm_dir
-        self._regions: dict[str, Region] = {}
-        self._lock = threading.Lock()
+        self._owners: dict[tuple[int, int], _Owner] = {}
+        self._count = 0
+        self._per_uid: dict[int, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._poller: asyncio.TimerHandle | None = None
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        if not name:
-            raise SharedMemoryError("a region needs a name")
-        if not isinstance(key, str) or not _KEY_RE.match(key) or key.strip("/") in ("", ".", ".."):
-            raise SharedMemoryError(f"invalid shared memory key {key!r}")
-        if offset < 0 or byte_size <= 0:
-            raise SharedMemoryError("offset must be >= 0 and byte_size > 0")
-        with self._lock:
-            if name in self._regions:
-                raise SharedMemoryError(f"shared memory region '{name}' is already registered")
-            self._regions[name] = self._map(name, key, offset, byte_size)
-        log.info("registered shared memory region %s (%s, %d bytes)", name, key, byte_size)
+    # --- registration ---
 
-    def _map(self, name: str, key: str, offset: int, byte_size: int) -> Region:
+    def register(self, peer: Peer | None, name: str, key: str, offset: int, byte_size: int) -> None:
+        peer = _local(peer)
+        _check_args(name, key, offset, byte_size, self.limits.max_region_size)
+        owner = self._owners.get((peer.uid, peer.pid))
+        if owner is not None and owner.exited():
+            self._reap(owner)  # its pid now names a new process: the old regions are not its
+            owner = None
+        if owner is not None and name in owner.regions:
+            raise SharedMemoryError(f"shared memory region '{name}' is already registered")
+        self._check_limits(peer.uid)
+        fd = self._open(peer, key, offset, byte_size)
+        try:
+            if owner is None:
+                owner = self._watch(peer)
+        except BaseException:
+            os.close(fd)
+            raise
+        owner.regions[name] = Region(name, key, offset, byte_size, fd, peer.uid, peer.pid)
+        self._count += 1
+        self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
+        log.debug("registered shared memory region %s (%s, %d bytes) for pid %d", name, key, byte_size, peer.pid)
+
+    def _check_limits(self, uid: int) -> None:
+        lim = self.limits
+        if self._count >= lim.max_regions:
+            raise SharedMemoryLimitError(
+                f"{self._count} shared memory regions are registered, the limit (server.max_regions) "
+                f"is {lim.max_regions}; unregister regions first"
+            )
+        mine = self._per_uid.get(uid, 0)
+        if mine >= lim.max_regions_per_peer:
+            raise SharedMemoryLimitError(
+                f"uid {uid} has {mine} shared memory regions registered, the limit "
+                f"(server.max_regions_per_peer) is {lim.max_regions_per_peer}; unregister regions first"
+            )
+
+    def _open(self, peer: Peer, key: str, offset: int, byte_size: int) -> int:
         path = os.path.join(self._dir, key.lstrip("/"))
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO planted in /dev/shm must not block the loop in open().
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise SharedMemoryNotFoundError(
                 f"shared memory key '{key}' does not exist (create it with shm_open first)"
@@ -66,53 +173,134 @@ class SharedMemoryRegistry:
         except OSError as e:
             raise SharedMemoryError(f"cannot open shared memory key '{key}': {e.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
-            if offset + byte_size > size:
-                raise SharedMemoryError(
-                    f"region '{name}': offset {offset} + byte_size {byte_size} exceeds the {size} bytes of '{key}'"
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SharedMemoryError(f"shared memory key '{key}' is not a shared memory object")
+            if peer.uid != 0 and st.st_uid != peer.uid:
+                raise SharedMemoryForbiddenError(
+                    f"shared memory key '{key}' belongs to another user: only its owner may register it"
                 )
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            if offset + byte_size > st.st_size:
+                raise SharedMemoryError(
+                    f"offset {offset} + byte_size {byte_size} exceeds the {st.st_size} bytes of '{key}'"
+                )
+        except BaseException:
             os.close(fd)
-        view = memoryview(mapping)[offset : offset + byte_size]
-        return Region(name, key, offset, byte_size, mapping, view)
+            raise
+        return fd
 
-    def unregister(self, name: str | None = None) -> None:
-        """One region, or every region when ``name`` is None."""
-        with self._lock:
-            if name is None:
-                regions = list(self._regions.values())
-                self._regions.clear()
-            else:
-                region = self._regions.pop(name, None)
-                if region is None:
-                    raise SharedMemoryNotFoundError(f"shared memory region '{name}' is not registered")
-                regions = [region]
-        for r in regions:
-            try:
-                r.view.release()
-                r.mapping.close()
-            except BufferError:
-                # A request still reads from it; the mapping closes when that request lets go.
-                pass
+    def _watch(self, peer: Peer) -> _Owner:
+        pidfd = os.dup(peer.pidfd) if peer.pidfd is not None else None
+        owner = _Owner(peer.uid, peer.pid, pidfd)
+        if owner.exited():
+            if pidfd is not None:
+                os.close(pidfd)
+            raise SharedMemoryError(f"the process that opened this connection (pid {peer.pid}) has exited")
+        self._owners[(peer.uid, peer.pid)] = owner
+        loop = self._get_loop()
+        if pidfd is not None:
+            loop.add_reader(pidfd, self._on_exit, owner)
+        elif self._poller is None:
+            self._poller = loop.call_later(_POLL_S, self._poll)
+        return owner
 
-    def status(self, name: str | None = None) -> list[dict[str, object]]:
-        with self._lock:
-            if name is None:
-                return [r.status() for r in self._regions.values()]
-            region = self._regions.get(name)
+    def _get_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def _on_exit(self, owner: _Owner) -> None:
+        if self._owners.get((owner.uid, owner.pid)) is owner:
+            log.info("pid %d exited: releasing its %d shared memory regions", owner.pid, len(owner.regions))
+            self._reap(owner)
+
+    def _poll(self) -> None:
+        self._poller = None
+        for owner in [o for o in self._owners.values() if o.pidfd is None]:
+            if owner.exited():
+                self._on_exit(owner)
+        if any(o.pidfd is None for o in self._owners.values()):
+            self._poller = self._get_loop().call_later(_POLL_S, self._poll)
+
+    def _reap(self, owner: _Owner) -> None:
+        for name in list(owner.regions):
+            self._drop(owner, name)
+
+    def _drop(self, owner: _Owner, name: str) -> None:
+        region = owner.regions.pop(name)
+        region.released = True
+        region.close_if_idle()
+        self._count -= 1
+        self._per_uid[owner.uid] -= 1
+        if not self._per_uid[owner.uid]:
+            del self._per_uid[owner.uid]
+        if not owner.regions:
+            del self._owners[(owner.uid, owner.pid)]
+            if owner.pidfd is not None:
+                if self._loop is not None:
+                    self._loop.remove_reader(owner.pidfd)
+                os.close(owner.pidfd)
+
+    def unregister_for(self, peer: Peer | None, name: str | None = None) -> None:
+        """One region of the peer, or all of them when ``name`` is None (root: every region).
+        A region that is not registered is not an error (the extension's, and Triton's, rule)."""
+        peer = _local(peer)
+        if name is None and peer.uid == 0:
+            owners = list(self._owners.values())
+        else:
+            owner = self._owners.get((peer.uid, peer.pid))
+            owners = [owner] if owner is not None else []
+        for owner in owners:
+            for region in [name] if name is not None else list(owner.regions):
+                if region in owner.regions:
+                    self._drop(owner, region)
+
+    def unregister(self) -> None:
+        """Release every region of every owner (daemon stop)."""
+        for owner in list(self._owners.values()):
+            self._reap(owner)
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+
+    def status_for(self, peer: Peer | None, name: str | None = None) -> list[dict[str, object]]:
+        peer = _local(peer)
+        if name is None:
+            if peer.uid == 0:
+                return [r.status(True) for o in self._owners.values() for r in o.regions.values()]
+            owner = self._owners.get((peer.uid, peer.pid))
+            return [r.status() for r in owner.regions.values()] if owner else []
+        return [self._region(peer, name).status()]
+
+    def region_for(self, peer: Peer | None) -> Callable[[str], Region]:
+        """Look up regions of ``peer`` by name (for shm_io.ShmRequest)."""
+        return lambda name: self._region(_local(peer), name)
+
+    def _region(self, peer: Peer, name: str) -> Region:
+        owner = self._owners.get((peer.uid, peer.pid))
+        region = owner.regions.get(name) if owner is not None else None
         if region is None:
             raise SharedMemoryNotFoundError(f"shared memory region '{name}' is not registered")
-        return [region.status()]
+        return region
 
-    def resolve(self, name: str, offset: int, size: int) -> memoryview:
-        """A view of ``size`` bytes at ``offset`` within region ``name``."""
-        region = self._regions.get(name)
-        if region is None:
-            raise SharedMemoryNotFoundError(f"shared memory region '{name}' is not registered")
-        if offset + size > region.byte_size:
-            raise SharedMemoryError(
-                f"shared memory region '{name}' is too small: offset {offset} + {size} bytes "
-                f"> its {region.byte_size} bytes"
-            )
-        return region.view[offset : offset + size]
+    def count(self) -> int:
+        return self._count
+
+
+def _local(peer: Peer | None) -> Peer:
+    if peer is None:
+        raise SharedMemoryError("shared memory is only available to local clients on the Unix socket")
+    return peer
+
+
+def _check_args(name: str, key: str, offset: int, byte_size: int, max_size: int) -> None:
+    if not name or len(name) > _NAME_MAX:
+        raise SharedMemoryError(f"a region needs a name of 1 to {_NAME_MAX} characters")
+    if not isinstance(key, str) or not _KEY_RE.match(key) or key.strip("/") in ("", ".", ".."):
+        raise SharedMemoryError(f"invalid shared memory key {key!r}")
+    if offset < 0 or byte_size <= 0:
+        raise SharedMemoryError("offset must be >= 0 and byte_size > 0")
+    if byte_size > max_size:
+        raise SharedMemoryTooLargeError(
+            f"byte_size {byte_size} exceeds the largest region allowed (server.max_region_size, {max_size} bytes)"
+        )

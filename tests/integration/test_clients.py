@@ -15,7 +15,7 @@ import pytest
 
 from edged import errors
 from edged.client import AsyncClient
-from tests.helpers import DaemonProcess
+from tests.helpers import DaemonProcess, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -100,3 +100,89 @@ def test_stale_socket_from_a_crashed_run_is_replaced(
     assert "removing stale socket" in d.log()
     with d.client() as c:
         assert c.ready()
+
+
+# --- regions of the Python client ----------------------------------------------------------------
+
+KILLED = """
+import os, signal, sys
+import numpy as np
+from edged.client import Client
+c = Client(sys.argv[1])
+out = c.infer_shm("tiny", {"x": np.ones((1, 16), np.float32)})
+print(os.getpid(), out["probs"].shape, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit
+"""
+
+
+def test_two_clients_in_one_process_have_their_own_regions(tiny_daemon: DaemonProcess) -> None:
+    x = np.ones((1, 16), np.float32)
+    with tiny_daemon.client() as a, tiny_daemon.client() as b:
+        out_a = a.infer_shm("tiny", {"x": x})
+        out_b = b.infer_shm("tiny", {"x": x * 2})
+        names = sorted(r["name"] for r in a.shm_status())
+        assert len(names) == 2 and all(n.startswith(f"tiny.x.{os.getpid()}.") for n in names)
+        assert not np.allclose(out_a["probs"], out_b["probs"])
+        assert np.array_equal(a.infer_shm("tiny", {"x": x})["probs"], out_a["probs"])
+
+
+def test_a_killed_client_leaves_nothing_behind(tiny_daemon: DaemonProcess) -> None:
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED, str(tiny_daemon.socket)], capture_output=True, text=True, timeout=60
+    )
+    assert killed.returncode == -9 and "(1, 4)" in killed.stdout, killed.stderr
+    # A new program using the same model and input works at once...
+    again = subprocess.run(
+        [sys.executable, "-c", KILLED.replace("os.kill(os.getpid(), signal.SIGKILL)", ""), str(tiny_daemon.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0 and "(1, 4)" in again.stdout, again.stderr
+    # ...and the killed one's region is released by the daemon, its object gone from /dev/shm.
+    with tiny_daemon.client() as c:
+        wait_for(lambda: c.shm_status() == [], 10, what="the killed client's region to be released")
+    pid = killed.stdout.split()[0]
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"edged-{pid}-")] == []
+
+
+def test_regions_are_released_at_interpreter_exit(tiny_daemon: DaemonProcess) -> None:
+    script = KILLED.replace("os.kill(os.getpid(), signal.SIGKILL)", "import edged.client as m; m._kept = c")
+    done = subprocess.run([sys.executable, "-c", script, str(tiny_daemon.socket)], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    with tiny_daemon.client() as c:
+        assert c.shm_status() == []  # unregistered by the exit handler, not reaped later
+
+
+def test_async_client_never_reads_a_cancelled_requests_answer(
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path
+) -> None:
+    # A lone request waits max_queue_delay_us for company: the answer comes late, reliably.
+    d = daemon_factory(
+        {"tiny": {"path": str(model_dir / "tiny.onnx"), "max_batch": 4, "max_queue_delay_us": 1_500_000}}
+    ).start()
+    slow, fast = np.full((1, 16), -3, np.float32), np.full((1, 16), 3, np.float32)
+
+    async def main() -> tuple[np.ndarray, np.ndarray]:
+        c = AsyncClient(str(d.socket))
+        try:
+            want = (await c.infer("tiny", {"x": fast}))["probs"]
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.infer("tiny", {"x": slow}), 0.5)
+            got = (await c.infer("tiny", {"x": fast}))["probs"]
+            return want, got
+        finally:
+            await c.close()
+
+    want, got = asyncio.run(main())
+    assert np.array_equal(got, want)  # not the stale answer to the cancelled request
+
+
+def test_client_stays_light() -> None:
+    code = (
+        "import sys, edged.client; "
+        "heavy = [m for m in ('msgspec', 'onnx', 'onnxruntime', 'uvicorn', 'edged.config') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr

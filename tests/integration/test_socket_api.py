@@ -108,9 +108,10 @@ def test_shared_memory_input_and_output(served: DaemonProcess, model_dir: Path) 
     with served.client() as c:
         out = c.infer_shm("tiny", {"x": x})
         np.testing.assert_allclose(out["probs"], reference(model_dir / "tiny.onnx", x), rtol=1e-5)
-        # The region is reused, not re-registered, for the next frame.
+        # The region is reused, not re-registered, for the next frame; its name is unique to
+        # this client ({model}.{input}.{pid}.{random}) so other programs never collide with it.
         regions = c.shm_status()
-        assert [r["name"] for r in regions] == ["tiny.x"]
+        assert len(regions) == 1 and regions[0]["name"].startswith(f"tiny.x.{os.getpid()}.")
         out2 = c.infer_shm("tiny", {"x": x * 2})
         assert c.shm_status() == regions
         np.testing.assert_allclose(out2["probs"], reference(model_dir / "tiny.onnx", x * 2), rtol=1e-5)

@@ -18,6 +18,8 @@ from edged.metrics import UNKNOWN, Metrics, request_outcomes, uncounted
 
 FAMILIES = {
     "edged_memory_budget_bytes",
+    "edged_loop_lag_max_seconds",
+    "edged_loop_stalls",
     "edged_requests",
     "edged_request_seconds",
     "edged_queue_depth",

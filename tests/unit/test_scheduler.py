@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -45,7 +47,7 @@ def test_batches_concurrent_requests_and_splits_results() -> None:
         inst.gate.clear()  # hold the worker so requests pile up
         q.start()
         tasks = [asyncio.ensure_future(q.submit({"x": np.full((1, 2), i, np.float32)}, 10)) for i in range(9)]
-        while q.pending < 9:
+        while q.backlog < 9:
             await asyncio.sleep(0)
         inst.gate.set()
         out = [r["y"] for r in await asyncio.gather(*tasks)]
@@ -68,7 +70,7 @@ def test_different_shapes_are_not_mixed() -> None:
         q.start()
         a = asyncio.ensure_future(q.submit({"x": np.ones((1, 2), np.float32)}, 10))
         b = asyncio.ensure_future(q.submit({"x": np.ones((1, 3), np.float32)}, 10))
-        while q.pending < 2:
+        while q.backlog < 2:
             await asyncio.sleep(0)
         inst.gate.set()
         ra, rb = await asyncio.gather(a, b)
@@ -88,7 +90,7 @@ def test_full_queue_is_busy_at_once_and_deadline_is_honoured() -> None:
         q.start()
         first = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 10))
         queued = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 0.05))
-        while q.pending < 2:
+        while q.backlog < 2:
             await asyncio.sleep(0)
         with pytest.raises(BusyError, match="queue is full"):
             await q.submit({"x": np.ones((1, 1))}, 10)
@@ -119,6 +121,104 @@ def test_wedged_worker_is_unhealthy() -> None:
         q.fault_wedge.clear()
         await task
         assert q.healthy(0.0)
+        q.close()
+
+    run(main())
+
+
+def test_timed_out_requests_leave_the_queue_and_free_their_inputs() -> None:
+    """queue_depth is a real bound: before, 199 timed-out items (and their inputs) stayed queued
+    behind a depth of 4 while the worker was busy."""
+    inst = FakeInstance()
+    refs: list[weakref.ref[np.ndarray]] = []
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=4)
+        inst.gate.clear()
+        q.start()
+        running = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 30))
+        while not q.workers[0].busy_since:
+            await asyncio.sleep(0.001)
+        for _ in range(200):
+            x = np.ones((1, 1))
+            refs.append(weakref.ref(x))
+            with pytest.raises(DeadlineExceededError):
+                await q.submit({"x": x}, 0.001)
+            del x
+            assert q.backlog == 1  # only the running request holds a slot
+        gc.collect()
+        assert all(r() is None for r in refs), "a timed-out request's inputs are still held"
+        # Three more fit at once (depth 4); the fifth is busy at once.
+        more = [asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 30)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert q.backlog == 4
+        with pytest.raises(BusyError):
+            await q.submit({"x": np.ones((1, 1))}, 30)
+        inst.gate.set()
+        await asyncio.gather(running, *more)
+        assert q.backlog == 0
+        q.close()
+
+    run(main())
+    assert inst.batches == [1, 1, 1, 1]
+
+
+def test_cancelled_request_gives_its_slot_back() -> None:
+    inst = FakeInstance()
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=2)
+        inst.gate.clear()
+        q.start()
+        running = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 30))
+        queued = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 30))
+        while q.backlog < 2:
+            await asyncio.sleep(0)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert q.backlog == 1
+        inst.gate.set()
+        await running
+        q.close()
+
+    run(main())
+    assert inst.batches == [1]
+
+
+class ThreadRecordingInstance(FakeInstance):
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.threads.append(threading.get_ident())
+        return super()._infer_impl(inputs)
+
+
+def test_inline_model_runs_only_bounded_requests_on_the_loop() -> None:
+    inst = ThreadRecordingInstance()
+    loop_thread = threading.get_ident()
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=8)
+        q.start(inline=True, inline_max_elements=4)
+        await q.submit({"x": np.ones((2, 2))}, 10)  # 4 elements: on the loop
+        assert inst.threads == [loop_thread]
+        await q.submit({"x": np.ones((3, 2))}, 10)  # 6 elements: a worker's job
+        assert inst.threads[1] != loop_thread
+        # While the worker runs a large request on the shared instance, a small one does not
+        # overlap it on the loop (nor block the loop waiting): it queues behind it.
+        inst.gate.clear()
+        big = asyncio.ensure_future(q.submit({"x": np.ones((100, 2))}, 10))
+        while not q.workers[0].busy_since:
+            await asyncio.sleep(0.001)
+        small = asyncio.ensure_future(q.submit({"x": np.ones((1, 2))}, 10))
+        await asyncio.sleep(0.01)
+        assert not small.done()
+        inst.gate.set()
+        await asyncio.gather(big, small)
+        assert loop_thread not in inst.threads[2:]
         q.close()
 
     run(main())

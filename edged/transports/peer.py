@@ -1,0 +1,81 @@
+"""Who is on the other end of a Unix socket connection: SO_PEERCRED, a pidfd, group membership.
+
+The credentials are the ones the kernel recorded at connect() time; nothing the client sends can
+change them. The pidfd pins the peer process itself (a pid alone can be reused after the process
+exits), so the regions it registers are released when exactly that process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import pwd
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+; older kernels answer ENOPROTOOPT
+_CRED = struct.Struct("3i")
+PEER_KEY = "edged.peer"  # where the protocol puts the Peer in the ASGI scope
+DOOR_KEY = "edged.door"  # ... and the Door it came through
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+    # Owned by the connection (closed when it closes); None where no pidfd could be had.
+    pidfd: int | None = None
+
+
+@dataclass(frozen=True)
+class Door:
+    """What a listener lets through: the whole API or only metrics and health, and the bearer
+    token its requests must carry (TCP listeners on a non-loopback address)."""
+
+    label: str
+    metrics_only: bool = False
+    token: bytes | None = None
+
+
+def peer_of(sock: Any) -> Peer | None:
+    """The peer of a connected AF_UNIX socket (None for any other family)."""
+    if sock is None or getattr(sock, "family", None) != socket.AF_UNIX:
+        return None
+    pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return Peer(pid, uid, gid, _pidfd(sock, pid))
+
+
+def _pidfd(sock: Any, pid: int) -> int | None:
+    try:
+        # The kernel's own reference to the connecting process: no window for pid reuse.
+        return int(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
+    except OSError:
+        pass
+    if pid <= 0 or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # exited already, or pidfd_open refused by a seccomp filter
+        return None
+
+
+def close_peer(peer: Peer | None) -> None:
+    if peer is not None and peer.pidfd is not None:
+        with contextlib.suppress(OSError):
+            os.close(peer.pidfd)
+
+
+def in_group(peer: Peer, gid: int) -> bool:
+    """Root, the peer's primary gid, or a supplementary group of the peer's user."""
+    if peer.uid == 0 or peer.gid == gid:
+        return True
+    try:
+        user = pwd.getpwuid(peer.uid)
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return user.pw_gid == gid or user.pw_name in group.gr_mem

@@ -1,0 +1,135 @@
+"""Copies between client shared memory and daemon buffers, for one request.
+
+The daemon never reads or writes client pages through a mapping (see shm.py): the kernel copies
+with preadv/pwrite on the descriptor kept since registration, so a shrunk object is a short read
+or a failed size check for that request, never SIGBUS. Small copies run on the loop, large ones
+on a worker thread; a request cancelled while a thread copies keeps its regions held until the
+thread is done, so a descriptor is never closed (and its number reused) under a running copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from edged.errors import SharedMemoryError, SharedMemoryTruncatedError
+from edged.transports.peer import Peer
+from edged.transports.shm import Region
+
+# Copies up to this size run on the loop: handing them to a thread costs more than the copy.
+INLINE_COPY_BYTES = 256 * 1024
+
+Job = tuple[Region, int, np.ndarray]
+
+
+class ShmRequest:
+    """The shared memory of one request: inputs are copied into daemon buffers before the model
+    runs (``fill``), outputs are encoded into daemon buffers and then written out (``flush``).
+    ``release`` must run at the end (it closes descriptors of regions unregistered meanwhile)."""
+
+    def __init__(self, lookup: Callable[[str], Region], peer: Peer | None) -> None:
+        self._lookup = lookup
+        self._peer = peer
+        self.reads: list[Job] = []
+        self.writes: list[Job] = []
+        self._held: list[Region] = []
+        self._busy: asyncio.Future[None] | None = None  # a thread still copying
+
+    def _take(self, name: str, offset: int, size: int) -> Region:
+        region = self._lookup(name)
+        if offset + size > region.byte_size:
+            raise SharedMemoryError(
+                f"shared memory region '{name}' is too small: offset {offset} + {size} bytes "
+                f"> its {region.byte_size} bytes"
+            )
+        region.users += 1
+        self._held.append(region)
+        return region
+
+    def input(self, name: str, offset: int, size: int) -> memoryview:
+        """Resolver for decode_infer: a daemon-owned buffer that ``fill`` loads."""
+        region = self._take(name, offset, size)
+        buf = np.empty(size, np.uint8)
+        self.reads.append((region, region.offset + offset, buf))
+        return buf.data
+
+    def output(self, name: str, offset: int, size: int) -> memoryview:
+        """Resolver for encode_infer: a daemon-owned buffer that ``flush`` writes out."""
+        region = self._take(name, offset, size)
+        buf = np.empty(size, np.uint8)
+        self.writes.append((region, region.offset + offset, buf))
+        return buf.data
+
+    async def fill(self) -> None:
+        await self._run(self.reads, _read_all)
+
+    async def flush(self) -> None:
+        await self._run(self.writes, _write_all)
+
+    async def _run(self, jobs: list[Job], fn: Callable[[Region, int, np.ndarray], None]) -> None:
+        if not jobs:
+            return
+        if sum(buf.nbytes for _, _, buf in jobs) <= INLINE_COPY_BYTES:
+            for job in jobs:
+                fn(*job)
+            return
+
+        def all_jobs() -> None:
+            for job in jobs:
+                fn(*job)
+
+        self._busy = asyncio.get_running_loop().run_in_executor(None, all_jobs)
+        await asyncio.shield(self._busy)  # cancelled: the thread still runs; release() waits for it
+        self._busy = None
+
+    def release(self) -> None:
+        if self._busy is not None and not self._busy.done():
+            self._busy.add_done_callback(self._release_later)
+            return
+        for region in self._held:
+            region.users -= 1
+            region.close_if_idle()
+        self._held.clear()
+
+    def _release_later(self, fut: asyncio.Future[None]) -> None:
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the request that wanted it is gone
+        self._busy = None
+        self.release()
+
+
+def _read_all(region: Region, pos: int, buf: np.ndarray) -> None:
+    view = buf.data
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(region.fd, [view[done:]], pos + done)
+        except OSError as e:
+            raise SharedMemoryError(f"shared memory region '{region.name}' cannot be read: {e.strerror}") from None
+        if n == 0:
+            raise SharedMemoryTruncatedError(
+                f"shared memory region '{region.name}': its object '{region.key}' was shrunk to "
+                f"{pos + done} bytes after registration; register it again"
+            )
+        done += n
+
+
+def _write_all(region: Region, pos: int, buf: np.ndarray) -> None:
+    end = pos + buf.nbytes
+    size = os.fstat(region.fd).st_size
+    if size < end:
+        # pwrite past the end would grow the client's object instead of failing.
+        raise SharedMemoryTruncatedError(
+            f"shared memory region '{region.name}': its object '{region.key}' was shrunk to {size} "
+            f"bytes after registration; register it again"
+        )
+    view = buf.data
+    done = 0
+    while done < len(view):
+        try:
+            done += os.pwrite(region.fd, view[done:], pos + done)
+        except OSError as e:
+            raise SharedMemoryError(f"shared memory region '{region.name}' cannot be written: {e.strerror}") from None
