@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.helpers import DaemonProcess, wait_for, write_config
-from tests.integration.mosquitto import Broker, Peer, module_broker
+from tests.integration.mosquitto import Broker, Peer, free_port, module_broker
 
 pytestmark = pytest.mark.integration
 
@@ -80,16 +80,31 @@ def sse(lines: Iterator[str]) -> Iterator[Any]:
             yield data if data == "[DONE]" else json.loads(data)
 
 
+TOKEN = "llm-test-token-0123456789"
+
+
 @pytest.fixture(scope="module")
-def edge(module_broker: Broker, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+def tcp_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def edge(
+    module_broker: Broker, smollm2: Path, tcp_port: int, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonProcess]:
+    directory = tmp_path_factory.mktemp("edge")
+    (directory / "token").write_text(TOKEN)
+    # Not loopback, so the listener demands the token (as the openai client sends its api_key).
+    server = {"socket": str(directory / "edged.sock"), "tcp": [f"0.0.0.0:{tcp_port}"]}
     d = daemon(
-        tmp_path_factory.mktemp("edge"),
+        directory,
         {
             "llm": dict(llm_model(smollm2, slots=2), queue_depth=4),
             # One slot and no queue: a second request is busy at once.
             "solo": dict(llm_model(smollm2, context=1536, max_tokens_limit=1000), queue_depth=1),
         },
         mqtt={"enabled": True, "host": "127.0.0.1", "port": module_broker.port, "device_id": DEV},
+        server=dict(server, tcp_token_file=str(directory / "token")),
     )
     d.start(timeout=180)
     yield d
@@ -162,6 +177,17 @@ def test_openai_chat_and_stream(openai_client: Any) -> None:
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(deltas) > 1 and "".join(deltas) == text
     assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+
+
+def test_openai_client_over_tcp_with_the_listener_token(edge: DaemonProcess, tcp_port: int) -> None:
+    import openai
+
+    port = tcp_port
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
+    out = client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert out.choices[0].message.content and out.usage.completion_tokens <= 4
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
 
 
 def test_openai_completions_and_errors(openai_client: Any) -> None:
