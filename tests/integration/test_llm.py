@@ -106,9 +106,12 @@ def edge(
         mqtt={"enabled": True, "host": "127.0.0.1", "port": module_broker.port, "device_id": DEV},
         server=dict(server, tcp_token_file=str(directory / "token")),
     )
-    d.start(timeout=180)
-    yield d
-    assert d.stop() == 0
+    try:
+        d.start(timeout=180)
+        yield d
+        assert d.stop() == 0
+    finally:
+        d.kill()  # a daemon that failed to start or to stop is never left behind
 
 
 # --- Triton's generate extension ---------------------------------------------------------------
@@ -311,8 +314,8 @@ def test_budget_admits_by_kv_cache_and_lazy_model_loads_on_first_request(
         },
         memory={"budget": "400MiB", "reserve": "0B"},
     )
-    d.start(timeout=180)
     try:
+        d.start(timeout=180)
         with http(d) as c:
             # Builds (here: reading each GGUF's header) finish in the background after READY=1.
             wait_for(lambda: c.get("/v2/edged/status").json()["models"]["lazy"]["state"] == "lazy", 60)
@@ -328,7 +331,9 @@ def test_budget_admits_by_kv_cache_and_lazy_model_loads_on_first_request(
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             assert c.get("/v2/edged/status").json()["models"]["lazy"]["state"] == "ready"
     finally:
-        assert d.stop() == 0
+        stopped = d.stop()
+        d.kill()
+    assert stopped == 0
 
 
 # --- reload -------------------------------------------------------------------------------------
@@ -337,7 +342,6 @@ def test_budget_admits_by_kv_cache_and_lazy_model_loads_on_first_request(
 def test_reload_swaps_a_gguf_model_without_failed_requests(smollm2: Path, tmp_path: Path) -> None:
     models = {"llm": dict(llm_model(smollm2, context=512, max_tokens_limit=256), queue_depth=8)}
     d = daemon(tmp_path, models)
-    d.start(timeout=180)
     results: list[int] = []
     stop = threading.Event()
 
@@ -348,6 +352,7 @@ def test_reload_swaps_a_gguf_model_without_failed_requests(smollm2: Path, tmp_pa
                 results.append(r.status_code)
 
     try:
+        d.start(timeout=180)
         with http(d) as c:
             before = c.get("/v2/edged/status").json()["models"]["llm"]["footprint_bytes"]
         t = threading.Thread(target=client)
@@ -369,5 +374,7 @@ def test_reload_swaps_a_gguf_model_without_failed_requests(smollm2: Path, tmp_pa
         stop.set()
         if "t" in locals():
             t.join(60)
-        assert d.stop() == 0
+        stopped = d.stop()
+        d.kill()
+    assert stopped == 0
     assert results and all(code == 200 for code in results), results
