@@ -28,7 +28,7 @@ else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
 DEFAULT_CONFIG = "/etc/edged/edged.toml"
 DEFAULT_CACHE = "/var/cache/edged/engines"
 
-Backend = Literal["auto", "onnxruntime", "tensorrt"]
+Backend = Literal["auto", "onnxruntime", "tensorrt", "llama"]
 Precision = Literal["fp32", "fp16", "int8"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -222,6 +222,23 @@ class TensorRTConfig(_Table, frozen=True):
     keep_fp32: list[str] = msgspec.field(default_factory=list)  # op types/node names; [] = defaults
 
 
+class LlmConfig(_Table, frozen=True):
+    """A language model (a GGUF file): its KV cache, concurrency and request defaults."""
+
+    context: Annotated[int, msgspec.Meta(ge=64, le=1 << 20)] = 2048  # tokens per slot
+    # Concurrent sequences, each with its own context (and KV cache); sets the model's instances.
+    slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    max_tokens: PositiveInt = 256  # a request's default
+    max_tokens_limit: PositiveInt = 1024  # the most a request may ask for
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.7
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
+    stop: list[str] = msgspec.field(default_factory=list)
+    # Warm-up before READY=1: each slot prefills a chat-templated prompt of about this many
+    # tokens and decodes warmup_decode_tokens, the sizes a request uses.
+    warmup_prompt_tokens: PositiveInt = 256
+    warmup_decode_tokens: PositiveInt = 16
+
+
 class ModelConfig(_Table, frozen=True):
     path: str
     backend: Backend = "auto"
@@ -239,6 +256,7 @@ class ModelConfig(_Table, frozen=True):
     calibration: CalibrationConfig | None = None
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
     tensorrt: TensorRTConfig = msgspec.field(default_factory=TensorRTConfig)
+    llm: LlmConfig | None = None  # a GGUF model without this table gets LlmConfig()'s defaults
 
 
 class Config(_Table, frozen=True):
@@ -415,6 +433,21 @@ def _check_model(name: str, model: ModelConfig, src: str) -> None:
                 )
     if model.max_batch > 1 and model.max_batch > model.queue_depth:
         raise ConfigError(f"{where}.max_batch: larger than queue_depth ({model.queue_depth})")
+    if model.llm is not None:
+        _check_llm(where, model, model.llm)
+
+
+def _check_llm(where: str, model: ModelConfig, llm: LlmConfig) -> None:
+    if model.instances not in (1, llm.slots):
+        raise ConfigError(f"{where}.instances: a language model's instances are its llm.slots ({llm.slots})")
+    if llm.max_tokens > llm.max_tokens_limit:
+        raise ConfigError(f"{where}.llm.max_tokens: larger than max_tokens_limit ({llm.max_tokens_limit})")
+    if llm.max_tokens_limit >= llm.context:
+        raise ConfigError(f"{where}.llm.max_tokens_limit: must leave room for the prompt in context ({llm.context})")
+    if llm.warmup_prompt_tokens + llm.warmup_decode_tokens >= llm.context:
+        raise ConfigError(f"{where}.llm.warmup_prompt_tokens: the warm-up does not fit in context ({llm.context})")
+    if model.queue_depth < llm.slots:
+        raise ConfigError(f"{where}.queue_depth: smaller than llm.slots ({llm.slots})")
 
 
 def _with_paths(cfg: Config, base: Path, source: str) -> Config:
@@ -426,7 +459,11 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
         warm = m.warmup
         if warm.inputs != "random":
             warm = msgspec.structs.replace(warm, inputs=_resolve(base, warm.inputs))
-        models[name] = msgspec.structs.replace(m, path=_resolve(base, m.path), calibration=cal, warmup=warm)
+        # A language model runs one instance per slot.
+        instances = m.llm.slots if m.llm is not None else m.instances
+        models[name] = msgspec.structs.replace(
+            m, path=_resolve(base, m.path), calibration=cal, warmup=warm, instances=instances
+        )
     mqtt = cfg.mqtt
     if mqtt.tls is not None:
         tls = mqtt.tls

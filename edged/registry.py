@@ -150,7 +150,7 @@ class Registry:
     def resolve(self, rt: ModelRuntime, generation_tag: str | None = None) -> None:
         """Pick the backend and precision, compute the cache key, and read the entry if it is
         already built (its manifest carries the measured footprint). Blocking: a thread's job."""
-        cls, why = backends.resolve(rt.cfg.backend)
+        cls, why = backends.resolve(rt.cfg.backend, rt.cfg.path)
         rt.backend_cls, rt.backend_reason = cls, why
         log.info("%s: backend %s (%s)", rt.name, cls.name, why, extra={"model": rt.name})
         rt.precision, rt.precision_reason = cls.effective_precision(rt.cfg.precision)
@@ -202,6 +202,10 @@ class Registry:
         return None
 
     def _estimate(self, rt: ModelRuntime) -> None:
+        estimate = getattr(rt.backend_cls, "estimate_footprint", None)
+        if estimate is not None:  # a language model: weights + KV cache for context x slots
+            rt.footprint, rt.measured = int(estimate(rt.cfg, rt.entry.manifest if rt.entry else None)), False
+            return
         if rt.entry is not None and rt.entry.manifest.get("footprint"):
             rt.footprint, rt.measured = int(rt.entry.manifest["footprint"]), True
             return
@@ -279,6 +283,9 @@ class Registry:
         self.set_state(rt, WARMING)
         rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances)
         inline = rt.infer_us is not None and rt.infer_us < self.cfg.server.inline_threshold_us and rt.cfg.instances == 1
+        inline = (
+            inline and rt.cfg.llm is None and not rt.cfg.path.lower().endswith(".gguf")
+        )  # generation: never on the loop
         queue = ModelQueue(
             rt.name,
             instances,
@@ -305,7 +312,9 @@ class Registry:
     def _load_blocking(self, rt: ModelRuntime) -> tuple[Backend, list[Instance], int]:
         assert rt.entry is not None and rt.backend_cls is not None
         before = rss_bytes()
-        options = rt.job.options if rt.job and not rt.stands_in_for else {}
+        options = dict(rt.job.options if rt.job and not rt.stands_in_for else {})
+        if rt.cfg.llm is not None:  # a language model's context and defaults
+            options["llm"] = rt.cfg.llm
         opts = LoadOptions(threads=rt.cfg.threads, instances=rt.cfg.instances, options=options)
         backend = rt.backend_cls(rt.entry.artifact, opts)
         try:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from edged.generation import is_language_model
 from edged.metrics import uncounted
 from edged.protocol import v2_datatype
 from edged.registry import READY, Registry
@@ -61,6 +62,9 @@ async def _call(app: App, model: str, body: bytes, header_len: int | None) -> in
 async def warm_request_path(app: App, registry: Registry) -> None:
     for rt in registry.models.values():
         if rt.state != READY or rt.backend is None:
+            continue
+        if is_language_model(rt.cfg):  # the generation routes, streamed and not
+            await app.generation.warm(rt.name)
             continue
         bodies = _bodies(warm_inputs(rt.backend.inputs, rt.cfg))
         for _ in range(ROUNDS):

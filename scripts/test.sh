@@ -24,7 +24,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
+# The `llm` extra's llama-cpp-python has no wheel for every platform: pip builds it from source
+# once (minutes; the multimodal library is not built, edged serves text), then reuses it: an
+# installed version that satisfies the pin is not rebuilt, and pip's wheel cache serves a fresh venv.
+CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
 # The TensorRT type stubs name `tensorrt` as a dependency, which only NVIDIA's index serves:
 # install the stubs alone so mypy can check the TensorRT backend against the real API.
 .venv/bin/python -m pip install -q --no-deps tensorrt-stubs
@@ -49,7 +53,8 @@ status310=0
 if [ "${PYTHON310:-}" != none ] && py310=$(find_python310); then
   [ -x .venv310/bin/python ] || "$py310" -m venv .venv310
   .venv310/bin/python -m pip install -q --upgrade pip
-  .venv310/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
+  # llama-cpp-python's wheel is pure ctypes (py3-none): pip's cache from the build above serves it.
+  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" .venv310/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
   .venv310/bin/python -m pip install -q --no-deps tensorrt-stubs
   echo "unit tests under $(.venv310/bin/python --version)"
   # A failure here fails the run, after the main suite has run too.

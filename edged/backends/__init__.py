@@ -18,7 +18,10 @@ log = logging.getLogger(__name__)
 BACKENDS: dict[str, str] = {
     "onnxruntime": "edged.backends.onnxruntime:OnnxRuntimeBackend",
     "tensorrt": "edged.backends.tensorrt:TensorRTBackend",
+    "llama": "edged.backends.llama:LlamaBackend",
 }
+# Model files that only a generation backend reads: ``auto`` picks it by the file's suffix.
+_GENERATIVE_SUFFIXES = {".gguf": "llama"}
 _AUTO_ORDER = ("tensorrt", "onnxruntime")
 _resolved: dict[str, type[Backend]] = {}
 
@@ -48,8 +51,23 @@ def _available(cls: type[Backend]) -> tuple[bool, str]:
         return False, f"availability check failed: {e.__class__.__name__}: {e}"
 
 
-def resolve(name: str) -> tuple[type[Backend], str]:
-    """(backend class, why it was chosen) for a config's ``backend`` value."""
+def generative_backend(path: str) -> str | None:
+    """The generation backend that serves a model file of this kind (a GGUF), if any."""
+    for suffix, backend in _GENERATIVE_SUFFIXES.items():
+        if path.lower().endswith(suffix):
+            return backend
+    return None
+
+
+def resolve(name: str, path: str = "") -> tuple[type[Backend], str]:
+    """(backend class, why it was chosen) for a config's ``backend`` value and model file."""
+    generative = generative_backend(path)
+    if name == "auto" and generative is not None:
+        cls = backend_class(generative)
+        ok, why = _available(cls)
+        if not ok:
+            raise BackendUnavailableError(f"backend {generative!r} (for {path}) is not usable here: {why}")
+        return cls, f"auto: {generative} for a GGUF model ({why})"
     if name != "auto":
         cls = backend_class(name)
         ok, why = _available(cls)

@@ -27,6 +27,7 @@ from edged.errors import (
 )
 from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length
 from edged.service import Service
+from edged.transports import openai_api
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
 from edged.transports.shm import SharedMemoryRegistry, ShmLimits
 from edged.transports.shm_io import ShmRequest
@@ -69,6 +70,7 @@ class App:
         server = service.registry.cfg.server
         shm.limits = ShmLimits.from_config(server)
         self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
+        self.generation = openai_api.GenerationRoutes(service, max_body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,6 +79,10 @@ class App:
             door: Door | None = scope.get(DOOR_KEY)
             if door is not None:
                 _check_door(door, scope)
+            if openai_api.handles(scope["path"]):  # language models: they stream, so they own send
+                self.generation.accepting = self.accepting
+                await self.generation(scope, receive, send)  # answers its own errors
+                return
             status, body, headers = await self._dispatch(scope, receive)
         except EdgedError as e:
             status, body, headers = e.http_status, orjson.dumps(e.to_dict()), _JSON

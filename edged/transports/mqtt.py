@@ -151,6 +151,7 @@ class MqttTransport:
         """Subscribe, then announce: the broker handles a client's packets in order, so whoever
         sees 'online' can send a request at once."""
         self.client.subscribe(f"{self.base}/models/+/infer", **self._request_options())
+        self.client.subscribe(f"{self.base}/models/+/generate", **self._request_options())  # language models
         self.link.publish(self.status_topic, b"online", qos=self.cfg.qos, retain=True)
         for rt in self.service.registry.models.values():
             self._publish_state(rt.name, rt.state, rt.reason)

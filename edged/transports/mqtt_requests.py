@@ -29,6 +29,7 @@ from edged.errors import (
     ShuttingDownError,
 )
 from edged.transports import mqtt_codec as codec
+from edged.transports import mqtt_generate
 from edged.transports.mqtt_acks import Delivery, Verdict
 from edged.transports.mqtt_offload import Offload
 from edged.transports.mqtt_props import LazyPublishProperties, vbi
@@ -95,7 +96,9 @@ class Requests:
     def _dispatch(
         self, link: Link, d: Delivery, msg: mqtt.MQTTMessage, topic: str, payload: bytes, raw_props: bytes
     ) -> None:
-        model = codec.model_from_topic(topic, self.prefix, self.device)
+        model = codec.model_from_topic(topic, self.prefix, self.device) or mqtt_generate.model_from_topic(
+            topic, self.prefix, self.device
+        )
         if d.verdict is Verdict.RUNNING:
             log.info("%s: message %d redelivered while it runs; acknowledged when it ends", model, msg.mid)
             return
@@ -168,6 +171,9 @@ class Requests:
         link.deliveries.finish(d)
 
     async def _serve(self, link: Link, inc: codec.Incoming, model: str) -> None:
+        if inc.topic.endswith(mqtt_generate.SUFFIX) and not self.closing:  # a language model's stream
+            await mqtt_generate.handle(self, link, inc, model)
+            return
         extra = {"model": model, "request_id": ""}
         refuse: EdgedError | None = None
         if model not in self.service.registry.models:  # a 404 whatever the body holds, as on the socket

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 def test_demo_config_is_valid() -> None:
     cfg = load(REPO / "configs" / "demo.toml")
-    assert set(cfg.models) == {"ocr_det", "tiny"}
+    assert set(cfg.models) == {"ocr_det", "tiny", "smollm2"}
     assert cfg.models["ocr_det"].profiles["x"].opt == [1, 3, 640, 640]
 
 
