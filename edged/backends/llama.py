@@ -329,7 +329,7 @@ class LlamaSlot(Instance):
         if job.emit is not None:
             job.emit(piece)
 
-    def _close_impl(self) -> None:
+    def close(self) -> None:
         if self._busy.acquire(timeout=CLOSE_WAIT_S):
             try:
                 self.engine.close()

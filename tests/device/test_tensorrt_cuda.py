@@ -389,11 +389,7 @@ def test_per_context_profiles_are_set_on_each_instance_stream(device: CudaDevice
         np.testing.assert_array_equal(inst.infer({"x": x})["y"], x)
     with pytest.raises(BackendError, match="has 3, all in use"):
         backend.instance()
-    freed = next(i for i in instances if i.profile == 1)  # type: ignore[attr-defined]
-    backend._release(freed)  # type: ignore[arg-type]
-    again = backend.instance()
-    assert again.profile == 1  # type: ignore[attr-defined]
-    backend.unload()
+    backend.unload()  # instances live until the model is unloaded: their profiles go with it
 
 
 def test_selftest_compares_mapped_and_copied_buffers(device: CudaDevice, monkeypatch: pytest.MonkeyPatch) -> None:
