@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from numpy.typing import DTypeLike
 
 from edged import errors
 from edged.paths import default_socket
@@ -189,7 +190,7 @@ class ShmRegion:
         self.array_view[offset : offset + data.nbytes] = data.reshape(-1).view(np.uint8)
         return ShmTensor(self.name, data.dtype, data.shape, data.nbytes, offset)
 
-    def read(self, dtype: np.dtype[Any] | str, shape: Sequence[int], offset: int = 0) -> np.ndarray:
+    def read(self, dtype: DTypeLike, shape: Sequence[int], offset: int = 0) -> np.ndarray:
         dt = np.dtype(dtype)
         n = math.prod(shape) * dt.itemsize
         out: np.ndarray = self.array_view[offset : offset + n].view(dt).reshape(tuple(shape)).copy()

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,11 @@ def copy_engine(io: IOBuffers, nbytes: int) -> Any:
         assert lib.cuMemcpyDtoDAsync_v2(io.address("y"), io.address("x"), nbytes, stream) == 0
 
     return enqueue
+
+
+def y_shaped_like(x: np.ndarray) -> Callable[[], dict[str, tuple[int, ...]]]:
+    """The output-shape callback of a copy: y has x's shape."""
+    return lambda: {"y": x.shape}
 
 
 def plans(shape: tuple[int, ...], dtype: str = "float32") -> list[TensorPlan]:
@@ -147,7 +152,7 @@ def test_instances_round_trip_on_their_own_streams(device: CudaDevice, mapped: b
                 n = int(rng.integers(1, shape[0] + 1))  # any batch up to the profile's max
                 x = rng.standard_normal((n, *shape[1:]), dtype=np.float32)
                 with device.activate():
-                    out = io.run({"x": x}, copy_engine(io, x.nbytes), lambda x=x: {"y": x.shape})
+                    out = io.run({"x": x}, copy_engine(io, x.nbytes), y_shaped_like(x))
                 np.testing.assert_array_equal(out["y"], x)
             return io.stream_handle
         finally:
@@ -179,7 +184,7 @@ def test_a_runtime_kernel_computes_on_the_instance_stream(device: CudaDevice, ma
         for n in (1, 3, 4):
             x = np.random.default_rng(n).standard_normal((n, 1000), dtype=np.float32)
             with device.activate():
-                out = io.run({"x": x}, enqueue, lambda x=x: {"y": x.shape})
+                out = io.run({"x": x}, enqueue, y_shaped_like(x))
             np.testing.assert_allclose(out["y"], x * 2 + 1, rtol=1e-6)
     finally:
         with device.activate():

@@ -262,6 +262,7 @@ class Peer:
             protocol=MQTTProtocolVersion.MQTTv5 if v5 else MQTTProtocolVersion.MQTTv311,
             clean_session=None if v5 else session_expiry == 0,
         )
+        # paho annotates the delays as int; it takes seconds as any number (it sleeps on them).
         self.client.reconnect_delay_set(0.05, 0.5)  # type: ignore[arg-type]
         if tls is not None:
             self.client.tls_set(ca_certs=str(tls.ca), certfile=str(tls.client_cert), keyfile=str(tls.client_key))
@@ -328,7 +329,7 @@ class Peer:
         def found() -> Received | None:
             return next((r for r in self.received if r.topic == topic and pred(r)), None)
 
-        return self.wait(found, timeout, f"a message on {topic}")  # type: ignore[no-any-return]
+        return self.wait(found, timeout, f"a message on {topic}")
 
     def request(
         self,

@@ -56,7 +56,8 @@ class Stream:
 
     def __init__(self, d: DaemonProcess, expected: np.ndarray, clients: int = 3) -> None:
         self.d, self.expected = d, expected
-        self.stop, self.ok, self.failures = threading.Event(), 0, []  # type: ignore[var-annotated]
+        self.stop, self.ok = threading.Event(), 0
+        self.failures: list[str] = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run) for _ in range(clients)]
 

@@ -11,9 +11,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -32,9 +34,14 @@ def ref(model: Path, x: np.ndarray = X) -> np.ndarray:
     return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
-def status(d: DaemonProcess) -> dict:  # type: ignore[type-arg]
+def status(d: DaemonProcess) -> dict[str, Any]:
     with d.client(timeout=5) as c:
         return c.status()
+
+
+def logged(d: DaemonProcess, text: str, times: int) -> Callable[[], bool]:
+    """A wait_for condition: ``text`` is in the daemon's log at least ``times`` times."""
+    return lambda: d.log().count(text) >= times
 
 
 class NotifySocket:
@@ -218,7 +225,7 @@ def test_reload_is_transactional(daemon_factory: Callable[..., DaemonProcess], t
     d.config.write_text(good_cfg.replace(str(a), str(a2)).replace(str(b), str(broken)))
     for attempt in (1, 2):  # the second SIGHUP used to report success with b on its old config
         hup(d)
-        wait_for(lambda n=attempt: d.log().count("reload failed") >= n, 60, what=f"reload {attempt} to fail")
+        wait_for(logged(d, "reload failed", attempt), 60, what=f"reload {attempt} to fail")
         st = status(d)
         assert "reload failed" in st["status"], st["status"]
         assert {n: m["cache_key"] for n, m in st["models"].items()} == keys  # a was not swapped
@@ -335,7 +342,7 @@ def test_a_full_cache_disk_says_so_and_leaves_the_cache_consistent(
     script = f'mount -t tmpfs -o size=2m tmpfs "{cache}" && exec "$0" -m edged serve --config "{d.config}"'
     with open(d.log_path, "ab") as log:
         d.proc = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, os.sys.executable],
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, sys.executable],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=d.env,
@@ -381,5 +388,5 @@ def test_a_no_op_reload_with_a_large_engine_does_not_stall_the_loop(
     before = stalls(d)
     for n in (1, 2, 3):
         hup(d)
-        wait_for(lambda n=n: d.log().count("reload done") >= n, 60, what=f"reload {n}")
+        wait_for(logged(d, "reload done", n), 60, what=f"reload {n}")
     assert stalls(d) == before, d.log()

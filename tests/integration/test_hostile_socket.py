@@ -189,7 +189,7 @@ def test_admin_group_gates_load_and_unload(
 
     def attempt() -> Any:
         c = Client(sock)
-        out = {}
+        out: dict[str, object] = {}
         for action in ("unload", "load"):
             status, data, _ = c.request("POST", f"/v2/repository/models/tiny/{action}", b"")
             out[action] = [status, orjson.loads(data).get("code")]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ def render_text_images(folder: Path, count: int, size: int = 160) -> Path:
     return folder
 
 
-def detector(path: Path, data: Path, gate: dict[str, float] | None = None) -> dict[str, object]:
+def detector(path: Path, data: Path, gate: dict[str, object] | None = None) -> dict[str, Any]:
     return {
         "path": str(path),
         "backend": "onnxruntime",
@@ -59,7 +60,7 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return render_text_images(tmp_path_factory.mktemp("pages") / "pages", 10)
 
 
-def status(d: DaemonProcess) -> dict[str, object]:
+def status(d: DaemonProcess) -> dict[str, Any]:
     with d.client() as c:
         return c.status()["models"]["det"]
 
@@ -137,15 +138,16 @@ def test_killed_build_fails_only_its_model(
     d.start()
     cfg = d.config.read_text()
     model = detector(demo_models, data)
-    model["calibration"]["method"] = "entropy"  # type: ignore[index]  # slow enough to be caught
+    model["calibration"]["method"] = "entropy"  # slow enough to be caught
     from tests.helpers import toml_value
 
     extra = ["[models.det]"] + [f"{k} = {toml_value(v)}" for k, v in model.items() if not isinstance(v, dict)]
-    extra += ["[models.det.calibration]"] + [f"{k} = {toml_value(v)}" for k, v in model["calibration"].items()]  # type: ignore[union-attr]
+    extra += ["[models.det.calibration]"] + [f"{k} = {toml_value(v)}" for k, v in model["calibration"].items()]
     d.config.write_text(cfg + "\n" + "\n".join(extra) + "\n")
     assert d.proc is not None
     d.proc.send_signal(signal.SIGHUP)
-    child = wait_for(lambda: _build_child(d.proc.pid), 60, 0.01, "the build child")  # type: ignore[union-attr]
+    pid = d.proc.pid
+    child = wait_for(lambda: _build_child(pid), 60, 0.01, "the build child")
     os.kill(child, signal.SIGKILL)
     with d.client() as c:
         wait_for(lambda: "reload failed" in c.status()["status"], 60, what="the failed reload")
@@ -192,7 +194,7 @@ def test_failed_all_int8_searches_mixed_precision_once(
     """All-INT8 misses a tight gate: the build searches for nodes to keep in float, serves int8
     (mixed) with the trials recorded, and the next boot reuses the result without searching."""
     gate = {"metric": "rel_l2", "max_rel_l2": 0.2, "max_trials": 8}
-    d = daemon_factory({"det": detector(demo_models, pages, gate)})  # type: ignore[arg-type]
+    d = daemon_factory({"det": detector(demo_models, pages, gate)})
     d.start(timeout=300)
     st = status(d)
     assert st["precision"] == "int8" and st["state"] == "ready", st

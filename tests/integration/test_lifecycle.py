@@ -27,7 +27,8 @@ class Stream:
     """Clients sending requests back to back until stopped; every failure is recorded."""
 
     def __init__(self, d: DaemonProcess, clients: int = 3) -> None:
-        self.d, self.stop, self.ok, self.failures = d, threading.Event(), 0, []  # type: ignore[var-annotated]
+        self.d, self.stop, self.ok = d, threading.Event(), 0
+        self.failures: list[str] = []
         self.threads = [threading.Thread(target=self._run) for _ in range(clients)]
         self.lock = threading.Lock()
 
@@ -150,7 +151,7 @@ def test_sigterm_during_a_build_stops_promptly(
 
     data = render_text_images(tmp_path / "pages", 6, size=320)
     model = detector(demo_models, data)
-    model["calibration"]["method"] = "entropy"  # type: ignore[index]  # a build of tens of seconds
+    model["calibration"]["method"] = "entropy"  # a build of tens of seconds
     d = daemon_factory({"det": model}, extra={"build": {"block_ready": block_ready}})
     d.start(wait_ready=False)
     with DaemonProcess.client(d, timeout=5) as c:

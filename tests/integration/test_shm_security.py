@@ -83,7 +83,8 @@ def register(c: Client, name: str, key: str, size: int) -> tuple[int, Any]:
 
 def assert_live_fast(d: DaemonProcess) -> None:
     """The daemon is alive, and its loop free: /v2/health/live answers in under 100 ms."""
-    assert d.proc is not None and d.proc.poll() is None, f"edged died ({d.proc.returncode}):\n{d.log()}"
+    assert d.proc is not None, "edged was never started"
+    assert d.proc.poll() is None, f"edged died ({d.proc.returncode}):\n{d.log()}"
     with d.client(timeout=5) as c:
         c.live()  # connect first: the measured requests are the loop's latency only
         for _ in range(3):
@@ -193,7 +194,7 @@ def test_a_second_user_cannot_see_use_unregister_or_reach_the_first_users_region
 
     def bob_attack() -> Any:
         c = Client(sock)
-        seen = {"status": c.shm_status()}
+        seen: dict[str, object] = {"status": c.shm_status()}
         status, doc = post(c, "/v2/models/tiny/infer", body=infer_body("input0"))
         seen["use"] = [status, doc["code"]]
         status, doc = register(c, "stolen", key_a, 4096)
@@ -299,12 +300,13 @@ def test_regions_of_a_killed_process_are_released(
 ) -> None:
     d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}}).start()
     assert d.proc is not None
+    pid = d.proc.pid
     key = make_object(4096)
     shm_keys.append(key)
     name = f"held-{secrets.token_hex(4)}"
     with d.client() as c:
         c.live()
-        fds_before = fd_count(d.proc.pid)
+        fds_before = fd_count(pid)
         holder = subprocess.Popen(
             [sys.executable, "-c", HOLDER, str(d.socket), name, key], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
@@ -315,7 +317,7 @@ def test_regions_of_a_killed_process_are_released(
             holder.send_signal(signal.SIGKILL)  # no close(), no atexit: as a crash leaves it
             holder.wait(10)
         wait_for(lambda: all(r["name"] != name for r in c.shm_status()), 10, what="the region to be released")
-        wait_for(lambda: fd_count(d.proc.pid) <= fds_before, 10, what="its descriptors to be closed")
+        wait_for(lambda: fd_count(pid) <= fds_before, 10, what="its descriptors to be closed")
 
 
 def test_client_objects_are_shared_with_the_daemon_user_alone() -> None:

@@ -7,7 +7,7 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,7 @@ def raw(
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
+def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[DaemonProcess]:
     """One daemon for the read-mostly tests of this module: tiny, a lazy twin, a deferred one."""
     from tests.helpers import DaemonProcess, write_config
 

@@ -178,7 +178,7 @@ def test_mutated_valid_requests_decode_or_are_a_4xx(
 @SETTINGS
 @given(parameters, st.sampled_from(sorted(V2_TO_NUMPY)), st.lists(st.integers(0, 9), max_size=3))
 def test_shared_memory_parameters_decode_or_are_a_4xx(params: dict[str, Any], dtype: str, shape: list[int]) -> None:
-    doc = {"inputs": [{"name": "x", "shape": shape, "datatype": dtype, "parameters": params}]}
+    doc: dict[str, object] = {"inputs": [{"name": "x", "shape": shape, "datatype": dtype, "parameters": params}]}
     decodes_or_4xx(orjson.dumps(doc))
     out = {"name": "y", "parameters": params}
     doc = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}], "outputs": [out]}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edged.build import detect
-from edged.build.gate import evaluate
+from edged.build.gate import RunFn, evaluate
 from edged.config import GateConfig
 
 Feed = dict[str, np.ndarray]
@@ -20,7 +20,7 @@ def gate(**kw: object) -> GateConfig:
     return msgspec.convert(kw, GateConfig)
 
 
-def fixed(outputs: Mapping[str, np.ndarray]) -> object:
+def fixed(outputs: Mapping[str, np.ndarray]) -> RunFn:
     return lambda feed: outputs
 
 

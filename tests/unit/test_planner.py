@@ -53,7 +53,7 @@ def test_evictions_least_recently_used_first() -> None:
     assert choose_evictions(500 * MiB, 20 * MiB, cands) is None
 
 
-def test_budget_from_meminfo(tmp_path) -> None:
+def test_budget_from_meminfo(tmp_path: Path) -> None:
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       1000000 kB\nMemFree: 10 kB\nMemAvailable:    800000 kB\n")
     info = probe_meminfo(str(f))

@@ -113,7 +113,10 @@ def test_shm_resolver_errors_propagate() -> None:
 
 
 def test_encode_json_binary_and_requested_outputs() -> None:
-    results = {"a": np.arange(4, dtype=np.float16).reshape(2, 2), "b": np.array([1, 2], np.int32)}
+    results: dict[str, np.ndarray] = {
+        "a": np.arange(4, dtype=np.float16).reshape(2, 2),
+        "b": np.array([1, 2], np.int32),
+    }
     body, hl = encode_infer("m", InferRequest(id="q"), results)
     assert hl is None
     doc = orjson.loads(body)
@@ -251,7 +254,7 @@ def test_shm_parameters_as_the_extension_states(
 
 def test_plan_cache_keeps_only_successful_small_headers_and_is_bounded_by_bytes() -> None:
     PLANS.clear()
-    inp = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    inp: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
     good = _binary_header([inp])
     decode_infer(good + b"\0" * 4, len(good))
     assert len(PLANS) == 1
@@ -276,7 +279,7 @@ def test_plan_cache_keeps_only_successful_small_headers_and_is_bounded_by_bytes(
 
 def test_cached_plan_still_obeys_the_model_limits() -> None:
     PLANS.clear()
-    a = {"name": "a", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    a: dict[str, object] = {"name": "a", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
     b = dict(a, name="b")
     h = _binary_header([a, b])
     decode_infer(h + b"\0" * 8, len(h))
@@ -302,7 +305,10 @@ def test_large_results_are_encoded_in_parts_with_the_same_meaning() -> None:
     """Large outputs are serialised in slices (JSON) or not copied at all (binary); the joined
     parts read back exactly like the one-piece encoding of the same results."""
     rng = np.random.default_rng(1)
-    results = {"a": rng.random((300_000, 2), dtype=np.float32), "b": np.arange(100_000, dtype=np.int64)}
+    results: dict[str, np.ndarray] = {
+        "a": rng.random((300_000, 2), dtype=np.float32),
+        "b": np.arange(100_000, dtype=np.int64),
+    }
     req = InferRequest(id="r1", outputs=[OutputRequest("a"), OutputRequest("b", binary=True)])
     parts, header_len = encode_infer_parts("m", req, results)
     assert len(parts) > 3 and header_len is not None

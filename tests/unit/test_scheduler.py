@@ -6,7 +6,8 @@ import asyncio
 import gc
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ import pytest
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, ShuttingDownError
 from edged.scheduler import ModelQueue
+
+T = TypeVar("T")
 
 
 class FakeInstance(Instance):
@@ -33,7 +36,7 @@ class FakeInstance(Instance):
         return {"y": inputs["x"] * 2}
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 

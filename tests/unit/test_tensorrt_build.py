@@ -47,6 +47,8 @@ def _members(*names: str) -> Any:
 class FakeTensorRT(types.ModuleType):
     """The fake ``tensorrt`` module; ``calls`` records what the build asked of it."""
 
+    parsed_model: onnx.ModelProto  # what the fake parser read, set by parse_from_file
+
     def __init__(self, version: str, dla_cores: int = 0, layers: tuple[str, ...] = ("fc1", "relu", "fc2")) -> None:
         super().__init__("tensorrt")
         self.__version__ = version
@@ -113,7 +115,12 @@ class FakeTensorRT(types.ModuleType):
             def __getattribute__(self, name: str) -> Any:
                 attr = object.__getattribute__(self, name)
                 if callable(attr) and not name.startswith("_"):
-                    return lambda *a: (fake.calls.append((name, *a)), attr(*a))[1]
+
+                    def recorded(*a: Any) -> Any:
+                        fake.calls.append((name, *a))
+                        return attr(*a)
+
+                    return recorded
                 return attr
 
             def set_memory_pool_limit(self, pool: Any, size: int) -> None: ...

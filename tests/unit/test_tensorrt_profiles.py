@@ -4,6 +4,8 @@ against a fake engine that enforces each version's rules as TensorRT's headers s
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from edged.backends.tensorrt.profiles import (
@@ -79,7 +81,7 @@ def open_instances(engine: FakeEngine, version: tuple[int, int, int], n: int) ->
         index = slots.acquire()
         ctx, spare = (spare, None) if spare is not None else (engine.create_execution_context(), None)
         first = i == 0
-        select_profile(ctx, slots, index, first, stream=100 + i, synchronize=lambda i=i: syncs.append(i))
+        select_profile(ctx, slots, index, first, stream=100 + i, synchronize=functools.partial(syncs.append, i))
         assert ctx.set_input_shape("x", (2, 16)), f"instance {i} has no usable profile"
         opened.append((ctx, index))
     return opened
