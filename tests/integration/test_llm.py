@@ -188,7 +188,7 @@ def test_openai_client_over_tcp_with_the_listener_token(edge: DaemonProcess, tcp
     port = tcp_port
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
     out = client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
-    assert out.choices[0].message.content and out.usage.completion_tokens <= 4
+    assert out.choices[0].message.content and out.usage is not None and out.usage.completion_tokens <= 4
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
 
