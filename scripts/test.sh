@@ -53,8 +53,8 @@ status310=0
 if [ "${PYTHON310:-}" != none ] && py310=$(find_python310); then
   [ -x .venv310/bin/python ] || "$py310" -m venv .venv310
   .venv310/bin/python -m pip install -q --upgrade pip
-  # llama-cpp-python's wheel is pure ctypes (py3-none): pip's cache from the build above serves it.
-  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" .venv310/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
+  # Unit tests only, which need no language-model engine: no second build of llama.cpp.
+  .venv310/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test-core]'
   .venv310/bin/python -m pip install -q --no-deps tensorrt-stubs
   echo "unit tests under $(.venv310/bin/python --version)"
   # A failure here fails the run, after the main suite has run too.
