@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "first-request": ("bench.first_request", "first request after READY=1, warmed through the socket or not"),
     "overhead": ("bench.overhead", "where a request's time goes outside the model, with trial fixes"),
     "spinning": ("bench.spinning", "ONNX Runtime's spinning intra-op threads on and off"),
+    "shm-copy": ("bench.shm_copy", "the safe kernel copy of a shared-memory frame against the old mapping"),
 }
 
 

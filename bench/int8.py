@@ -174,7 +174,7 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="write the results here (JSON)")
     p.add_argument("--models", default=",".join(CASES))
@@ -189,11 +189,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--block", type=int, default=10)
     p.add_argument("--pause", type=float, default=0.2)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("edged.build.quantize", "edged.build.gate"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -298,14 +298,14 @@ def markdown(table: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     global STEADY
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("model", type=Path)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steady", type=int, default=STEADY, help="steady requests per server and round")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "llm.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model = args.model.resolve()
     STEADY = args.steady
     makers: list[tuple[str, Callable[[Path], Peer] | None]] = [

@@ -70,11 +70,11 @@ def variants(fd: int, view: memoryview, n: int) -> dict[str, Callable[[], object
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=15)
     ap.add_argument("--per-block", type=int, default=40)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     n = int(np.prod(SHAPE)) * 4
     path = f"/dev/shm/edged-probe-{secrets.token_hex(4)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
