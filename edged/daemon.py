@@ -32,7 +32,7 @@ from edged.cache import EngineCache
 from edged.cache_gc import collect
 from edged.config import Config, format_size, max_body_bytes, parse_size
 from edged.errors import ConfigError, EdgedError, SocketInUseError
-from edged.faults import instance_wrapper_from_env
+from edged.faults import wedge_switch_from_env
 from edged.loopwatch import LoopWatch
 from edged.memory import MemoryInfo, budget_bytes, plan, probe
 from edged.metrics import Metrics
@@ -106,6 +106,7 @@ class Daemon:
         self.memory: MemoryInfo | None = None
         self.mqtt: Any = None  # edged.transports.mqtt.MqttTransport when [mqtt] enabled
         self.reloader: Reloader | None = None
+        self._wedge = wedge_switch_from_env()  # tests' fault injection (edged/faults.py), else None
         self.background: BackgroundBuilds | None = None
         self.loopwatch = LoopWatch(cfg.lifecycle.loop_probe_ms, cfg.lifecycle.loop_stall_ms, self._loop_sample)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -170,7 +171,13 @@ class Daemon:
         await asyncio.to_thread(self.cache.prepare)
         runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
         self.registry = Registry(
-            cfg, self.cache, runner, self.metrics, budget, self._on_state, wrap_instance=instance_wrapper_from_env()
+            cfg,
+            self.cache,
+            runner,
+            self.metrics,
+            budget,
+            self._on_state,
+            wrap_instance=self._wedge.wrap if self._wedge else None,
         )
         self.metrics.watch(self._queue_depths, ("http", "mqtt") if cfg.mqtt.enabled else ("http",))
         self.background = BackgroundBuilds(self.registry, loop, self._refresh_status, self._after_swap)
@@ -194,6 +201,8 @@ class Daemon:
         self.service.status_line = self._summary()
         self.service.ready.set()
         systemd.ready(self.service.status_line)
+        if self._wedge is not None:
+            self._wedge.armed.set()
         log.info("ready: %s", self.service.status_line)
         self.reloader = Reloader(self.registry, loop, self._summary, self._set_status, self.background)
         boot.start_later()

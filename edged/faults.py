@@ -2,8 +2,9 @@
 read on the request path.
 
 ``EDGED_TEST_WEDGE=PATH`` in the daemon's environment: every model instance is wrapped so that,
-while the file PATH exists, each request it takes hangs on it in its worker thread, as a wedged GPU call would (the
-watchdog test and the MQTT poison test use it). Without the variable nothing here is used.
+once the daemon is ready and while the file PATH exists, each request a worker thread takes
+hangs on it, as a wedged GPU call would (the watchdog test and the MQTT poison test use it).
+Without the variable nothing here is used.
 """
 
 from __future__ import annotations
@@ -11,32 +12,41 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from edged.backends.base import Instance
+from edged.scheduler import WORKER_THREAD_PREFIX
 
 WEDGE_ENV = "EDGED_TEST_WEDGE"
 
-InstanceWrapper = Callable[[Instance], Instance]
+
+class WedgeSwitch:
+    """Armed by the daemon once it is ready (warm-up and the request-path warm-up run free)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.armed = threading.Event()
+
+    def wrap(self, inst: Instance) -> Instance:
+        return _WedgeableInstance(inst, self)
 
 
 class _WedgeableInstance(Instance):
-    def __init__(self, inner: Instance, path: str) -> None:
+    def __init__(self, inner: Instance, switch: WedgeSwitch) -> None:
         super().__init__(inner.backend)
-        self._inner, self._path = inner, path
+        self._inner, self._switch = inner, switch
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # Worker threads only: a tiny model run inline on the event loop is not wedged, so the
-        # loop (signals, the watchdog, health checks) goes on as it would with a stuck GPU call.
-        while threading.current_thread() is not threading.main_thread() and os.path.exists(self._path):
-            time.sleep(0.05)
+        # The scheduler's worker threads only, as before: not a tiny model run inline on the event
+        # loop (signals, the watchdog and health checks go on, as with a stuck GPU call).
+        if self._switch.armed.is_set() and threading.current_thread().name.startswith(WORKER_THREAD_PREFIX):
+            while os.path.exists(self._switch.path):
+                time.sleep(0.05)
         return self._inner._infer_impl(inputs)
 
 
-def instance_wrapper_from_env() -> InstanceWrapper | None:
+def wedge_switch_from_env() -> WedgeSwitch | None:
     path = os.environ.get(WEDGE_ENV)
-    if not path:
-        return None
-    return lambda inst: _WedgeableInstance(inst, path)
+    return WedgeSwitch(path) if path else None

@@ -35,6 +35,9 @@ from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingD
 
 log = logging.getLogger(__name__)
 
+# Names of the per-instance worker threads (stack dumps, and the tests' fault injection).
+WORKER_THREAD_PREFIX = "edged-worker-"
+
 Tensors = Mapping[str, np.ndarray]
 
 
@@ -104,7 +107,9 @@ class ModelQueue:
             self._inline_instance = self._instances[0]
             self.inline_max_elements = inline_max_elements or _static_elements(self._instances[0])
         for inst, state in zip(self._instances, self.workers):
-            t = threading.Thread(target=self._worker, args=(inst, state), name=f"edged-{state.name}", daemon=True)
+            t = threading.Thread(
+                target=self._worker, args=(inst, state), name=f"{WORKER_THREAD_PREFIX}{state.name}", daemon=True
+            )
             t.start()
             self._threads.append(t)
 
