@@ -11,10 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from edged.client import Client
 
@@ -121,3 +124,38 @@ def running(config: Path, socket: Path, log: Path, **kw: Any) -> Iterator[Daemon
     finally:
         d.stop()
         d.kill()
+
+
+class RequestStream:
+    """Clients sending requests to model ``m`` back to back while a test swaps it underneath;
+    every failure is recorded and, given ``expected``, every answer ("probs") is checked."""
+
+    def __init__(self, d: DaemonProcess, expected: np.ndarray | None = None, clients: int = 3) -> None:
+        self.d, self.expected = d, expected
+        self.stop, self.ok = threading.Event(), 0
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run) for _ in range(clients)]
+
+    def _run(self) -> None:
+        x = np.ones((1, 16), np.float32)
+        with self.d.client() as c:
+            while not self.stop.is_set():
+                try:
+                    out = c.infer("m", {"x": x})["probs"]
+                    if self.expected is not None:
+                        np.testing.assert_allclose(out, self.expected, rtol=1e-4, atol=1e-6)
+                    with self.lock:
+                        self.ok += 1
+                except Exception as e:
+                    self.failures.append(repr(e))
+
+    def __enter__(self) -> RequestStream:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)

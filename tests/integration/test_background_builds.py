@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import onnxruntime as ort
 import pytest
 
 from edged.demo import make_tiny_mlp
-from tests.helpers import DaemonProcess, wait_for
+from tests.helpers import DaemonProcess, RequestStream, wait_for
 from tests.integration.mosquitto import Broker, Peer, broker
 from tests.integration.test_faults import NotifySocket
 
@@ -51,38 +50,6 @@ def cache_keys(cache: Path, model: str = "m") -> set[str]:
     return keys
 
 
-class Stream:
-    """Clients sending requests back to back; every answer is checked, every failure recorded."""
-
-    def __init__(self, d: DaemonProcess, expected: np.ndarray, clients: int = 3) -> None:
-        self.d, self.expected = d, expected
-        self.stop, self.ok = threading.Event(), 0
-        self.failures: list[str] = []
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run) for _ in range(clients)]
-
-    def _run(self) -> None:
-        with self.d.client() as c:
-            while not self.stop.is_set():
-                try:
-                    out = c.infer("m", {"x": X})["probs"]
-                    np.testing.assert_allclose(out, self.expected, rtol=1e-4, atol=1e-6)
-                    with self.lock:
-                        self.ok += 1
-                except Exception as e:
-                    self.failures.append(repr(e))
-
-    def __enter__(self) -> Stream:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
-
-
 def test_a_slow_build_serves_on_its_stand_in_then_swaps_without_a_failed_request(
     daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
@@ -98,7 +65,7 @@ def test_a_slow_build_serves_on_its_stand_in_then_swaps_without_a_failed_request
         st = model_status(d)
         assert st["state"] == "ready" and st["fallback"], st
         assert st["reason"].startswith("serving on onnxruntime fp32 while building onnxruntime fp32"), st
-        with Stream(d, ref(model)) as stream:
+        with RequestStream(d, ref(model)) as stream:
             wait_for(lambda: stream.ok > 20, 30, what="requests on the stand-in")
             wait_for(lambda: not model_status(d)["fallback"], 60, what="the swap to the built engine")
             before = stream.ok
@@ -142,7 +109,7 @@ def test_a_new_generation_rebuilds_in_the_background_and_collects_the_old(
     assert cache_keys(cache) == {first}
     # An upgrade changes the fingerprint in every key; the generation tag does the same on purpose.
     d.config.write_text(d.config.read_text().replace('generation_tag = ""', 'generation_tag = "v2"'))
-    with Stream(d, ref(model)) as stream:
+    with RequestStream(d, ref(model)) as stream:
         assert d.proc is not None
         d.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: "while building" in model_status(d)["reason"], 30, what="the background rebuild")

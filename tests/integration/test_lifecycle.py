@@ -14,44 +14,13 @@ import onnxruntime as ort
 import pytest
 
 from edged.demo import make_tiny_mlp
-from tests.helpers import DaemonProcess, wait_for
+from tests.helpers import DaemonProcess, RequestStream, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def ref(model: Path, x: np.ndarray) -> np.ndarray:
     return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-
-
-class Stream:
-    """Clients sending requests back to back until stopped; every failure is recorded."""
-
-    def __init__(self, d: DaemonProcess, clients: int = 3) -> None:
-        self.d, self.stop, self.ok = d, threading.Event(), 0
-        self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._run) for _ in range(clients)]
-        self.lock = threading.Lock()
-
-    def _run(self) -> None:
-        x = np.ones((1, 16), np.float32)
-        with self.d.client() as c:
-            while not self.stop.is_set():
-                try:
-                    c.infer("m", {"x": x})
-                    with self.lock:
-                        self.ok += 1
-                except Exception as e:
-                    self.failures.append(repr(e))
-
-    def __enter__(self) -> Stream:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
 
 
 def test_reload_under_load_swaps_with_zero_failures(
@@ -63,7 +32,7 @@ def test_reload_under_load_swaps_with_zero_failures(
     x = np.ones((1, 16), np.float32)
     with d.client() as c:
         old_key = c.status()["models"]["m"]["cache_key"]
-    with Stream(d) as stream:
+    with RequestStream(d) as stream:
         wait_for(lambda: stream.ok > 50, 30, what="requests flowing")
         replacement = make_tiny_mlp(tmp_path / "new.onnx", hidden=48)
         shutil.copyfile(replacement, tmp_path / "m.tmp")
