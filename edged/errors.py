@@ -124,6 +124,13 @@ class ForbiddenError(EdgedError):
     http_status = 403
 
 
+class CudaSharedMemoryNotSupportedError(EdgedError):
+    """CUDA shared memory is not offered: the backends read host memory; use system shared memory."""
+
+    code = "cuda_shm_not_supported"
+    http_status = 400
+
+
 # --- availability (retry later) ---------------------------------------------------------------
 
 

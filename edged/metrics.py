@@ -54,6 +54,11 @@ def uncounted() -> Iterator[None]:
         _UNCOUNTED.reset(token)
 
 
+def counted() -> bool:
+    """False inside ``uncounted()`` (the daemon's warm-up): for other figures kept per request."""
+    return not _UNCOUNTED.get()
+
+
 def request_outcomes() -> tuple[str, ...]:
     """``ok`` and the code of every error a request for a known model can end with."""
     roots: list[type[errors.EdgedError]] = [

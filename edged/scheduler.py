@@ -27,11 +27,16 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter_ns
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
+
+if TYPE_CHECKING:
+    from edged.stats import ModelStatistics
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +55,18 @@ class _Work:
     rows: int = 1
     signature: tuple[tuple[str, tuple[int, ...], str], ...] = field(default=())
     released: bool = False  # its slot of queue_depth was given back (only touched on the loop)
+    # Statistics (edged/stats.py): the record to add to (None: not counted), when it was queued,
+    # how long it waited and how long its run took (set by the worker, read on the loop).
+    stats: ModelStatistics | None = None
+    enqueued_ns: int = 0
+    queue_ns: int = 0
+    infer_ns: int = 0
 
 
 # A finished request: its work item, and its result or its error.
 _Done = tuple[_Work, "dict[str, np.ndarray] | None", "BaseException | None"]
+# A successful run: rows, and nanoseconds joining the inputs, running, splitting the outputs.
+_Timing = tuple[int, int, int, int]
 
 
 @dataclass
@@ -140,7 +153,9 @@ class ModelQueue:
 
     # --- submitting (on the loop) ---
 
-    async def submit(self, inputs: Tensors, timeout: float, request_id: str = "") -> dict[str, np.ndarray]:
+    async def submit(
+        self, inputs: Tensors, timeout: float, request_id: str = "", stats: ModelStatistics | None = None
+    ) -> dict[str, np.ndarray]:
         if self._closed:
             raise ShuttingDownError(f"model '{self.model}' is not serving")
         if self._backlog >= self.depth:
@@ -150,11 +165,17 @@ class ModelQueue:
             # Synchronous on the loop, bounded by the warm-up's size; the lock keeps the worker
             # (running a larger request on the same instance) from overlapping it.
             try:
-                return inst.infer(inputs, checked=True)
+                started = perf_counter_ns()
+                out = inst.infer(inputs, checked=True)
             finally:
                 self._inline_lock.release()
+            if stats is not None:  # never queued: a wait of 0, a batch of one
+                ran = perf_counter_ns() - started
+                stats.ran(0, ran, 1)
+                stats.executed(1, 0, ran, 0)
+            return out
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
-        work = _Work(inputs, time.monotonic() + timeout, fut, request_id)
+        work = _Work(inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns())
         if self.max_batch > 1:
             work.signature = tuple((k, v.shape[1:], v.dtype.str) for k, v in inputs.items())
             work.rows = next(iter(inputs.values())).shape[0] if inputs else 1
@@ -227,6 +248,9 @@ class ModelQueue:
             batch = self._take()
             if batch is None:
                 return
+            taken = perf_counter_ns()
+            for w in batch:
+                w.queue_ns = taken - w.enqueued_ns
             now = time.monotonic()
             live = []
             for w in batch:
@@ -239,43 +263,55 @@ class ModelQueue:
             state.busy_since = time.monotonic()
             try:
                 with self._inline_lock if inst is self._inline_instance else contextlib.nullcontext():
-                    done = self._run(inst, live)
+                    done, timing = self._run(inst, live)
             finally:
                 state.busy_since = None
                 state.batches += 1
                 state.rows += sum(w.rows for w in live)
             # Answered only once the worker is idle again: whoever sees the answer sees it idle.
-            self._resolve_all(done)
+            self._resolve_all(done, timing)
 
-    def _run(self, inst: Instance, batch: list[_Work]) -> list[_Done]:
+    def _run(self, inst: Instance, batch: list[_Work]) -> tuple[list[_Done], _Timing | None]:
+        """The batch's results, and the time spent joining its inputs, running the backend and
+        splitting its outputs (None when it failed)."""
         try:
+            t0 = perf_counter_ns()
             if len(batch) == 1:
-                return [(batch[0], inst.infer(batch[0].inputs, checked=True), None)]
+                out = inst.infer(batch[0].inputs, checked=True)
+                batch[0].infer_ns = ran = perf_counter_ns() - t0
+                return [(batch[0], out, None)], (batch[0].rows, 0, ran, 0)
             names = list(batch[0].inputs)
             joined = {n: np.concatenate([w.inputs[n] for w in batch]) for n in names}
+            t1 = perf_counter_ns()
             out = inst.infer(joined, checked=True)
+            t2 = perf_counter_ns()
             results: list[_Done] = []
             start = 0
             for w in batch:
                 end = start + w.rows
+                w.infer_ns = t2 - t1
                 results.append((w, {k: v[start:end] for k, v in out.items()}, None))
                 start = end
-            return results
+            return results, (start, t1 - t0, t2 - t1, perf_counter_ns() - t2)
         except EdgedError as e:
-            return [(w, None, e) for w in batch]
+            return [(w, None, e) for w in batch], None
         except Exception as e:  # never let one request kill a worker
             log.exception("worker failed", extra={"model": self.model})
-            return [(w, None, e) for w in batch]
+            return [(w, None, e) for w in batch], None
 
     def _resolve(self, w: _Work, result: dict[str, np.ndarray] | None, err: BaseException | None) -> None:
         self._resolve_all([(w, result, err)])
 
-    def _resolve_all(self, done: Sequence[_Done]) -> None:
-        """Hand results to the loop: one wake-up per batch, not one per request."""
+    def _resolve_all(self, done: Sequence[_Done], timing: _Timing | None = None) -> None:
+        """Hand results to the loop: one wake-up per batch, not one per request. ``timing``:
+        a successful run's figures, added to the statistics there (only the loop writes them)."""
 
         def settle() -> None:
+            stats = None
             for w, result, err in done:
                 self._release(w)
+                if w.stats is not None and err is None:
+                    stats = w.stats  # the run happened, whether or not its requester still waits
                 if w.future.done():
                     continue
                 if err is not None:
@@ -283,6 +319,10 @@ class ModelQueue:
                 else:
                     assert result is not None
                     w.future.set_result(result)
+                    if w.stats is not None:
+                        w.stats.ran(w.queue_ns, w.infer_ns, w.rows)
+            if stats is not None and timing is not None:
+                stats.executed(*timing)
 
         self._loop.call_soon_threadsafe(settle)
 

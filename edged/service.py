@@ -37,10 +37,19 @@ from edged.protocol import (
     v2_datatype,
 )
 from edged.registry import FAILED, LAZY, READY, UNLOADED, ModelRuntime, Registry
+from edged.stats import Statistics
 
 log = logging.getLogger(__name__)
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "system_shared_memory", "edged"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_repository",
+    "system_shared_memory",
+    "statistics",
+    "model_configuration",
+    "logging",
+    "edged",
+]
 
 
 class Service:
@@ -60,6 +69,8 @@ class Service:
         # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
         self.unready: Callable[[], str] = lambda: ""
         self._limits: dict[str, tuple[Any, tuple[int, int], Limits]] = {}
+        # Triton's statistics extension: one record per configured model (edged/stats.py).
+        self.stats = Statistics(lambda: self.registry.models)
 
     # --- health and metadata ---
 
@@ -119,9 +130,18 @@ class Service:
         return req
 
     async def infer(
-        self, name: str, inputs: Mapping[str, np.ndarray], request_id: str = "", transport: str = "http"
+        self,
+        name: str,
+        inputs: Mapping[str, np.ndarray],
+        request_id: str = "",
+        transport: str = "http",
+        received_ns: int = 0,
     ) -> dict[str, np.ndarray]:
+        """``received_ns``: when the transport took the request (perf_counter_ns), so its
+        decoding counts in the statistics; 0 when there was nothing to decode."""
         started = time.perf_counter()
+        entered = time.perf_counter_ns()
+        stats = self.stats.counted(name)
         rt = self.registry.models.get(name)
         if rt is None:
             self.metrics.reject(name, transport, ModelNotFoundError.code)
@@ -135,8 +155,10 @@ class Service:
             check_inputs(rt, inputs)
             timeout = (rt.cfg.timeout_ms or self.registry.cfg.server.request_timeout_ms) / 1000
             rt.last_used = time.monotonic()
-            out = await queue.submit(inputs, timeout, request_id)
+            out = await queue.submit(inputs, timeout, request_id, stats)
         except EdgedError as e:
+            if stats is not None:
+                stats.failed(received_ns or entered, time.perf_counter_ns())
             self.metrics.observe(name, transport, e.code, time.perf_counter() - started)
             log.debug(
                 "%s: request %s failed: %s",
@@ -147,8 +169,12 @@ class Service:
             )
             raise
         except Exception:
+            if stats is not None:
+                stats.failed(received_ns or entered, time.perf_counter_ns())
             self.metrics.observe(name, transport, EdgedError.code, time.perf_counter() - started)
             raise
+        if stats is not None:
+            stats.succeeded(received_ns or entered, entered, time.perf_counter_ns())
         self.metrics.observe(name, transport, "ok", time.perf_counter() - started)
         return out
 

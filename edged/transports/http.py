@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeGuard
 
@@ -27,7 +28,7 @@ from edged.errors import (
 )
 from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length
 from edged.service import Service
-from edged.transports import openai_api
+from edged.transports import openai_api, triton_ext
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
 from edged.transports.shm import SharedMemoryRegistry, ShmLimits
 from edged.transports.shm_io import ShmRequest
@@ -171,6 +172,9 @@ class App:
             return 200, body, [(b"content-type", b"text/plain; version=0.0.4")]
         if parts[0] != "v2":
             raise NotFoundError(f"no route for {path}")
+        if parts[1:] == ["models", "stats"]:  # every model's statistics (Triton's reading, not a model "stats")
+            _expect(method, "GET")
+            return 200, triton_ext.statistics(self.service, None), _JSON
         if len(parts) >= 3 and parts[1] == "models":
             return await self._models(method, parts[2], parts[3:], scope, receive)
         return await self._other(method, parts[1:], scope, receive)
@@ -186,6 +190,10 @@ class App:
         _expect(method, "GET")
         if not rest:
             return 200, orjson.dumps(self.service.model_metadata(name)), _JSON
+        if rest == ["stats"]:
+            return 200, triton_ext.statistics(self.service, name), _JSON
+        if rest == ["config"]:
+            return 200, triton_ext.model_config(self.service, name), _JSON
         if rest == ["ready"]:
             rt = self.service.model(name)
             ready = rt.state == "ready" and not self.service.stopping
@@ -196,16 +204,19 @@ class App:
     async def _infer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
         peer = scope.get(PEER_KEY)
         shm = ShmRequest(self.shm.region_for(peer), peer)
+        received = time.perf_counter_ns()  # the statistics' compute_input starts here (edged/stats.py)
         try:
             try:
                 req = await self._infer_request(name, scope, receive, shm)
             except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
                 self.service.metrics.reject(name, "http", e.code)
                 raise
-            outputs = await self.service.infer(name, req.inputs, req.id)
+            outputs = await self.service.infer(name, req.inputs, req.id, received_ns=received)
+            ran = time.perf_counter_ns()
             parts, out_header_len = await encode_infer_async(name, req, outputs, shm.output)
             if shm.writes:
                 await shm.flush()
+            self.service.stats.encoded(name, ran)
         finally:
             shm.release()
         first = parts[0]
@@ -249,6 +260,14 @@ class App:
             return await self._repository(method, parts[1:], scope, receive)
         if parts[0] == "systemsharedmemory":
             return await self._shm(method, parts[1:], scope, receive)
+        if parts[0] in triton_ext.PREFIXES and triton_ext.methods(parts):  # logging, CUDA shared memory
+            allowed = triton_ext.methods(parts)
+            if method not in allowed:
+                _expect(method, ", ".join(allowed))
+            body = await self._read_body(scope, receive) if method == "POST" else b""
+            if parts == ["logging"] and method == "POST":
+                self._check_admin(scope, "change the log settings")
+            return 200, triton_ext.answer(self.service, method, parts, body), _JSON
         if parts == ["edged", "status"]:
             _expect(method, "GET")
             return 200, orjson.dumps(svc.status()), _JSON

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -180,6 +181,7 @@ class Requests:
             refuse = ModelNotFoundError(f"unknown model '{model}'")
         elif self.closing:
             refuse = ShuttingDownError("edged is shutting down")
+        received = time.perf_counter_ns()  # the statistics' compute_input starts here (edged/stats.py)
         try:
             read = await self._run(inc.size, lambda: codec.read_request(inc, self.max_body, refuse))
         except DeadlineExceededError as e:  # where to answer is known if the properties were read
@@ -197,7 +199,7 @@ class Requests:
             log.warning("%s: request without a Response Topic or 'reply_to' dropped", model, extra=extra)
             self.drop(model, "no_reply_to", extra)
             return
-        reply = await self._answer(model, read, extra)
+        reply = await self._answer(model, read, extra, received)
         if inc.expired():  # the requester gave up while it ran: an answer would be noise
             self.drop(model, "expired", extra)
             return
@@ -214,7 +216,7 @@ class Requests:
         except asyncio.TimeoutError:
             raise DeadlineExceededError(f"reading the message took over {timeout:g} s") from None
 
-    async def _answer(self, model: str, dec: codec.Decoded, extra: dict[str, str]) -> codec.Reply:
+    async def _answer(self, model: str, dec: codec.Decoded, extra: dict[str, str], received: int = 0) -> codec.Reply:
         try:
             inputs = dec.request.inputs
             if dec.raw:
@@ -224,9 +226,13 @@ class Requests:
                 except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
                     self.service.metrics.reject(model, "mqtt", e.code)
                     raise
-            results = await self.service.infer(model, inputs, extra["request_id"], transport="mqtt")
+            results = await self.service.infer(
+                model, inputs, extra["request_id"], transport="mqtt", received_ns=received
+            )
+            ran = time.perf_counter_ns()
             size = sum(a.nbytes for a in results.values() if isinstance(a, np.ndarray))
             reply: codec.Reply = await self._run(size, lambda: codec.ok_reply(model, dec, results))
+            self.service.stats.encoded(model, ran)
             return reply
         except BusyError as e:
             self.service.metrics.dropped.labels(model, "busy").inc()
