@@ -13,12 +13,15 @@ import orjson
 import pytest
 
 from tests.helpers import DaemonProcess, wait_for
+from tests.integration.mosquitto import Broker, Peer, module_broker
 from tests.integration.test_listeners import free_port, tcp
+from tests.integration.test_mqtt import Edged, json_request
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] comes with the test-core extra")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 pytestmark = pytest.mark.integration
+__all__ = ["module_broker"]  # a fixture: imported so that pytest finds it
 
 BATCH_DELAY_US = 2000
 Started = tuple[DaemonProcess, Any, int]
@@ -238,3 +241,56 @@ def test_cuda_shared_memory_answers_a_clear_error(triton: Callable[..., Started]
     assert tcp(port, "GET", "/v2/cudasharedmemory/region/r/register")[0] == 405
     assert tcp(port, "GET", "/v2/cudasharedmemory/elsewhere")[0] == 404
     assert _infer(client, "tiny", 1).shape == (1, 4)
+
+
+def test_dynamic_batches_show_in_batch_stats(daemon_factory: Callable[..., DaemonProcess], model_dir: Path) -> None:
+    """Requests sent together while the batcher waits for company: fewer executions than
+    requests, and each batch size counted with the rows it held."""
+    port = free_port()
+    models = {"batched": {"path": str(model_dir / "tiny_b.onnx"), "max_batch": 8, "max_queue_delay_us": 300_000}}
+    daemon_factory(models, extra={"server": {"tcp": [f"127.0.0.1:{port}"]}}).start()
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", concurrency=8)
+    x = httpclient.InferInput("x", [1, 16], "FP32")
+    x.set_data_from_numpy(np.ones((1, 16), np.float32))
+    pending = [client.async_infer("batched", [x]) for _ in range(8)]
+    assert all(p.get_result().as_numpy("probs").shape == (1, 4) for p in pending)
+    m = _one(client.get_inference_statistics("batched"))
+    runs = {b["batch_size"]: b for b in m["batch_stats"]}
+    assert m["inference_count"] == m["inference_stats"]["success"]["count"] == 8
+    assert m["execution_count"] == sum(b["compute_infer"]["count"] for b in runs.values()) < 8
+    assert sum(size * b["compute_infer"]["count"] for size, b in runs.items()) == 8
+    assert max(runs) > 1
+    # Joining several requests' inputs is timed too: the batch's own compute_input.
+    assert all(b["compute_input"]["ns"] > 0 for size, b in runs.items() if size > 1)
+
+
+def test_mqtt_requests_are_counted_like_socket_ones(module_broker: Broker, tmp_path: Path, model_dir: Path) -> None:
+    d = Edged(
+        tmp_path / "edge",
+        module_broker.port,
+        "dev-s",
+        {"tiny": {"path": str(model_dir / "tiny.onnx")}},
+        tmp_path / "cache",
+    )
+    d.start()
+    try:
+        with Peer(module_broker.port) as peer:
+            peer.subscribe("reply/stats")
+            for i in range(3):
+                peer.request(
+                    "edged/dev-s/models/tiny/infer",
+                    json_request(np.ones((1, 16), np.float32)),
+                    "reply/stats",
+                    b"c%d" % i,
+                    "application/json",
+                )
+            peer.wait(lambda: len(peer.replies("reply/stats")) == 3, 10, "three replies")
+        with d.client() as c:
+            status, data, _ = c.request("GET", "/v2/models/tiny/stats")
+        st = _one(orjson.loads(data))["inference_stats"]
+        assert status == 200
+        for stage in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+            assert st[stage]["count"] == 3, stage
+        assert st["compute_input"]["ns"] > 0 and st["compute_output"]["ns"] > 0
+    finally:
+        assert d.stop() == 0
