@@ -193,7 +193,7 @@ def update_log_settings(body: bytes | memoryview) -> dict[str, Any]:
         )
     opened = min(max(_opened(), low), high)
     level = _LEVELS[opened]
-    if _logger().level != level:
+    if _logger().getEffectiveLevel() != level:
         log.warning("log level set to %s through /v2/logging", logging.getLevelName(level))
         _logger().setLevel(level)
     return log_settings()
