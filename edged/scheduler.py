@@ -170,9 +170,7 @@ class ModelQueue:
             finally:
                 self._inline_lock.release()
             if stats is not None:  # never queued: a wait of 0, a batch of one
-                ran = perf_counter_ns() - started
-                stats.ran(0, ran, 1)
-                stats.executed(1, 0, ran, 0)
+                stats.ran_alone(perf_counter_ns() - started)
             return out
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
         work = _Work(inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns())

@@ -42,7 +42,7 @@ class ModelStatistics:
         "inference_count",
         "input_count",
         "input_ns",
-        "last_inference",
+        "last_ns",
         "output_count",
         "output_ns",
         "queue_count",
@@ -55,7 +55,8 @@ class ModelStatistics:
         self.success_count = self.success_ns = self.fail_count = self.fail_ns = 0
         self.queue_count = self.queue_ns = self.input_count = self.input_ns = 0
         self.infer_count = self.infer_ns = self.output_count = self.output_ns = 0
-        self.inference_count = self.execution_count = self.last_inference = 0
+        self.inference_count = self.execution_count = 0
+        self.last_ns = 0  # perf_counter_ns of the last request's end (0: none yet)
         # Batch size -> [executions, input ns, infer ns, output ns]; at most max_batch keys.
         self.batches: dict[int, list[int]] = {}
 
@@ -68,6 +69,19 @@ class ModelStatistics:
         self.infer_count += 1
         self.infer_ns += infer_ns
         self.inference_count += rows
+
+    def ran_alone(self, infer_ns: int) -> None:
+        """A request run on the event loop: no wait, a batch of one (ran + executed, in one call)."""
+        self.queue_count += 1
+        self.infer_count += 1
+        self.infer_ns += infer_ns
+        self.inference_count += 1
+        self.execution_count += 1
+        entry = self.batches.get(1)
+        if entry is None:
+            entry = self.batches[1] = [0, 0, 0, 0]
+        entry[0] += 1
+        entry[2] += infer_ns
 
     def executed(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One successful run of the model on ``batch_size`` rows (the batch's own copies in and out)."""
@@ -88,12 +102,12 @@ class ModelStatistics:
         self.success_ns += now_ns - received_ns
         self.input_count += 1
         self.input_ns += entered_ns - received_ns
-        self.last_inference = time.time_ns() // 1_000_000
+        self.last_ns = now_ns
 
     def failed(self, received_ns: int, now_ns: int) -> None:
         self.fail_count += 1
         self.fail_ns += now_ns - received_ns
-        self.last_inference = time.time_ns() // 1_000_000
+        self.last_ns = now_ns
 
     def encoded(self, ns: int) -> None:
         """The answer of a successful request was encoded: its output stage, and its total."""
@@ -108,10 +122,13 @@ class ModelStatistics:
             return {"count": count, "ns": ns}
 
         batches = dict(self.batches)  # the loop may add a batch size meanwhile (a copy is atomic)
+        # The request path keeps the monotonic clock (one call fewer per request); the wall
+        # clock's offset from it turns that into Triton's milliseconds since the epoch.
+        last = (time.time_ns() - time.perf_counter_ns() + self.last_ns) // 1_000_000 if self.last_ns else 0
         return {
             "name": name,
             "version": VERSION,
-            "last_inference": self.last_inference,
+            "last_inference": last,
             "inference_count": self.inference_count,
             "execution_count": self.execution_count,
             "inference_stats": {
