@@ -187,6 +187,7 @@ class ModelQueue:
             raise DeadlineExceededError(f"model '{self.model}': no result within {timeout * 1000:.0f} ms") from None
         finally:
             if not fut.done():
+                work.stats = None  # a failure for the statistics: its stages are not a success's
                 self._withdraw(work)  # timed out or cancelled: drop it if no worker has it yet
 
     def _withdraw(self, work: _Work) -> None:

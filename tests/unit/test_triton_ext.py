@@ -4,16 +4,20 @@ tests/integration/test_triton_extensions.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 
+import numpy as np
 import orjson
 import pytest
 
-from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError
+from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, DeadlineExceededError
 from edged.metrics import uncounted
+from edged.scheduler import ModelQueue
 from edged.stats import ModelStatistics, Statistics
 from edged.transports import triton_ext
+from tests.unit.test_scheduler import FakeInstance
 
 
 def test_a_record_adds_what_each_stage_reports() -> None:
@@ -132,3 +136,30 @@ def test_cuda_shared_memory_status_and_cleanup_answer_and_the_rest_explains() ->
     assert triton_ext.methods(["logging"]) == ("GET", "POST")
     assert triton_ext.methods(["cudasharedmemory", "region", "r", "register"]) == ("POST",)
     assert triton_ext.methods(["cudasharedmemory", "nothing"]) == ()
+
+
+def test_the_scheduler_times_queue_and_run_and_forgets_abandoned_requests() -> None:
+    """With the scheduler tests' fake instance (doubles its input; a gate holds it): a request
+    whose caller gave up while it ran is a failure for the statistics, not a run to count."""
+    inst = FakeInstance()
+    rec = ModelStatistics()
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=8, max_batch=4, batchable=True)
+        q.start()
+        inst.gate.clear()
+        given_up = asyncio.ensure_future(q.submit({"x": np.ones((1, 2), np.float32)}, 0.05, stats=rec))
+        while q.workers[0].busy_since is None:  # the worker runs it (held by the gate)
+            await asyncio.sleep(0.001)
+        answered = asyncio.ensure_future(q.submit({"x": np.ones((2, 3), np.float32)}, 10, stats=rec))
+        with pytest.raises(DeadlineExceededError):
+            await given_up
+        inst.gate.set()
+        assert (await answered)["y"].shape == (2, 3)
+        q.close()
+
+    asyncio.run(main())
+    assert len(inst.batches) == 2  # both ran
+    assert (rec.queue_count, rec.infer_count, rec.inference_count, rec.execution_count) == (1, 1, 2, 1)
+    assert rec.queue_ns > 0 and rec.infer_ns > 0
+    assert list(rec.batches) == [2] and rec.batches[2][0] == 1
