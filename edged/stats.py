@@ -9,7 +9,13 @@ plain slots (no locks, no allocation per request):
 - compute_infer: the backend's run (for a batch, every request in it adds the batch's run, as
   Triton counts it);
 - compute_output: the transport encoding the outputs (JSON, binary, shared memory writes);
-- success / fail: the whole request, from the transport taking it to its answer being encoded.
+- success / fail: the whole request, from the transport taking it to its answer being encoded;
+- batch_stats: per batch size, the model's runs, with joining the requests' inputs into one batch
+  and splitting its outputs as that batch's compute_input and compute_output.
+
+The stages of a request count once it succeeds (a request abandoned by its caller while it runs
+is a failure, and its run is not counted): queue, compute_input and compute_infer count the same
+requests as success; compute_output counts the answers the socket and MQTT encoded.
 
 Only the event loop writes these figures: a worker thread's timings travel with its request and
 are added when the loop settles the result. The daemon's own warm-up requests are left out, as
