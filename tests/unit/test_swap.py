@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edged.background import stand_in
+from edged.background import BackgroundBuilds, stand_in
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache
 from edged.config import from_mapping
@@ -22,6 +22,7 @@ from edged.errors import CacheError
 from edged.memory import probe_meminfo
 from edged.metrics import Metrics
 from edged.registry import ModelRuntime, Registry
+from edged.reload import Reloader, _Txn
 from edged.states import ModelState
 from edged.swap import OnFailure, swap_held
 
@@ -142,5 +143,36 @@ def test_a_failure_policy_can_leave_the_old_runtime_to_a_later_rollback(reg: Reg
         old, new = await _failed_swap(reg, tmp_path, later)
         assert recorded == [(old, new)]
         assert old.state == ModelState.UNLOADED and old.backend is None
+
+    asyncio.run(main())
+
+
+def test_a_reload_rolls_back_its_held_swaps_when_one_fails(reg: Registry, tmp_path: Path) -> None:
+    """The reload's side of the policy: a swap that went through and one whose new runtime did
+    not load are both in the transaction, and its rollback serves the old runtimes again."""
+    new_path = make_tiny_mlp(tmp_path / "new.onnx", hidden=64)
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not an onnx model")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        reloader = Reloader(
+            reg, loop, lambda: "", lambda _: None, BackgroundBuilds(reg, loop, lambda: None, lambda: None)
+        )
+        old = await _serve_old(reg, tmp_path)
+        new = runtime(reg, new_path)
+        txn = _Txn()
+        await reloader._swap_queued(old, new, txn)
+        assert reg.models["m"] is new and txn.swapped == [(old, new)]
+        again = runtime(reg, broken)
+        with pytest.raises(CacheError):
+            await reloader._swap_queued(new, again, txn)
+        assert reg.models["m"] is new and txn.swapped == [(old, new), (new, again)]
+        await reloader._rollback(txn)  # newest first: new is loaded back, then old replaces it
+        assert reg.models["m"] is old and old.state == ModelState.READY and old.queue is not None
+        assert new.backend is None and again.backend is None and not reg.holds
+        out = await old.queue.submit(X, 10)
+        np.testing.assert_allclose(next(iter(out.values())), expected_output(tmp_path / "old.onnx"), rtol=1e-5)
+        await reg.unload(old)
 
     asyncio.run(main())
