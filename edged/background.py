@@ -20,9 +20,13 @@ from edged import backends
 from edged.build.job import job_key
 from edged.cache import Entry
 from edged.errors import BackendUnavailableError, EdgedError
-from edged.registry import BUILDING, DEFERRED, FAILED, LAZY, READY, ModelRuntime, Registry
+from edged.registry import ModelRuntime, Registry
+from edged.states import ModelState
+from edged.swap import retire, swap_held
 
 log = logging.getLogger(__name__)
+
+WHY = "replaced by its built engine"  # the reason the retired runtime shows
 
 
 def stand_in(reg: Registry, rt: ModelRuntime) -> ModelRuntime | None:
@@ -141,8 +145,8 @@ class BackgroundBuilds:
         wanted = f"{target.backend_cls.name if target.backend_cls else '?'} {target.precision}"
         pct = f"{fraction * 100:.0f}%" if fraction is not None else phase
         text = f"serving on {current.serving_on} while building {wanted} ({pct})"
-        if current.state == READY and current.reason.split(" (")[0] != text.split(" (")[0]:
-            reg.set_state(current, READY, text)  # logged and published once per phase
+        if current.state == ModelState.READY and current.reason.split(" (")[0] != text.split(" (")[0]:
+            reg.set_state(current, ModelState.READY, text)  # logged and published once per phase
         current.reason = text
         self._on_change()
 
@@ -156,14 +160,15 @@ class BackgroundBuilds:
         if not load:
             return
         if target.footprint > reg.budget - reg.used():
-            await self._swap_held(current, target)
+            # The two do not fit together; a failed load puts the serving one back at once.
+            await swap_held(reg, current, target, self.loop, WHY, lambda old, _: reg.load(old, self.loop))
         else:
             await reg.load(target, self.loop)
             if reg.models.get(target.name) is not current:  # a reload replaced it meanwhile
                 await reg.unload(target, notify=False)
                 return
             reg.models[target.name] = target  # the swap: the next request runs on the new engine
-        reg.set_state(target, READY)
+        reg.set_state(target, ModelState.READY)
         log.info(
             "%s: now serving on %s (was %s)",
             target.name,
@@ -171,30 +176,8 @@ class BackgroundBuilds:
             current.serving_on,
             extra={"model": target.name},
         )
-        await reg.retire(current, "replaced by its built engine")
+        await retire(reg, current, WHY)
         self._on_swap()
-
-    async def _swap_held(self, current: ModelRuntime, target: ModelRuntime) -> None:
-        """The serving runtime and the engine do not fit together: this model's requests wait
-        (they do not fail) while one replaces the other; a failed load puts the old one back."""
-        reg = self.registry
-        log.warning(
-            "%s: the stand-in and the built engine do not fit together; requests wait during the swap",
-            target.name,
-            extra={"model": target.name},
-        )
-        held = reg.hold(target.name)
-        try:
-            await reg.retire(current, "replaced by its built engine")
-            reg.models[target.name] = target
-            try:
-                await reg.load(target, self.loop)
-            except BaseException:
-                reg.models[target.name] = current
-                await reg.load(current, self.loop)
-                raise
-        finally:
-            reg.release(target.name, held)
 
     async def _settle_unserved(self, target: ModelRuntime, load: bool) -> None:
         """A model that had no stand-in (lazy, deferred, or its stand-in failed) is built."""
@@ -203,15 +186,15 @@ class BackgroundBuilds:
             await reg.load(target, self.loop)  # a failure is reported by _run
             self._on_swap()
         elif target.cfg.preload == "lazy":
-            reg.set_state(target, LAZY, "loads on first request")
-        elif target.state == BUILDING:
-            reg.set_state(target, DEFERRED, "built in the background; over the memory budget")
+            reg.set_state(target, ModelState.LAZY, "loads on first request")
+        elif target.state == ModelState.BUILDING:
+            reg.set_state(target, ModelState.DEFERRED, "built in the background; over the memory budget")
 
     def _failed(self, target: ModelRuntime, message: str) -> None:
         reg = self.registry
         current = reg.models.get(target.name)
         log.error("%s: %s", target.name, message, extra={"model": target.name})
         if current is None or current is target:
-            reg.set_state(target, FAILED, message)
-        elif current.state == READY:
-            reg.set_state(current, READY, f"serving on {current.serving_on}; the build failed: {message}")
+            reg.set_state(target, ModelState.FAILED, message)
+        elif current.state == ModelState.READY:
+            reg.set_state(current, ModelState.READY, f"serving on {current.serving_on}; the build failed: {message}")

@@ -15,7 +15,8 @@ from edged import systemd
 from edged.background import BackgroundBuilds, stand_in
 from edged.errors import CacheError, EdgedError
 from edged.memory import Plan, PlanItem, plan
-from edged.registry import DEFERRED, FAILED, LAZY, ModelRuntime, Registry
+from edged.registry import ModelRuntime, Registry
+from edged.states import ModelState
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class Boot:
                 # Hashing model files and checking cache entries can take long: never on the loop.
                 await asyncio.to_thread(reg.resolve, rt)
             except EdgedError as e:
-                reg.set_state(rt, FAILED, e.message)
+                reg.set_state(rt, ModelState.FAILED, e.message)
 
     async def _stand_ins(self, candidates: list[ModelRuntime]) -> dict[str, ModelRuntime]:
         if self.registry.cfg.build.block_ready:
@@ -76,11 +77,11 @@ class Boot:
     async def boot(self) -> Plan:
         reg = self.registry
         await self.resolve_all()
-        candidates = [rt for rt in reg.models.values() if rt.state != FAILED]
+        candidates = [rt for rt in reg.models.values() if rt.state != ModelState.FAILED]
         subs = await self._stand_ins(candidates)
         the_plan = self.plan(candidates, subs)
         for name, why in the_plan.deferred.items():
-            reg.set_state(reg.models[name], DEFERRED, why)
+            reg.set_state(reg.models[name], ModelState.DEFERRED, why)
         blocking = [rt for rt in candidates if rt.entry is None and rt.name not in subs]
         if not reg.cfg.build.block_ready:
             # Only the models that will serve at boot are worth waiting for; the others (lazy,
@@ -93,7 +94,7 @@ class Boot:
             await self._bring_up(reg.models[name], subs.get(name))
         for name in the_plan.lazy:
             if reg.models[name].entry is not None:
-                reg.set_state(reg.models[name], LAZY, "loads on first request")
+                reg.set_state(reg.models[name], ModelState.LAZY, "loads on first request")
         await asyncio.to_thread(reg.digests.save)
         return the_plan
 
@@ -132,7 +133,7 @@ class Boot:
         except CacheError as e:
             log.warning("%s: %s; rebuilding", rt.name, e.message, extra={"model": rt.name})
         except EdgedError as e:
-            reg.set_state(rt, FAILED, e.message)
+            reg.set_state(rt, ModelState.FAILED, e.message)
             return
         await self.build(rt, 1, 1)
         if rt.entry is None:
@@ -140,7 +141,7 @@ class Boot:
         try:
             await reg.load(rt, self.loop)
         except EdgedError as e:
-            reg.set_state(rt, FAILED, e.message)
+            reg.set_state(rt, ModelState.FAILED, e.message)
 
     async def build(self, rt: ModelRuntime, index: int, total: int) -> None:
         reg = self.registry
@@ -154,11 +155,11 @@ class Boot:
         try:
             await reg.build(rt, progress)
         except EdgedError as e:
-            reg.set_state(rt, FAILED, e.message)
+            reg.set_state(rt, ModelState.FAILED, e.message)
             log.error("%s: %s", rt.name, e.message, extra={"model": rt.name})
         else:
-            if rt.state not in (DEFERRED, FAILED):
-                reg.set_state(rt, "built")
+            if rt.state not in (ModelState.DEFERRED, ModelState.FAILED):
+                reg.set_state(rt, ModelState.BUILT)
 
 
 def _progress(label: str, phase: str, fraction: float | None) -> None:

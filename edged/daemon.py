@@ -41,6 +41,7 @@ from edged.readiness import summary, unready
 from edged.registry import ModelRuntime, Registry
 from edged.reload import Reloader
 from edged.service import Service
+from edged.states import ModelState
 from edged.transports.http import App
 from edged.transports.shm import SharedMemoryRegistry
 from edged.warmpath import warm_request_path
@@ -373,7 +374,7 @@ class Daemon:
         if self.registry is not None:
             for rt in self.registry.models.values():
                 if rt.backend is not None:
-                    await self.registry.unload(rt, "unloaded", "daemon stopping")
+                    await self.registry.unload(rt, ModelState.UNLOADED, "daemon stopping")
         self.shm.unregister()
         if self._owned_socket:
             with contextlib.suppress(FileNotFoundError):

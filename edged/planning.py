@@ -18,7 +18,8 @@ from edged.errors import EdgedError
 from edged.memory import budget_bytes, plan, probe
 from edged.metrics import Metrics
 from edged.paths import isolate_library_files
-from edged.registry import FAILED, Registry
+from edged.registry import Registry
+from edged.states import ModelState
 from edged.table import print_table
 
 
@@ -33,7 +34,7 @@ def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
         try:
             reg.resolve(rt)
         except EdgedError as e:
-            reg.set_state(rt, FAILED, e.message)
+            reg.set_state(rt, ModelState.FAILED, e.message)
     mem = {
         "source": info.source,
         "total_bytes": info.total,
@@ -46,16 +47,16 @@ def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
 
 def offline_plan(cfg: Config) -> dict[str, Any]:
     reg, mem = _registry(cfg)
-    ok = [rt for rt in reg.models.values() if rt.state != FAILED]
+    ok = [rt for rt in reg.models.values() if rt.state != ModelState.FAILED]
     the_plan = plan([rt.plan_item() for rt in ok], reg.budget)
     models = []
     for rt in reg.models.values():
-        if rt.state == FAILED:
-            decision, reason = "failed", rt.reason
+        if rt.state == ModelState.FAILED:
+            decision, reason = ModelState.FAILED.value, rt.reason
         elif rt.name in the_plan.deferred:
-            decision, reason = "deferred", the_plan.deferred[rt.name]
+            decision, reason = ModelState.DEFERRED.value, the_plan.deferred[rt.name]
         elif rt.name in the_plan.lazy:
-            decision, reason = "lazy", "loads on first request"
+            decision, reason = ModelState.LAZY.value, "loads on first request"
         else:
             decision, reason = "boot", ""
         if rt.precision_reason:
@@ -94,11 +95,11 @@ def _bar(out: TextIO, name: str, phase: str, fraction: float | None) -> None:
 
 async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
     reg, _ = _registry(cfg)
-    missing = [rt for rt in reg.models.values() if rt.state != FAILED and rt.entry is None]
+    missing = [rt for rt in reg.models.values() if rt.state != ModelState.FAILED and rt.entry is None]
     if check:
         for rt in missing:
             out.write(f"{rt.name}: needs a build ({rt.precision} with {rt.job.backend if rt.job else '?'})\n")
-        failed = [rt for rt in reg.models.values() if rt.state == FAILED]
+        failed = [rt for rt in reg.models.values() if rt.state == ModelState.FAILED]
         for rt in failed:
             out.write(f"{rt.name}: {rt.reason}\n")
         out.write("all engines are built\n" if not missing and not failed else "")
@@ -106,18 +107,18 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
     rows = []
     for rt in reg.models.values():
         started = time.monotonic()
-        if rt.state != FAILED and rt.entry is None:
+        if rt.state != ModelState.FAILED and rt.entry is None:
             try:
                 await reg.build(rt, _progress_bar(out, rt.name))
                 out.write("\n")
             except EdgedError as e:
-                reg.set_state(rt, FAILED, e.message)
+                reg.set_state(rt, ModelState.FAILED, e.message)
                 out.write("\n")
         gate = rt.gate or {}
         rows.append(
             (
                 rt.name,
-                rt.state if rt.state == FAILED else "ok",
+                rt.state if rt.state == ModelState.FAILED else "ok",
                 precision_text(rt.precision, rt.gate),
                 _gate_text(gate),
                 f"{time.monotonic() - started:.1f}s",
@@ -127,7 +128,7 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
         )
     print_table(("model", "result", "precision", "gate", "build", "footprint", "note"), rows)
     reg.digests.save()
-    return 1 if any(r[1] == FAILED for r in rows) else 0
+    return 1 if any(r[1] == ModelState.FAILED for r in rows) else 0
 
 
 def _gate_text(gate: dict[str, Any]) -> str:

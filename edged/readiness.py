@@ -10,23 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from edged.registry import DEFERRED, FAILED, LAZY, READY, UNLOADED, ModelRuntime, Registry
-
-SETTLED = (READY, DEFERRED, LAZY, UNLOADED, FAILED)
+from edged.registry import ModelRuntime, Registry
+from edged.states import ModelState
 
 
 def summary(registry: Registry, building: Iterable[ModelRuntime], reload_error: str = "") -> str:
     models = list(registry.models.values())
     states = [rt.state for rt in models]
-    parts = [f"{states.count(READY)} models ready"]
-    standing = [rt for rt in models if rt.state == READY and rt.reason.startswith("serving on")]
+    parts = [f"{states.count(ModelState.READY)} models ready"]
+    standing = [rt for rt in models if rt.state == ModelState.READY and rt.reason.startswith("serving on")]
     if standing:
         parts[0] += " (" + "; ".join(f"{rt.name} {rt.reason}" for rt in standing) + ")"
-    for state in (LAZY, DEFERRED, FAILED):
+    for state in (ModelState.LAZY, ModelState.DEFERRED, ModelState.FAILED):
         n = states.count(state)
         if n:
             reasons = {rt.reason.split(":")[0] for rt in models if rt.state == state}
-            parts.append(f"{n} {state}" + (f": {', '.join(sorted(reasons))}" if state != LAZY else ""))
+            parts.append(f"{n} {state}" + (f": {', '.join(sorted(reasons))}" if state != ModelState.LAZY else ""))
     unserved = [t for t in building if registry.models.get(t.name) is t]
     if unserved:
         parts.append(f"{len(unserved)} building")
@@ -42,9 +41,9 @@ def unready(registry: Registry | None) -> str:
     if registry is None:
         return "starting"
     boot = [rt for rt in registry.models.values() if rt.cfg.preload == "boot"]
-    waiting = [f"{rt.name} is {rt.state}" for rt in boot if rt.state not in SETTLED]
+    waiting = [f"{rt.name} is {rt.state}" for rt in boot if not rt.state.settled]
     if waiting:
         return "; ".join(waiting)
-    if boot and not any(rt.state == READY for rt in boot):
+    if boot and not any(rt.state == ModelState.READY for rt in boot):
         return "no boot model serves"
     return ""

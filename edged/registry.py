@@ -30,13 +30,10 @@ from edged.errors import BackendError, BudgetError, CacheError, EdgedError, Mode
 from edged.memory import PlanItem, choose_evictions, rss_bytes
 from edged.metrics import Metrics
 from edged.scheduler import ModelQueue
+from edged.states import ModelState
 from edged.warmup import inline_max_elements, warm_inputs
 
 log = logging.getLogger(__name__)
-
-# States a model moves through; the strings are part of the status API and MQTT topics.
-PENDING, BUILDING, LOADING, WARMING, READY = "pending", "building", "loading", "warming", "ready"
-DEFERRED, FAILED, UNLOADED, LAZY = "deferred", "failed", "unloaded", "lazy"
 
 StateListener = Callable[["ModelRuntime"], None]
 
@@ -45,7 +42,7 @@ StateListener = Callable[["ModelRuntime"], None]
 class ModelRuntime:
     name: str
     cfg: ModelConfig
-    state: str = PENDING
+    state: ModelState = ModelState.PENDING
     reason: str = ""
     backend_cls: type[Backend] | None = None
     backend_reason: str = ""
@@ -127,18 +124,20 @@ class Registry:
         self.budget = budget
         self._on_state = on_state
         self.models: dict[str, ModelRuntime] = {n: ModelRuntime(n, m) for n, m in cfg.models.items()}
-        # Models whose requests wait (rather than fail) while a reload swaps them.
+        # Models whose requests wait (rather than fail) while a swap replaces them (edged/swap.py).
         self.holds: dict[str, asyncio.Event] = {}
 
     # --- state ---
 
-    def set_state(self, rt: ModelRuntime, state: str, reason: str = "", notify: bool = True) -> None:
+    def set_state(self, rt: ModelRuntime, state: ModelState, reason: str = "", notify: bool = True) -> None:
         rt.state, rt.reason = state, reason
         if not notify:  # a retired copy of a model that a reload replaced: nobody watches it
             return
         if self.models.get(rt.name) in (rt, None):  # not a replacement warming beside the one serving
-            self.metrics.state.labels(rt.name).set(1 if state == READY else 0)
-        log.info("%s: %s%s", rt.name, state, f" ({reason})" if reason else "", extra={"model": rt.name, "phase": state})
+            self.metrics.state.labels(rt.name).set(1 if state == ModelState.READY else 0)
+        log.info(
+            "%s: %s%s", rt.name, state, f" ({reason})" if reason else "", extra={"model": rt.name, "phase": state.value}
+        )
         if self._on_state and self.models.get(rt.name) is rt:
             self._on_state(rt)
 
@@ -218,7 +217,7 @@ class Registry:
         if rt.entry is not None:
             return
         assert rt.job is not None
-        self.set_state(rt, BUILDING, f"{rt.precision} with {rt.job.backend}")
+        self.set_state(rt, ModelState.BUILDING, f"{rt.precision} with {rt.job.backend}")
         started = time.monotonic()
         try:
             await self.runner.build(rt.job, on_progress)
@@ -239,7 +238,7 @@ class Registry:
         """Load, create instances, warm, start serving. Raises on failure (state is set); a
         failed load holds nothing: no backend, no queue, no share of the budget."""
         assert rt.entry is not None and rt.backend_cls is not None
-        self.set_state(rt, LOADING)
+        self.set_state(rt, ModelState.LOADING)
         try:
             backend, instances, delta = await asyncio.to_thread(self._load_blocking, rt)
         except CacheError as e:
@@ -280,7 +279,7 @@ class Registry:
         if not rt.stands_in_for and abs(rt.footprint - stored) > 0.25 * max(stored, 1):
             # Remembered for the next boot's plan; small drifts do not rewrite the cache.
             rt.entry = await asyncio.to_thread(self._remember_footprint, rt.entry, rt.footprint)
-        self.set_state(rt, WARMING)
+        self.set_state(rt, ModelState.WARMING)
         rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances)
         inline = rt.infer_us is not None and rt.infer_us < self.cfg.server.inline_threshold_us and rt.cfg.instances == 1
         inline = (
@@ -299,7 +298,9 @@ class Registry:
         rt.queue = queue
         rt.last_used = time.monotonic()
         self.set_state(
-            rt, READY, f"serving on {rt.serving_on} while building {rt.stands_in_for}" if rt.stands_in_for else ""
+            rt,
+            ModelState.READY,
+            f"serving on {rt.serving_on} while building {rt.stands_in_for}" if rt.stands_in_for else "",
         )
 
     def _remember_footprint(self, entry: Entry, footprint: int) -> Entry:
@@ -344,18 +345,9 @@ class Registry:
                 times.append((time.perf_counter() - t0) * 1e6)
         return float(np.median(times))
 
-    def hold(self, name: str) -> asyncio.Event:
-        """Hold ``name``'s requests (a swap that cannot keep both versions loaded): they wait on
-        the returned event until ``release``."""
-        held = self.holds[name] = asyncio.Event()
-        return held
-
-    def release(self, name: str, held: asyncio.Event) -> None:
-        if self.holds.get(name) is held:
-            del self.holds[name]
-        held.set()
-
-    async def unload(self, rt: ModelRuntime, state: str = UNLOADED, reason: str = "", notify: bool = True) -> None:
+    async def unload(
+        self, rt: ModelRuntime, state: ModelState = ModelState.UNLOADED, reason: str = "", notify: bool = True
+    ) -> None:
         queue, backend = rt.queue, rt.backend
         rt.queue, rt.backend = None, None
         self.set_state(rt, state, reason, notify)
@@ -364,15 +356,6 @@ class Registry:
             await asyncio.to_thread(queue.join, self.cfg.lifecycle.drain_timeout_s)
         if backend is not None:
             await asyncio.to_thread(backend.unload)
-
-    async def retire(self, old: ModelRuntime, why: str = "replaced by reload") -> None:
-        """Let the requests already queued for a replaced model finish, then unload it."""
-        queue = old.queue
-        deadline = time.monotonic() + self.cfg.lifecycle.drain_timeout_s
-        while queue is not None and queue.backlog and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        if old.backend is not None:
-            await self.unload(old, UNLOADED, why, notify=self.models.get(old.name) is old)
 
     def keys_in_use(self) -> set[str]:
         return {rt.entry.key for rt in self.models.values() if rt.entry is not None and rt.entry.key}
@@ -383,7 +366,7 @@ class Registry:
         """Load a lazy (or unloaded) model on demand, evicting least recently used lazy models
         when the budget requires it. Never builds: a missing engine is a 503, not a wait."""
         async with rt.loading:
-            if rt.state == READY:
+            if rt.state == ModelState.READY:
                 return
             if rt.entry is None:
                 raise ModelNotReadyError(f"model '{rt.name}' is {rt.state}: {rt.reason or 'not built'}")
@@ -391,7 +374,7 @@ class Registry:
             try:
                 await self.load(rt, loop)
             except EdgedError as e:
-                self.set_state(rt, FAILED, e.message)
+                self.set_state(rt, ModelState.FAILED, e.message)
                 raise ModelNotReadyError(f"model '{rt.name}' failed to load: {e.message}") from e
 
     async def _make_room(self, rt: ModelRuntime) -> None:
@@ -399,7 +382,7 @@ class Registry:
         candidates = [
             (m.name, m.footprint, m.last_used)
             for m in self.models.values()
-            if m.cfg.preload == "lazy" and m.state == READY and m is not rt
+            if m.cfg.preload == "lazy" and m.state == ModelState.READY and m is not rt
         ]
         victims = choose_evictions(rt.footprint, free, candidates)
         if victims is None:
@@ -410,7 +393,7 @@ class Registry:
             )
         for name in victims:
             log.info("evicting %s to load %s", name, rt.name, extra={"model": name})
-            await self.unload(self.models[name], LAZY, f"evicted for {rt.name}")
+            await self.unload(self.models[name], ModelState.LAZY, f"evicted for {rt.name}")
 
 
 def _batchable(backend: Backend) -> bool:

@@ -26,9 +26,13 @@ from edged.background import BackgroundBuilds, stand_in
 from edged.build.job import job_key
 from edged.config import Config, format_size, load
 from edged.errors import EdgedError
-from edged.registry import FAILED, LAZY, READY, ModelRuntime, Registry
+from edged.registry import ModelRuntime, Registry
+from edged.states import ModelState
+from edged.swap import hold, release, retire, swap_held
 
 log = logging.getLogger(__name__)
+
+WHY = "replaced by reload"  # the reason a retired runtime shows
 
 
 @dataclass
@@ -169,7 +173,7 @@ class Reloader:
             self.background.cancel(name)
             retired.append(reg.models.pop(name))
         for old in retired:
-            await reg.retire(old)
+            await retire(reg, old, WHY)
         await asyncio.to_thread(reg.digests.save)
 
     def _candidates(self, new_cfg: Config, d: Diff) -> list[ModelRuntime]:
@@ -205,7 +209,7 @@ class Reloader:
             if rt.entry is None:
                 self._plan_build(rt, old, txn)
                 continue
-            if rt.cfg.preload == "lazy" and (old is None or old.state != READY):
+            if rt.cfg.preload == "lazy" and (old is None or old.state != ModelState.READY):
                 txn.serve[rt.name] = rt
                 continue
             free = reg.budget - reg.used()
@@ -228,7 +232,7 @@ class Reloader:
 
     def _plan_build(self, rt: ModelRuntime, old: ModelRuntime | None, txn: _Txn) -> None:
         boot = rt.cfg.preload == "boot"
-        if old is not None and old.state == READY and old.backend is not None:
+        if old is not None and old.state == ModelState.READY and old.backend is not None:
             txn.build.append((rt, boot))  # the old version serves until the new engine is built
         else:
             txn.serve[rt.name] = rt
@@ -255,25 +259,15 @@ class Reloader:
         self._set_status(text + (f"; reload failed: {self.last_error}" if self.last_error else ""))
 
     async def _swap_queued(self, old: ModelRuntime, new: ModelRuntime, txn: _Txn) -> None:
-        """Old and new do not fit together: hold this model's requests, unload, load, release.
-        A failure loads the old one back before the hold is released."""
-        reg = self.registry
-        log.warning(
-            "%s: old and new versions do not fit together; requests wait during the swap",
-            new.name,
-            extra={"model": new.name},
-        )
-        held = reg.hold(new.name)
-        try:
-            await reg.retire(old)
-            reg.models[new.name] = new
+        """Old and new do not fit together: swap them under a hold. Once the old one is retired
+        the swap is the transaction's to undo: a failed load, or a failure anywhere later, rolls
+        it back (``_rollback`` loads the old one again, under a hold of its own)."""
+
+        async def roll_back_later(old: ModelRuntime, new: ModelRuntime) -> None:
             txn.swapped.append((old, new))
-            await reg.load(new, self.loop)
-        except BaseException:
-            reg.models[new.name] = old
-            raise
-        finally:
-            reg.release(new.name, held)
+
+        await swap_held(self.registry, old, new, self.loop, WHY, roll_back_later)
+        txn.swapped.append((old, new))
 
     async def _rollback(self, txn: _Txn) -> None:
         reg = self.registry
@@ -281,16 +275,16 @@ class Reloader:
             if rt.backend is not None:
                 await reg.unload(rt, notify=False)
         for old, new in reversed(txn.swapped):
-            held = reg.hold(old.name)
+            held = hold(reg, old.name)
             try:
                 if new.backend is not None:
                     await reg.unload(new, notify=False)
                 reg.models[old.name] = old
                 await reg.load(old, self.loop)
             except EdgedError as e:
-                reg.set_state(old, FAILED, f"could not be restored after a failed reload: {e.message}")
+                reg.set_state(old, ModelState.FAILED, f"could not be restored after a failed reload: {e.message}")
             finally:
-                reg.release(old.name, held)
+                release(reg, old.name, held)
 
     def _commit(self, new_cfg: Config, txn: _Txn) -> list[ModelRuntime]:
         """Apply the new config and swap every model at once (no await in here)."""
@@ -303,9 +297,9 @@ class Reloader:
             if old is not None and old is not rt:
                 retired.append(old)
             if rt.backend is None and rt.entry is not None and rt.cfg.preload == "lazy":
-                reg.set_state(rt, LAZY, "loads on first request")
+                reg.set_state(rt, ModelState.LAZY, "loads on first request")
             elif rt.backend is None and rt.entry is None:
-                reg.set_state(rt, "building", "building in the background")
+                reg.set_state(rt, ModelState.BUILDING, "building in the background")
             else:
                 reg.set_state(rt, rt.state, rt.reason)  # tell the listeners the model changed
         for _, new in txn.swapped:

@@ -36,7 +36,8 @@ from edged.protocol import (
     decode_infer,
     v2_datatype,
 )
-from edged.registry import FAILED, LAZY, READY, UNLOADED, ModelRuntime, Registry
+from edged.registry import ModelRuntime, Registry
+from edged.states import READY, ModelState
 from edged.stats import Statistics
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class Service:
         try:
             # Until READY=1 every request waits for readiness, even one for a model already warm
             # (except the daemon's own warm-up requests, which are what readiness waits for).
-            queue = rt.queue if rt.state == READY and (self.ready.is_set() or self.warming) else None
+            queue = rt.queue if rt.state is READY and (self.ready.is_set() or self.warming) else None
             if queue is None:
                 rt, queue = await self._await_model(rt)
             check_inputs(rt, inputs)
@@ -213,9 +214,9 @@ class Service:
                 await asyncio.wait_for(self.ready.wait(), timeout)
             except asyncio.TimeoutError:
                 raise ModelNotReadyError("edged is still starting") from None
-        if rt.state in (LAZY, UNLOADED) and rt.entry is not None:
+        if rt.state.loads_on_demand and rt.entry is not None:
             await self.registry.ensure_loaded(rt, self.loop)
-        if rt.state != READY or rt.queue is None:
+        if rt.state != ModelState.READY or rt.queue is None:
             raise ModelNotReadyError(f"model '{rt.name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
         return rt, rt.queue
 
@@ -229,7 +230,7 @@ class Service:
 
     async def load(self, name: str) -> None:
         rt = self.model(name)
-        if rt.state == READY:
+        if rt.state == ModelState.READY:
             return
         if rt.entry is None:
             raise ModelNotReadyError(f"model '{name}' cannot load: {rt.reason or 'it has no built engine'}")
@@ -237,9 +238,9 @@ class Service:
 
     async def unload(self, name: str) -> None:
         rt = self.model(name)
-        if rt.state in (FAILED,) or rt.backend is None:
+        if rt.state == ModelState.FAILED or rt.backend is None:
             return
-        await self.registry.unload(rt, UNLOADED, "unloaded through the repository API")
+        await self.registry.unload(rt, ModelState.UNLOADED, "unloaded through the repository API")
 
     # --- status ---
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TextIO
 
 from edged.config import format_size
 from edged.errors import EdgedError
+from edged.states import ModelState
 
 # Fixed columns after the model name: state, precision, queue, p50, p99, req/s, backend.
 _COLUMNS: tuple[tuple[str, int, str], ...] = (
@@ -111,7 +112,8 @@ def _models(models: Mapping[str, Mapping[str, Any]], rates: Mapping[str, float |
         row = [f"{_cut(name, name_w):<{name_w}}"]
         row += [f"{_cut(str(c), w):{a}{w}}" for c, (_, w, a) in zip(cells, _COLUMNS)]
         lines.append(" ".join(row).rstrip())
-        if m.get("reason") and m.get("state") not in ("ready", "lazy"):
+        state = ModelState.named(m.get("state"))
+        if m.get("reason") and not (state is not None and state.serving):  # only why a model does not serve
             lines.append(f"  {m['reason']}")
     return lines
 

@@ -18,7 +18,8 @@ import orjson
 from edged.generation import is_language_model
 from edged.metrics import uncounted
 from edged.protocol import v2_datatype
-from edged.registry import READY, Registry
+from edged.registry import Registry
+from edged.states import ModelState
 from edged.transports.http import App
 from edged.warmup import warm_inputs
 
@@ -61,7 +62,7 @@ async def _call(app: App, model: str, body: bytes, header_len: int | None) -> in
 
 async def warm_request_path(app: App, registry: Registry) -> None:
     for rt in registry.models.values():
-        if rt.state != READY or rt.backend is None:
+        if rt.state != ModelState.READY or rt.backend is None:
             continue
         if is_language_model(rt.cfg):  # the generation routes, streamed and not
             await app.generation.warm(rt.name)

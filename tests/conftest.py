@@ -33,9 +33,20 @@ def demo_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
-    """Build a config in tmp_path and return a not-yet-started daemon for it."""
+def daemons() -> Iterator[list[DaemonProcess]]:
+    """The daemons a test starts, appended as it starts them, stopped (killed if stuck) after it."""
     started: list[DaemonProcess] = []
+    yield started
+    for d in started:
+        try:
+            d.stop(timeout=15)
+        finally:
+            d.kill()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path, daemons: list[DaemonProcess]) -> Callable[..., DaemonProcess]:
+    """Build a config in tmp_path and return a not-yet-started daemon for it."""
 
     def make(
         models: dict[str, dict[str, Any]],
@@ -63,12 +74,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
                         tables.setdefault(f"models.{model}.{sub}", {})[k] = v
         cfg = write_config(tmp_path / f"{name}.toml", tables)
         d = DaemonProcess(cfg, sock, tmp_path / f"{name}.log", env=env)
-        started.append(d)
+        daemons.append(d)
         return d
 
-    yield make
-    for d in started:
-        try:
-            d.stop(timeout=15)
-        finally:
-            d.kill()
+    return make

@@ -28,6 +28,7 @@ from edged.errors import (
 )
 from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length
 from edged.service import Service
+from edged.states import ModelState
 from edged.transports import openai_api, triton_ext
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
 from edged.transports.shm import SharedMemoryRegistry, ShmLimits
@@ -196,7 +197,7 @@ class App:
             return 200, triton_ext.model_config(self.service, name), _JSON
         if rest == ["ready"]:
             rt = self.service.model(name)
-            ready = rt.state == "ready" and not self.service.stopping
+            ready = rt.state == ModelState.READY and not self.service.stopping
             doc = {"name": name, "ready": ready, "state": rt.state, "reason": rt.reason}
             return (200 if ready else 503), orjson.dumps(doc), _JSON
         raise NotFoundError(f"no route for {scope['path']}")

@@ -27,6 +27,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edged.config import MqttConfig
 from edged.errors import ConfigError
+from edged.states import ModelState
 from edged.transports import mqtt_codec as codec
 from edged.transports.mqtt_homeassistant import Discovery
 from edged.transports.mqtt_link import Link
@@ -37,11 +38,6 @@ if TYPE_CHECKING:
     from edged.service import Service
 
 log = logging.getLogger(__name__)
-
-# Registry state names (part of the status API). A model in the first set takes fleet requests;
-# one in the second gives its share back; other states (loading, warming...) are transitions.
-SERVING = frozenset({"ready", "lazy"})
-NOT_SERVING = frozenset({"failed", "deferred"})
 
 # start() waits for the first connect attempt's outcome, at most this long, so that the retained
 # states of the boot go out as they happen. A broker that refuses or is down costs nothing more;
@@ -204,7 +200,7 @@ class MqttTransport:
         if self.discovery is not None and self.connected.is_set():
             self.discovery.update(self.service.registry.models)
 
-    def _publish_state(self, name: str, state: str, reason: str) -> None:
+    def _publish_state(self, name: str, state: ModelState, reason: str) -> None:
         self.link.publish(
             f"{self.base}/models/{name}/state",
             codec.model_state_doc(name, state, reason),
@@ -215,18 +211,19 @@ class MqttTransport:
     def _fleet_topic(self, model: str) -> str:
         return f"$share/{self.cfg.fleet_group}/{self.prefix}/fleet/models/{model}/infer"
 
-    def _track_fleet(self, name: str, state: str, subscribe: bool = False) -> None:
-        """Take a share of a model's fleet requests only while this device can serve it."""
+    def _track_fleet(self, name: str, state: ModelState, subscribe: bool = False) -> None:
+        """Take a share of a model's fleet requests while it serves, give it back when it is out of
+        service; other states (loading, warming, unloaded...) change nothing."""
         if not self.cfg.fleet_group:
             return
         link = self.fleet_link
         live = subscribe and link is not None and link.connected.is_set()
-        if state in SERVING and name not in self._fleet:
+        if state.serving and name not in self._fleet:
             self._fleet.add(name)
             if live:
                 assert link is not None
                 link.client.subscribe(self._fleet_topic(name), **self._request_options())
-        elif state in NOT_SERVING and name in self._fleet:
+        elif state.out_of_service and name in self._fleet:
             self._fleet.discard(name)
             if live:
                 assert link is not None

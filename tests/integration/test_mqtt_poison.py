@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +32,6 @@ BOMB_PROPERTIES = 50_000
 @pytest.fixture
 def tiny(tmp_path: Path) -> dict[str, dict[str, Any]]:
     return {"tiny": {"path": str(make_tiny_mlp(tmp_path / "tiny.onnx"))}}
-
-
-@pytest.fixture
-def daemons() -> Iterator[list[Edged]]:
-    started: list[Edged] = []
-    yield started
-    for d in started:
-        try:
-            d.stop(timeout=15)
-        finally:
-            d.kill()
 
 
 class HealthProbe:

@@ -4,7 +4,6 @@ a fleet of two daemons shares one broker's requests."""
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +32,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture
-def daemons() -> Iterator[list[Edged]]:
-    started: list[Edged] = []
-    yield started
-    for d in started:
-        try:
-            d.stop(timeout=15)
-        finally:
-            d.kill()
 
 
 def _reply_props(topic: str, correlation: bytes) -> Properties:

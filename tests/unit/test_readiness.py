@@ -10,7 +10,8 @@ from edged.config import from_mapping
 from edged.memory import probe_meminfo
 from edged.metrics import Metrics
 from edged.readiness import summary, unready
-from edged.registry import BUILDING, DEFERRED, FAILED, READY, Registry
+from edged.registry import Registry
+from edged.states import ModelState
 
 
 def registry(tmp_path: Path) -> Registry:
@@ -23,20 +24,20 @@ def test_ready_needs_every_boot_model_settled_and_one_serving(tmp_path: Path) ->
     reg = registry(tmp_path)
     a, b = reg.models["a"], reg.models["b"]
     assert unready(reg) == "a is pending; b is pending"
-    a.state, b.state = READY, BUILDING
+    a.state, b.state = ModelState.READY, ModelState.BUILDING
     assert unready(reg) == "b is building"
-    b.state, b.reason = FAILED, "model file b.onnx does not exist"
+    b.state, b.reason = ModelState.FAILED, "model file b.onnx does not exist"
     assert unready(reg) == ""  # degraded, with its reason in the summary
     assert summary(reg, []) == "1 models ready, 1 failed: model file b.onnx does not exist"
-    a.state, a.reason = DEFERRED, "budget: needs 2 GiB"
+    a.state, a.reason = ModelState.DEFERRED, "budget: needs 2 GiB"
     assert unready(reg) == "no boot model serves"  # it used to say ready with 0 models ready
 
 
 def test_summary_says_what_serves_while_an_engine_builds_and_keeps_a_reload_failure(tmp_path: Path) -> None:
     reg = registry(tmp_path)
     a, b = reg.models["a"], reg.models["b"]
-    a.state, a.reason = READY, "serving on onnxruntime fp32 while building tensorrt int8 (43%)"
-    b.state = BUILDING
+    a.state, a.reason = ModelState.READY, "serving on onnxruntime fp32 while building tensorrt int8 (43%)"
+    b.state = ModelState.BUILDING
     text = summary(reg, [b], "models.b.path: required key is missing")
     assert text == (
         "1 models ready (a serving on onnxruntime fp32 while building tensorrt int8 (43%)), 1 building"
