@@ -78,6 +78,19 @@ class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 
 
+class ModelVersionNotFoundError(NotFoundError):
+    """A model version other than "1" (edged serves one version of each model)."""
+
+    code = "model_version_not_found"
+
+
+class UnsupportedEncodingError(BadRequestError):
+    """A request body in a Content-Encoding edged does not read (gzip, deflate and identity are read)."""
+
+    code = "unsupported_encoding"
+    http_status = 415
+
+
 class SharedMemoryError(BadRequestError):
     """A shared memory region that does not exist, is too small, or cannot be mapped."""
 
