@@ -337,8 +337,8 @@ def _shm_request(inp_params: dict[str, Any] | None, out_params: dict[str, Any] |
 def test_shared_memory_parameter_rules(served: DaemonProcess) -> None:
     """The extension's rules: region and byte size go together (offset is optional), and an input
     in shared memory has no 'data'. Checked before any region is looked up."""
-    region = {"shared_memory_region": "r", "shared_memory_byte_size": 64}
-    cases = [
+    region: dict[str, Any] = {"shared_memory_region": "r", "shared_memory_byte_size": 64}
+    cases: list[tuple[dict[str, Any] | None, dict[str, Any] | None, bool, str]] = [
         (region, None, True, "give one of"),
         ({"shared_memory_byte_size": 64}, None, True, "without 'shared_memory_region'"),
         ({"shared_memory_offset": 0}, None, True, "without 'shared_memory_region'"),
