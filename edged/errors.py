@@ -91,6 +91,23 @@ class UnsupportedEncodingError(BadRequestError):
     http_status = 415
 
 
+class ClientGoneError(BadRequestError):
+    """HTTP only: the client closed the connection before its request body arrived (nobody reads the answer)."""
+
+    code = "client_disconnected"
+
+
+class MethodNotAllowedError(EdgedError):
+    """HTTP only: a known path with the wrong method (the ``Allow`` header lists the right ones)."""
+
+    code = "method_not_allowed"
+    http_status = 405
+
+    def __init__(self, message: str, allow: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+
 class SharedMemoryError(BadRequestError):
     """A shared memory region that does not exist, is too small, or cannot be mapped."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from edged.errors import BadRequestError, PayloadTooLargeError, UnsupportedEncodingError
+from edged.errors import BadRequestError, ClientGoneError, PayloadTooLargeError, UnsupportedEncodingError
 from edged.protocol import Part, parse_header_length
 
 Scope = dict[str, Any]
@@ -45,12 +45,6 @@ _INLINE_COMPRESS = 16 * 1024
 # zlib level 1: on a small board's CPU the fastest level costs a fraction of level 6 for a
 # slightly larger body (tensors compress poorly at any level).
 _LEVEL = 1
-
-
-class ClientGoneError(BadRequestError):
-    """The client closed the connection before its request body arrived (nobody reads the answer)."""
-
-    code = "client_disconnected"
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

@@ -1,4 +1,5 @@
-"""Which HTTP methods a route takes: 405 with an ``Allow`` header, and HEAD wherever GET is.
+"""Which HTTP methods a route takes: 405 with an ``Allow`` header, and HEAD wherever GET is; and
+the headers other error answers need (415 names the encodings edged reads).
 
 HEAD is answered exactly as GET (status and headers, content-length included); uvicorn drops the
 body of an answer to a HEAD request, so the routes need not know about it.
@@ -6,20 +7,9 @@ body of an answer to a HEAD request, so the routes need not know about it.
 
 from __future__ import annotations
 
-from edged.errors import EdgedError
+from edged.errors import EdgedError, MethodNotAllowedError, UnsupportedEncodingError
 
 Headers = list[tuple[bytes, bytes]]
-
-
-class MethodNotAllowedError(EdgedError):
-    """HTTP only: a known path with the wrong method (the ``Allow`` header lists the right ones)."""
-
-    code = "method_not_allowed"
-    http_status = 405
-
-    def __init__(self, message: str, allow: tuple[str, ...]) -> None:
-        super().__init__(message)
-        self.allow = allow
 
 
 def expect(method: str, *allowed: str) -> None:
@@ -34,4 +24,6 @@ def error_headers(error: EdgedError, base: Headers) -> Headers:
     """The headers of an error answer: ``base`` plus what the error's status requires."""
     if isinstance(error, MethodNotAllowedError):
         return [*base, (b"allow", ", ".join(error.allow).encode())]
+    if isinstance(error, UnsupportedEncodingError):  # RFC 9110 15.5.16, and what Triton sends
+        return [*base, (b"accept-encoding", b"gzip, deflate")]
     return base

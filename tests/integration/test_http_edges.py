@@ -254,9 +254,11 @@ def test_bad_compressed_bodies_are_precise_errors(served: DaemonProcess) -> None
         ({"Content-Encoding": "deflate"}, packed, 400, "bad_request", "corrupt"),
     ]
     for headers, data, want_status, want_code, words in cases:
-        status, answer, _ = request(served.socket, "POST", "/v2/models/tiny/infer", data, headers)
+        status, answer, resp = request(served.socket, "POST", "/v2/models/tiny/infer", data, headers)
         assert (status, code(answer)) == (want_status, want_code), headers
         assert words in orjson.loads(answer)["error"], (words, answer)
+        if status == 415:
+            assert resp.getheader("accept-encoding") == "gzip, deflate"
     status, _, _ = request(served.socket, "POST", "/v2/models/tiny/infer", body, {"Content-Encoding": "identity"})
     assert status == 200
 
