@@ -25,6 +25,7 @@ import orjson
 from edged import generation as gen
 from edged.errors import BadRequestError, EdgedError, NotFoundError, PayloadTooLargeError, ShuttingDownError
 from edged.service import Service
+from edged.transports.http_body import read_body
 from edged.transports.http_methods import error_headers
 from edged.transports.http_methods import expect as _expect
 
@@ -103,18 +104,12 @@ class GenerationRoutes:
         await handler(parts, body, receive, send)
 
     async def _body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise PayloadTooLargeError(f"a generation request is limited to {self.max_body} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
+        try:  # gzip and deflate bodies too, bounded as sent and as inflated
+            raw = await read_body(scope, receive, self.max_body)
+        except PayloadTooLargeError:
+            raise PayloadTooLargeError(f"a generation request is limited to {self.max_body} bytes") from None
         try:
-            doc = orjson.loads(b"".join(chunks))
+            doc = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             raise BadRequestError(f"malformed JSON: {e}") from None
         if not isinstance(doc, dict):

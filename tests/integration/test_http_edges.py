@@ -263,6 +263,17 @@ def test_bad_compressed_bodies_are_precise_errors(served: DaemonProcess) -> None
     assert status == 200
 
 
+def test_the_generation_routes_read_compressed_bodies_too(served: DaemonProcess) -> None:
+    doc = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}
+    packed = gzip.compress(orjson.dumps(doc))
+    status, data, _ = request(served.socket, "POST", "/v1/chat/completions", packed, {"Content-Encoding": "gzip"})
+    # Read and understood: the answer is about the model (not a language model), not the body.
+    assert (status, code(data)) == (400, "bad_request") and "'tiny' is not a language model" in data.decode()
+    status, data, resp = request(served.socket, "POST", "/v1/chat/completions", packed, {"Content-Encoding": "br"})
+    assert (status, code(data)) == (415, "unsupported_encoding")
+    assert resp.getheader("accept-encoding") == "gzip, deflate"
+
+
 def test_a_zip_bomb_is_a_413_and_allocates_no_more_than_max_body(served: DaemonProcess) -> None:
     assert gzip.decompress(gzip_zeros(3)) == bytes(3 << 20)  # the bomb below is valid gzip
     bomb = gzip_zeros(1024)  # 1 GiB of zeros
