@@ -51,6 +51,8 @@ class ServerConfig(_Table, frozen=True):
     # Python objects cost 4-16 times the JSON's bytes and parsing holds the interpreter's lock,
     # so large tensors travel with the binary extension or shared memory (413 beyond).
     max_json: str = "8MiB"
+    # Answers at least this large are compressed (gzip or deflate) for clients that accept it.
+    compress_min_size: str = "4KiB"
     request_timeout_ms: PositiveInt = 10_000
     # Idle keep-alive connections are closed after this long (uvicorn's default is 5 s; local
     # clients such as camera pipelines keep one connection for hours).
@@ -387,6 +389,7 @@ def _check_sizes(cfg: Config, src: str) -> None:
         "server.max_header_size": cfg.server.max_header_size,
         "server.max_region_size": cfg.server.max_region_size,
         "server.max_json": cfg.server.max_json,
+        "server.compress_min_size": cfg.server.compress_min_size,
         "memory.reserve": cfg.memory.reserve,
         "build.headroom": cfg.build.headroom,
         "cache.quarantine_max_bytes": cfg.cache.quarantine_max_bytes,

@@ -78,6 +78,36 @@ class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 
 
+class ModelVersionNotFoundError(NotFoundError):
+    """A model version other than "1" (edged serves one version of each model)."""
+
+    code = "model_version_not_found"
+
+
+class UnsupportedEncodingError(BadRequestError):
+    """A request body in a Content-Encoding edged does not read (gzip, deflate and identity are read)."""
+
+    code = "unsupported_encoding"
+    http_status = 415
+
+
+class ClientGoneError(BadRequestError):
+    """HTTP only: the client closed the connection before its request body arrived (nobody reads the answer)."""
+
+    code = "client_disconnected"
+
+
+class MethodNotAllowedError(EdgedError):
+    """HTTP only: a known path with the wrong method (the ``Allow`` header lists the right ones)."""
+
+    code = "method_not_allowed"
+    http_status = 405
+
+    def __init__(self, message: str, allow: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+
 class SharedMemoryError(BadRequestError):
     """A shared memory region that does not exist, is too small, or cannot be mapped."""
 

@@ -214,8 +214,16 @@ class Service:
                 await asyncio.wait_for(self.ready.wait(), timeout)
             except asyncio.TimeoutError:
                 raise ModelNotReadyError("edged is still starting") from None
+        # A lazy model loads on its first request (that is what lazy means); one unloaded by an
+        # operator stays unloaded until loaded again through the repository API.
         if rt.state.loads_on_demand and rt.entry is not None:
             await self.registry.ensure_loaded(rt, self.loop)
+        if rt.state == ModelState.UNLOADED:
+            raise ModelNotReadyError(
+                f"model '{rt.name}' is unloaded"
+                + (f" ({rt.reason})" if rt.reason else "")
+                + f"; load it with POST /v2/repository/models/{rt.name}/load"
+            )
         if rt.state != ModelState.READY or rt.queue is None:
             raise ModelNotReadyError(f"model '{rt.name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
         return rt, rt.queue

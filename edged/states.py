@@ -49,14 +49,14 @@ class ModelState(str, Enum):
 
     @property
     def out_of_service(self) -> bool:
-        """It will not answer until something changes (a reload, memory freed): a device gives
-        its share of the fleet's requests back. An unloaded model keeps its share: a request
-        loads it again."""
+        """It will not answer until something changes (a reload, memory freed, an operator's
+        load): a device gives its share of the fleet's requests back."""
         return self in _OUT_OF_SERVICE
 
     @property
     def loads_on_demand(self) -> bool:
-        """Built but not loaded, and a request loads it (given its engine is in the cache)."""
+        """Built but not loaded, and a request loads it (given its engine is in the cache). Only a
+        lazy model: one an operator unloaded stays unloaded (503) until loaded again."""
         return self in _ON_DEMAND
 
     @property
@@ -67,8 +67,8 @@ class ModelState(str, Enum):
 
 
 _SERVING = frozenset({ModelState.READY, ModelState.LAZY})
-_OUT_OF_SERVICE = frozenset({ModelState.FAILED, ModelState.DEFERRED})
-_ON_DEMAND = frozenset({ModelState.LAZY, ModelState.UNLOADED})
+_OUT_OF_SERVICE = frozenset({ModelState.FAILED, ModelState.DEFERRED, ModelState.UNLOADED})
+_ON_DEMAND = frozenset({ModelState.LAZY})
 _TRANSITIONS = frozenset(
     {ModelState.PENDING, ModelState.BUILDING, ModelState.BUILT, ModelState.LOADING, ModelState.WARMING}
 )

@@ -14,22 +14,25 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeGuard
 
-import numpy as np
 import orjson
 
+from edged.config import parse_size
 from edged.errors import (
     BadRequestError,
     ConfigError,
     EdgedError,
     ForbiddenError,
+    ModelVersionNotFoundError,
     NotFoundError,
-    PayloadTooLargeError,
     ShuttingDownError,
 )
 from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length
 from edged.service import Service
 from edged.states import ModelState
 from edged.transports import openai_api, triton_ext
+from edged.transports.http_body import accepted_encoding, compress, read_body
+from edged.transports.http_methods import error_headers
+from edged.transports.http_methods import expect as _expect
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
 from edged.transports.shm import SharedMemoryRegistry, ShmLimits
 from edged.transports.shm_io import ShmRequest
@@ -45,22 +48,9 @@ _JSON = [(b"content-type", b"application/json")]
 _BINARY = b"application/octet-stream"
 
 
-class HttpError(EdgedError):
-    """Routing errors that belong to HTTP alone (405)."""
-
-    code = "method_not_allowed"
-    http_status = 405
-
-
 class UnauthorizedError(EdgedError):
     code = "unauthorized"
     http_status = 401
-
-
-class ClientGoneError(BadRequestError):
-    """The client closed the connection before its request body arrived (nobody reads the answer)."""
-
-    code = "client_disconnected"
 
 
 class App:
@@ -73,6 +63,8 @@ class App:
         shm.limits = ShmLimits.from_config(server)
         self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
         self.generation = openai_api.GenerationRoutes(service, max_body)
+        # Answers at least this large are compressed for clients that accept gzip or deflate.
+        self.compress_min = parse_size(server.compress_min_size)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,8 +78,10 @@ class App:
                 await self.generation(scope, receive, send)  # answers its own errors
                 return
             status, body, headers = await self._dispatch(scope, receive)
+            if status == 200:
+                body, headers = await self._encode(scope, body, headers)
         except EdgedError as e:
-            status, body, headers = e.http_status, orjson.dumps(e.to_dict()), _JSON
+            status, body, headers = e.http_status, orjson.dumps(e.to_dict()), error_headers(e, _JSON)
             if status == 401:
                 headers = [*_JSON, (b"www-authenticate", b"Bearer")]
         except Exception as e:  # a bug must answer 500, never drop the connection silently
@@ -105,6 +99,25 @@ class App:
         )
         await send({"type": "http.response.body", "body": body})
 
+    async def _encode(
+        self, scope: Scope, body: Body, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[Body, list[tuple[bytes, bytes]]]:
+        """``body`` compressed when the client accepts it and it is at least server.compress_min_size
+        (the uncompressed size: Inference-Header-Content-Length keeps counting uncompressed bytes)."""
+        parts: list[Part] = body if isinstance(body, list) else [body]
+        size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        if size < self.compress_min:
+            return body, headers
+        encoding = accepted_encoding(scope)
+        vary = (b"vary", b"accept-encoding")
+        if encoding is None:
+            return body, [*headers, vary]
+        packed = await compress(parts, size, encoding)
+        if sum(len(p) for p in packed) >= size:  # incompressible (random or packed tensors): sent as is
+            return body, [*headers, vary]
+        out: list[Part] = [*packed]
+        return out, [*headers, (b"content-encoding", encoding.encode()), vary]
+
     async def _send_parts(self, send: Send, status: int, headers: list[tuple[bytes, bytes]], parts: list[Part]) -> None:
         length = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
         await send(
@@ -118,49 +131,7 @@ class App:
             await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(parts)})
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | memoryview:
-        length = None
-        for key, value in scope["headers"]:
-            if key == b"content-length":
-                length = parse_header_length(value, "Content-Length")
-                if length > self.max_body:
-                    raise PayloadTooLargeError(f"body of {length} bytes exceeds the limit of {self.max_body}")
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGoneError("the client closed the connection")
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body"):
-            return body  # the common case: one message, no copy
-        if length is None:  # chunked transfer: sizes unknown until the end
-            return await self._read_chunked(body, message, receive)
-        # Each chunk is copied into place as it arrives: joining a large body at the end would
-        # hold the loop for one long copy, and so would zero-filling a bytearray (a 128 MiB body:
-        # 100-250 ms on a loaded 2-core machine). np.empty maps untouched pages instead.
-        view = np.empty(length, np.uint8).data
-        size = 0
-        while True:
-            end = size + len(body)
-            if end > length:
-                raise BadRequestError(f"the body is longer than its Content-Length ({length})")
-            view[size:end] = body
-            size = end
-            if not message.get("more_body"):
-                return view[:size]
-            message = await receive()
-            body = message.get("body", b"")
-
-    async def _read_chunked(self, body: bytes, message: dict[str, Any], receive: Receive) -> bytes:
-        parts = [body]
-        size = len(body)
-        while message.get("more_body"):
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGoneError("the client closed the connection")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise PayloadTooLargeError(f"body exceeds the limit of {self.max_body} bytes")
-            parts.append(chunk)
-        return b"".join(parts)
+        return await read_body(scope, receive, self.max_body)
 
     async def _dispatch(self, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
         path = scope["path"]
@@ -184,7 +155,12 @@ class App:
         self, method: str, name: str, rest: list[str], scope: Scope, receive: Receive
     ) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
         if len(rest) >= 2 and rest[0] == "versions":
-            rest = rest[2:]  # one version per model: any version names it
+            self.service.model(name)  # an unknown model is model_not_found whatever the version
+            if rest[1] != "1":
+                raise ModelVersionNotFoundError(
+                    f"model '{name}' has no version '{rest[1][:64]}'; edged serves version 1 of each model"
+                )
+            rest = rest[2:]
         if rest == ["infer"]:
             _expect(method, "POST")
             return await self._infer(name, scope, receive)
@@ -262,13 +238,12 @@ class App:
         if parts[0] == "systemsharedmemory":
             return await self._shm(method, parts[1:], scope, receive)
         if parts[0] in triton_ext.PREFIXES and triton_ext.methods(parts):  # logging, CUDA shared memory
-            allowed = triton_ext.methods(parts)
-            if method not in allowed:
-                _expect(method, ", ".join(allowed))
+            _expect(method, *triton_ext.methods(parts))
             body = await self._read_body(scope, receive) if method == "POST" else b""
             if parts == ["logging"] and method == "POST":
                 self._check_admin(scope, "change the log settings")
-            return 200, triton_ext.answer(self.service, method, parts, body), _JSON
+            verb = "GET" if method == "HEAD" else method  # HEAD answers what GET would, without the body
+            return 200, triton_ext.answer(self.service, verb, parts, body), _JSON
         if parts == ["edged", "status"]:
             _expect(method, "GET")
             return 200, orjson.dumps(svc.status()), _JSON
@@ -360,8 +335,3 @@ def _group_id(name: str) -> int:
         return grp.getgrnam(name).gr_gid
     except KeyError:
         raise ConfigError(f"server.admin_group: no group named '{name}' on this system") from None
-
-
-def _expect(method: str, allowed: str) -> None:
-    if method != allowed:
-        raise HttpError(f"method {method} is not allowed here; use {allowed}")

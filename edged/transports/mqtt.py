@@ -213,7 +213,7 @@ class MqttTransport:
 
     def _track_fleet(self, name: str, state: ModelState, subscribe: bool = False) -> None:
         """Take a share of a model's fleet requests while it serves, give it back when it is out of
-        service; other states (loading, warming, unloaded...) change nothing."""
+        service (failed, deferred, unloaded); the steps between (loading, warming...) change nothing."""
         if not self.cfg.fleet_group:
             return
         link = self.fleet_link

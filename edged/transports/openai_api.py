@@ -25,6 +25,9 @@ import orjson
 from edged import generation as gen
 from edged.errors import BadRequestError, EdgedError, NotFoundError, PayloadTooLargeError, ShuttingDownError
 from edged.service import Service
+from edged.transports.http_body import read_body
+from edged.transports.http_methods import error_headers
+from edged.transports.http_methods import expect as _expect
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +49,6 @@ def handles(path: str) -> bool:
     return path.startswith("/v2/models/") and (path.endswith("/generate") or path.endswith("/generate_stream"))
 
 
-class MethodNotAllowed(EdgedError):
-    code = "method_not_allowed"
-    http_status = 405
-
-
 class GenerationRoutes:
     def __init__(self, service: Service, max_body: int) -> None:
         self.service = service
@@ -62,7 +60,7 @@ class GenerationRoutes:
         try:
             await self._dispatch(scope, receive, send)
         except EdgedError as e:
-            await _respond(send, e.http_status, _error_body(e, openai))
+            await _respond(send, e.http_status, _error_body(e, openai), error_headers(e, _JSON))
         except Exception as e:  # a bug answers 500, never drops the connection silently
             log.exception("unhandled error on %s", scope.get("path"))
             await _respond(send, 500, _error_body(EdgedError(f"internal error: {e}"), openai))
@@ -106,18 +104,12 @@ class GenerationRoutes:
         await handler(parts, body, receive, send)
 
     async def _body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise PayloadTooLargeError(f"a generation request is limited to {self.max_body} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
+        try:  # gzip and deflate bodies too, bounded as sent and as inflated
+            raw = await read_body(scope, receive, self.max_body)
+        except PayloadTooLargeError:
+            raise PayloadTooLargeError(f"a generation request is limited to {self.max_body} bytes") from None
         try:
-            doc = orjson.loads(b"".join(chunks))
+            doc = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             raise BadRequestError(f"malformed JSON: {e}") from None
         if not isinstance(doc, dict):
@@ -278,11 +270,6 @@ def _error_body(e: EdgedError, openai: bool) -> bytes:
     if openai:  # the shape OpenAI's clients read; the stable code is kept
         return orjson.dumps({"error": {"message": e.message, "type": e.code, "code": e.code, "param": None}})
     return orjson.dumps(e.to_dict())
-
-
-def _expect(method: str, allowed: str) -> None:
-    if method != allowed:
-        raise MethodNotAllowed(f"method {method} is not allowed here; use {allowed}")
 
 
 async def _respond(send: Send, status: int, body: bytes, headers: Headers = _JSON) -> None:

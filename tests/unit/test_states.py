@@ -39,7 +39,7 @@ def test_which_states_serve_and_which_have_settled() -> None:
     on_demand = {s.value for s in ModelState if s.loads_on_demand}
     settled = {s.value for s in ModelState if s.settled}
     assert serving == {"ready", "lazy"}
-    assert out == {"failed", "deferred"}  # an unloaded model keeps its fleet share: a request loads it
-    assert on_demand == {"lazy", "unloaded"}
+    assert out == {"failed", "deferred", "unloaded"}  # an unloaded model answers 503 until loaded
+    assert on_demand == {"lazy"}
     assert settled == {"ready", "lazy", "deferred", "unloaded", "failed"}
     assert not serving & out and serving | out <= settled
