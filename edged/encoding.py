@@ -18,7 +18,7 @@ import numpy as np
 import orjson
 
 from edged.errors import BadRequestError
-from edged.tensors import InferRequest, OutputRequest, ShmResolver, v2_datatype
+from edged.tensors import InferRequest, OutputRequest, ShmResolver, is_bytes, json_strings, tensor_bytes, v2_datatype
 
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 # A JSON part (request) or a result (response) above this many bytes is handled off the event
@@ -54,15 +54,23 @@ def _json_values(flat: np.ndarray) -> list[Part]:
 
 
 def _to_shm(out: OutputRequest, arr: np.ndarray, shm: ShmResolver) -> dict[str, Any]:
+    """A BYTES output goes in its serialised form: the size reported is what was written."""
     assert out.shm_region is not None
-    data = np.ascontiguousarray(arr)
+    data = np.frombuffer(tensor_bytes(arr), dtype=np.uint8)
     if data.nbytes > out.shm_size:
         raise BadRequestError(
             f"output '{out.name}' needs {data.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
         )
     dest = np.frombuffer(shm(out.shm_region, out.shm_offset, data.nbytes), dtype=np.uint8)
-    dest[:] = data.reshape(-1).view(np.uint8)
+    dest[:] = data
     return {"shared_memory_region": out.shm_region, "shared_memory_byte_size": data.nbytes}
+
+
+def _json_data(name: str, flat: np.ndarray) -> Any:
+    """What the small path hands orjson for one output's values."""
+    if is_bytes(flat.dtype):
+        return json_strings(flat, f"output '{name}'")
+    return flat.astype(np.float32) if flat.dtype == np.float16 else flat  # orjson: no float16
 
 
 def _wanted(req: InferRequest, results: Mapping[str, np.ndarray]) -> list[OutputRequest]:
@@ -88,11 +96,10 @@ def _encode_small(
         if out.shm_region is not None and shm is not None:
             entry["parameters"] = _to_shm(out, arr, shm)
         elif out.binary:
-            chunks.append(np.ascontiguousarray(arr).tobytes())
+            chunks.append(bytes(tensor_bytes(arr)))
             entry["parameters"] = {"binary_data_size": len(chunks[-1])}
         else:
-            flat = arr.reshape(-1)
-            entry["data"] = flat.astype(np.float32) if flat.dtype == np.float16 else flat  # orjson: no float16
+            entry["data"] = _json_data(out.name, arr.reshape(-1))
         entries.append(entry)
     doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
     if req.id:
@@ -129,9 +136,11 @@ def encode_infer_parts(
         if out.shm_region is not None and shm is not None:
             entry["parameters"] = _to_shm(out, arr, shm)
         elif out.binary:
-            raw = np.ascontiguousarray(arr).data.cast("B")
+            raw = memoryview(tensor_bytes(arr))
             chunks.append(raw)
             entry["parameters"] = {"binary_data_size": raw.nbytes}
+        elif is_bytes(arr.dtype):
+            values = [orjson.dumps(json_strings(arr.reshape(-1), f"output '{out.name}'"))]
         else:
             values = _json_values(arr.reshape(-1))
         head = orjson.dumps(entry)

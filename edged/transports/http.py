@@ -25,7 +25,7 @@ from edged.errors import (
     PayloadTooLargeError,
     ShuttingDownError,
 )
-from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length
+from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length, resolve_pending_async
 from edged.service import Service
 from edged.transports import openai_api
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
@@ -230,6 +230,7 @@ class App:
         req = await self.service.decode_infer(name, body, header_len, shm.input)
         if shm.reads:
             await shm.fill()  # inputs are copied out of client memory before the model sees them
+            await resolve_pending_async(req)  # BYTES inputs are read once their bytes are copied
         return req
 
     async def _other(
