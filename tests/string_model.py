@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from edged.demo import save_graph
 
 
@@ -30,6 +32,6 @@ def make_string_model(path: Path) -> Path:
             helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2]),
             helper.make_tensor_value_info("rows", TensorProto.INT64, ["N"]),
         ],
-        [helper.make_tensor("bang", TensorProto.STRING, [1], [b"!"])],
+        [helper.make_tensor("bang", TensorProto.STRING, [1], np.array([b"!"], dtype=object))],
     )
     return save_graph(graph, path, opset=20)  # StringConcat is opset 20
