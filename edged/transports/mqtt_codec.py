@@ -264,9 +264,8 @@ def raw_reply(model: str, results: dict[str, np.ndarray], wanted: str | None) ->
     arr = results.get(name)
     if arr is None:
         raise BadRequestError(f"requested output '{name}' is not an output of '{model}'")
-    data = np.ascontiguousarray(arr)
     return Reply(
-        data.tobytes(),
+        bytes(tensors.tensor_bytes(arr)),  # a BYTES output length-prefixed, as in the binary extension
         OCTET,
         [
             ("name", name),
