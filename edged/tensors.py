@@ -233,18 +233,6 @@ def tensor_bytes(arr: np.ndarray) -> bytes | memoryview:
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
 
 
-def as_bytes_array(arr: np.ndarray) -> np.ndarray:
-    """numpy str_/bytes_ arrays as object arrays of bytes, edged's one form of BYTES (np.bytes_
-    would drop trailing NULs, so it is never the form kept)."""
-    if arr.dtype.kind == "O":
-        return arr
-    out = np.empty(arr.shape, dtype=object)
-    flat = out.reshape(-1)
-    for i, value in enumerate(arr.reshape(-1).tolist()):
-        flat[i] = _element(value)
-    return out
-
-
 def json_strings(flat: np.ndarray, where: str) -> list[str]:
     """A BYTES tensor's elements as JSON strings: their UTF-8 text."""
     out: list[str] = []

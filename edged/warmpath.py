@@ -36,7 +36,10 @@ def _bodies(inputs: dict[str, np.ndarray]) -> list[tuple[bytes, int | None]]:
     header = orjson.dumps({"id": "warmup", "inputs": binary_meta, "parameters": {"binary_data_output": True}})
     bodies: list[tuple[bytes, int | None]] = [(header + b"".join(raws), len(header))]
     if all(a.size <= _JSON_LIMIT for a in inputs.values()):
-        data = [json_strings(a.reshape(-1), n) if is_bytes(a.dtype) else a.reshape(-1) for n, a in inputs.items()]
+        data = [
+            json_strings(a.reshape(-1), f"input '{n}'") if is_bytes(a.dtype) else a.reshape(-1)
+            for n, a in inputs.items()
+        ]
         doc = {"id": "warmup", "inputs": [dict(m, data=d) for m, d in zip(meta, data)]}
         bodies.append((orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), None))
     return bodies

@@ -156,6 +156,27 @@ def test_bytes_through_shared_memory(daemon: DaemonProcess) -> None:
             assert out["shout"].tolist() == [t + b"!" for t in text]
 
 
+def test_a_bytes_output_into_shared_memory(daemon: DaemonProcess) -> None:
+    """Written in its serialised form; the answer gives the size written."""
+    with daemon.client() as c:
+        region = c.shm_region("bytes-out", 256)
+        doc = {
+            "inputs": [
+                {"name": "text", "datatype": "BYTES", "shape": [2], "data": ["to", "shm"]},
+                {"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [0, 0, 0, 0]},
+            ],
+            "outputs": [
+                {"name": "shout", "parameters": {"shared_memory_region": "bytes-out", "shared_memory_byte_size": 256}}
+            ],
+        }
+        status, data, _ = c.request("POST", INFER, json.dumps(doc).encode(), {"Content-Type": "application/json"})
+        assert status == 200, data
+        (out,) = json.loads(data)["outputs"]
+        size = out["parameters"]["shared_memory_byte_size"]
+        assert out["datatype"] == "BYTES" and size == 2 * 4 + len(b"to!shm!")
+        assert deserialize_bytes_tensor(region.array_view[:size].tobytes()).tolist() == [b"to!", b"shm!"]
+
+
 def test_concurrent_bytes_requests_are_batched_each_with_its_own_answer(daemon: DaemonProcess) -> None:
     texts = [np.array([f"r{i}-{j}".encode() for j in range(1 + i % 3)], dtype=object) for i in range(24)]
 

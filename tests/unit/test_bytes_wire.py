@@ -13,7 +13,7 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 from edged.client import decode_response, encode_request
 from edged.errors import BadRequestError
 from edged.jsonchild import parse_in_child
-from edged.protocol import DEFAULT_LIMITS, InferRequest, decode_infer, encode_infer, finish_decode
+from edged.protocol import DEFAULT_LIMITS, InferRequest, decode_infer, encode_infer, finish_decode, resolve_pending
 from edged.tensors import deserialize_bytes, from_json_data, parse_dtype, serialize_bytes, tensor_bytes, v2_datatype
 from edged.transports import mqtt_codec as codec
 
@@ -74,8 +74,6 @@ def test_requests_decode_in_every_form() -> None:
         orjson.dumps({"inputs": [shm_meta]}), shm=lambda name, off, size: memoryview(region)[off : off + size]
     )
     assert req.inputs == {} and len(req.pending) == 1  # read once ShmRequest.fill copied the bytes in
-    from edged.protocol import resolve_pending
-
     resolve_pending(req)
     assert req.inputs["t"].tolist() == WORDS.tolist() and not req.pending
 
