@@ -180,27 +180,32 @@ def from_bytes(buf: memoryview | bytes, dtype: np.dtype[Any], shape: tuple[int, 
 def deserialize_bytes(buf: memoryview | bytes, shape: tuple[int, ...], where: str) -> np.ndarray:
     """Length-prefixed elements, exactly ``prod(shape)`` of them filling ``buf``: one pass, each
     element copied once (so the array owns its bytes, whatever ``buf`` was a view of)."""
-    view = memoryview(buf).cast("B") if isinstance(buf, memoryview) else memoryview(buf)
-    count, end = math.prod(shape), len(view)
+    count, end = math.prod(shape), len(buf) if isinstance(buf, bytes) else memoryview(buf).nbytes
     if count * _PREFIX.size > end:  # before allocating: every element needs its prefix
         raise BadRequestError(
             f"{where}: shape {list(shape)} of BYTES needs at least {count * _PREFIX.size} bytes "
             f"(a 4-byte length per element), got {end}"
         )
-    out = np.empty(count, dtype=object)
+    # One copy of the whole buffer, then each element sliced from it: a bytes slice is the element
+    # itself (a memoryview slice would be a second object and a second copy).
+    data = buf if isinstance(buf, bytes) else memoryview(buf).cast("B").tobytes()
+    unpack, step = _PREFIX.unpack_from, _PREFIX.size
+    elements: list[bytes] = []
     pos = 0
     for i in range(count):
-        if pos + _PREFIX.size > end:
+        if pos + step > end:
             raise BadRequestError(f"{where}: BYTES element {i} has no room for its 4-byte length (byte {pos} of {end})")
-        (size,) = _PREFIX.unpack_from(view, pos)
-        pos += _PREFIX.size
+        (size,) = unpack(data, pos)
+        pos += step
         if size > end - pos:
             raise BadRequestError(
-                f"{where}: BYTES element {i}'s length prefix ({size} bytes, at byte {pos - _PREFIX.size}) "
+                f"{where}: BYTES element {i}'s length prefix ({size} bytes, at byte {pos - step}) "
                 f"runs past the end of its data ({end} bytes)"
             )
-        out[i] = view[pos : pos + size].tobytes()
+        elements.append(data[pos : pos + size])
         pos += size
+    out = np.empty(count, dtype=object)
+    out[:] = elements
     if pos != end:
         raise BadRequestError(f"{where}: {end - pos} bytes follow the last of its {count} BYTES elements")
     return out.reshape(shape)
@@ -218,11 +223,11 @@ def _element(value: Any) -> bytes:
 
 def serialize_bytes(arr: np.ndarray) -> bytes:
     """Row-major, each element as a 4-byte little-endian length and its bytes."""
+    pack = _PREFIX.pack
     parts: list[bytes] = []
-    for value in arr.reshape(-1):
-        raw = _element(value)
-        parts.append(_PREFIX.pack(len(raw)))
-        parts.append(raw)
+    for value in arr.reshape(-1).tolist():
+        raw = value if type(value) is bytes else _element(value)
+        parts += (pack(len(raw)), raw)
     return b"".join(parts)
 
 
