@@ -18,7 +18,16 @@ import numpy as np
 import orjson
 
 from edged.errors import BadRequestError
-from edged.tensors import InferRequest, OutputRequest, ShmResolver, is_bytes, json_strings, tensor_bytes, v2_datatype
+from edged.tensors import (
+    InferRequest,
+    OutputRequest,
+    ShmResolver,
+    is_bytes,
+    json_strings,
+    tensor_bytes,
+    v2_datatype,
+    wire_nbytes,
+)
 
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 # A JSON part (request) or a result (response) above this many bytes is handled off the event
@@ -123,7 +132,7 @@ def encode_infer_parts(
     shm: ShmResolver | None = None,
 ) -> tuple[list[Part], int | None]:
     """(the body as parts, header length or None when the body is plain JSON)."""
-    if sum(a.nbytes for a in results.values()) <= OFFLOAD_BYTES:
+    if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
         body, header_length = _encode_small(model, req, results, shm)
         return [body], header_length
     wanted = _wanted(req, results)
@@ -165,7 +174,7 @@ def encode_infer(
     shm: ShmResolver | None = None,
 ) -> tuple[bytes, int | None]:
     """(body, header length or None when the body is plain JSON)."""
-    if sum(a.nbytes for a in results.values()) <= OFFLOAD_BYTES:
+    if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
         return _encode_small(model, req, results, shm)
     parts, header_length = encode_infer_parts(model, req, results, shm)
     return b"".join(parts), header_length
@@ -179,7 +188,7 @@ async def encode_infer_async(
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_parts`` for the event loop: results above OFFLOAD_BYTES are encoded on a
     worker thread. Outputs written to shared memory stay on the loop, where the regions live."""
-    if sum(a.nbytes for a in results.values()) <= OFFLOAD_BYTES:
+    if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
         body, header_length = _encode_small(model, req, results, shm)
         return [body], header_length
     if any(o.shm_region for o in req.outputs or ()):

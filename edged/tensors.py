@@ -80,6 +80,8 @@ MAX_ELEMENTS = 2**48
 
 
 _PREFIX = struct.Struct("<I")
+# wire_nbytes counts the lengths of at most this many BYTES elements (a short pass, on the loop).
+_COUNTED_ELEMENTS = 4096
 
 
 def v2_datatype(dtype: str) -> str:
@@ -229,6 +231,17 @@ def serialize_bytes(arr: np.ndarray) -> bytes:
         raw = value if type(value) is bytes else _element(value)
         parts += (pack(len(raw)), raw)
     return b"".join(parts)
+
+
+def wire_nbytes(arr: np.ndarray) -> int:
+    """About how many bytes a tensor takes on the wire (what decides whether its encoding leaves
+    the event loop): ``nbytes``, but for BYTES its elements' lengths (an object array's nbytes
+    counts only pointers)."""
+    if arr.dtype.kind != "O":
+        return int(arr.nbytes)
+    if arr.size > _COUNTED_ELEMENTS:  # so many that a worker thread pays whatever their lengths
+        return 64 * arr.size
+    return 4 * arr.size + sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in arr.reshape(-1).tolist())
 
 
 def tensor_bytes(arr: np.ndarray) -> bytes | memoryview:

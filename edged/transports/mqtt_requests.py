@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import paho.mqtt.client as mqtt
 
+from edged import tensors
 from edged.config import MqttConfig, max_body_bytes
 from edged.errors import (
     BusyError,
@@ -242,7 +243,7 @@ class Requests:
                     self.service.metrics.reject(model, "mqtt", e.code)
                     raise
             results = await self.service.infer(model, inputs, extra["request_id"], transport="mqtt")
-            size = sum(a.nbytes for a in results.values() if isinstance(a, np.ndarray))
+            size = sum(tensors.wire_nbytes(a) for a in results.values() if isinstance(a, np.ndarray))
             reply: codec.Reply = await self._run(size, lambda: codec.ok_reply(model, dec, results))
             return reply
         except BusyError as e:
