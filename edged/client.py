@@ -1,7 +1,10 @@
 """The Python client for edged's Unix socket, blocking (``Client``) and asyncio (``AsyncClient``).
 
 Both speak the Open Inference Protocol with the binary tensor extension, so tensors cross as raw
-bytes. For frame-sized inputs, ``Client.infer_shm`` creates a POSIX shared memory region per input
+bytes. BYTES tensors (string models) are numpy object arrays of ``bytes`` (``str`` and numpy
+``bytes_``/``str_`` arrays are sent too) and come back as object arrays of ``bytes``.
+
+For frame-sized inputs, ``Client.infer_shm`` creates a POSIX shared memory region per input
 once, registers it with the daemon once, and reuses it: only the frame's bytes are copied, into
 the region, and nothing large crosses the socket. Its regions have names unique to the client
 (``{model}.{input}.{pid}.{random}``), so programs and clients never collide; they are released on
@@ -36,6 +39,7 @@ from numpy.typing import DTypeLike
 from edged import errors
 from edged.paths import default_socket
 from edged.protocol import V2_TO_NUMPY, v2_datatype
+from edged.tensors import from_bytes, from_json_data, is_bytes, tensor_bytes
 
 _JSON = {"Content-Type": "application/json"}
 
@@ -77,16 +81,17 @@ def encode_request(
         if isinstance(value, ShmTensor):
             metas.append(value.meta(name))
             continue
-        arr = np.ascontiguousarray(value)
+        arr = np.asarray(value)
+        raw = tensor_bytes(arr)  # BYTES (object, bytes_ or str_ arrays): length-prefixed elements
         metas.append(
             {
                 "name": name,
                 "datatype": v2_datatype(arr.dtype.name),
                 "shape": list(arr.shape),
-                "parameters": {"binary_data_size": arr.nbytes},
+                "parameters": {"binary_data_size": len(raw) if isinstance(raw, bytes) else raw.nbytes},
             }
         )
-        chunks.append(arr.reshape(-1).view(np.uint8).data)
+        chunks.append(raw)
     doc: dict[str, Any] = {"inputs": metas, "parameters": {"binary_data_output": binary_outputs}}
     if request_id:
         doc["id"] = request_id
@@ -117,13 +122,23 @@ def decode_response(body: bytes, header_len: int | None) -> dict[str, np.ndarray
         dtype = np.dtype(V2_TO_NUMPY[o["datatype"]])
         shape = tuple(o["shape"])
         params = o.get("parameters") or {}
+        where = f"output '{o['name']}'"
         if "binary_data_size" in params:
             size = params["binary_data_size"]
-            out[o["name"]] = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape)
+            out[o["name"]] = from_bytes(binary[offset : offset + size], dtype, shape, where)
             offset += size
+        elif "data" in o and is_bytes(dtype):  # BYTES as JSON strings: their UTF-8 bytes, as in binary
+            out[o["name"]] = from_json_data(o["data"], dtype, shape, where)
         elif "data" in o:
             out[o["name"]] = np.asarray(o["data"], dtype=dtype).reshape(shape)
     return out
+
+
+def _wire_size(arr: np.ndarray) -> int:
+    """Bytes a tensor takes in binary form (a BYTES element: a 4-byte length and its bytes)."""
+    if is_bytes(arr.dtype):
+        return sum(4 + len(v.encode() if isinstance(v, str) else v) for v in arr.reshape(-1).tolist())
+    return int(arr.nbytes)
 
 
 class ShmTensor:
@@ -184,11 +199,13 @@ class ShmRegion:
         return True
 
     def put(self, arr: np.ndarray, offset: int = 0) -> ShmTensor:
-        data = np.ascontiguousarray(arr)
-        if offset + data.nbytes > self.byte_size:
-            raise ValueError(f"{data.nbytes} bytes do not fit region '{self.name}' ({self.byte_size})")
-        self.array_view[offset : offset + data.nbytes] = data.reshape(-1).view(np.uint8)
-        return ShmTensor(self.name, data.dtype, data.shape, data.nbytes, offset)
+        """Write a tensor (a BYTES one in its length-prefixed form) at ``offset``."""
+        data = np.asarray(arr)
+        raw = np.frombuffer(tensor_bytes(data), dtype=np.uint8)
+        if offset + raw.nbytes > self.byte_size:
+            raise ValueError(f"{raw.nbytes} bytes do not fit region '{self.name}' ({self.byte_size})")
+        self.array_view[offset : offset + raw.nbytes] = raw
+        return ShmTensor(self.name, data.dtype, data.shape, raw.nbytes, offset)
 
     def read(self, dtype: DTypeLike, shape: Sequence[int], offset: int = 0) -> np.ndarray:
         dt = np.dtype(dtype)
@@ -386,7 +403,7 @@ class Client:
     def _shm_tensors(self, model: str, inputs: Mapping[str, np.ndarray]) -> dict[str, ShmTensor]:
         pid = os.getpid()
         return {
-            n: self._region(f"{model}.{n}", f"{model}.{n}.{pid}.{secrets.token_hex(4)}", a.nbytes).put(a)
+            n: self._region(f"{model}.{n}", f"{model}.{n}.{pid}.{secrets.token_hex(4)}", _wire_size(a)).put(a)
             for n, a in inputs.items()
         }
 

@@ -18,7 +18,16 @@ import numpy as np
 import orjson
 
 from edged.errors import BadRequestError
-from edged.tensors import InferRequest, OutputRequest, ShmResolver, v2_datatype
+from edged.tensors import (
+    InferRequest,
+    OutputRequest,
+    ShmResolver,
+    is_bytes,
+    json_strings,
+    tensor_bytes,
+    v2_datatype,
+    wire_nbytes,
+)
 
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 # A JSON part (request) or a result (response) above this many bytes is handled off the event
@@ -54,15 +63,23 @@ def _json_values(flat: np.ndarray) -> list[Part]:
 
 
 def _to_shm(out: OutputRequest, arr: np.ndarray, shm: ShmResolver) -> dict[str, Any]:
+    """A BYTES output goes in its serialised form: the size reported is what was written."""
     assert out.shm_region is not None
-    data = np.ascontiguousarray(arr)
+    data = np.frombuffer(tensor_bytes(arr), dtype=np.uint8)
     if data.nbytes > out.shm_size:
         raise BadRequestError(
             f"output '{out.name}' needs {data.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
         )
     dest = np.frombuffer(shm(out.shm_region, out.shm_offset, data.nbytes), dtype=np.uint8)
-    dest[:] = data.reshape(-1).view(np.uint8)
+    dest[:] = data
     return {"shared_memory_region": out.shm_region, "shared_memory_byte_size": data.nbytes}
+
+
+def _json_data(name: str, flat: np.ndarray) -> Any:
+    """What the small path hands orjson for one output's values."""
+    if is_bytes(flat.dtype):
+        return json_strings(flat, f"output '{name}'")
+    return flat.astype(np.float32) if flat.dtype == np.float16 else flat  # orjson: no float16
 
 
 def _wanted(req: InferRequest, results: Mapping[str, np.ndarray]) -> list[OutputRequest]:
@@ -88,11 +105,10 @@ def _encode_small(
         if out.shm_region is not None and shm is not None:
             entry["parameters"] = _to_shm(out, arr, shm)
         elif out.binary:
-            chunks.append(np.ascontiguousarray(arr).tobytes())
+            chunks.append(bytes(tensor_bytes(arr)))
             entry["parameters"] = {"binary_data_size": len(chunks[-1])}
         else:
-            flat = arr.reshape(-1)
-            entry["data"] = flat.astype(np.float32) if flat.dtype == np.float16 else flat  # orjson: no float16
+            entry["data"] = _json_data(out.name, arr.reshape(-1))
         entries.append(entry)
     doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
     if req.id:
@@ -116,7 +132,7 @@ def encode_infer_parts(
     shm: ShmResolver | None = None,
 ) -> tuple[list[Part], int | None]:
     """(the body as parts, header length or None when the body is plain JSON)."""
-    if sum(a.nbytes for a in results.values()) <= OFFLOAD_BYTES:
+    if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
         body, header_length = _encode_small(model, req, results, shm)
         return [body], header_length
     wanted = _wanted(req, results)
@@ -129,9 +145,11 @@ def encode_infer_parts(
         if out.shm_region is not None and shm is not None:
             entry["parameters"] = _to_shm(out, arr, shm)
         elif out.binary:
-            raw = np.ascontiguousarray(arr).data.cast("B")
+            raw = memoryview(tensor_bytes(arr))
             chunks.append(raw)
             entry["parameters"] = {"binary_data_size": raw.nbytes}
+        elif is_bytes(arr.dtype):
+            values = [orjson.dumps(json_strings(arr.reshape(-1), f"output '{out.name}'"))]
         else:
             values = _json_values(arr.reshape(-1))
         head = orjson.dumps(entry)
@@ -156,7 +174,7 @@ def encode_infer(
     shm: ShmResolver | None = None,
 ) -> tuple[bytes, int | None]:
     """(body, header length or None when the body is plain JSON)."""
-    if sum(a.nbytes for a in results.values()) <= OFFLOAD_BYTES:
+    if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
         return _encode_small(model, req, results, shm)
     parts, header_length = encode_infer_parts(model, req, results, shm)
     return b"".join(parts), header_length
@@ -170,7 +188,7 @@ async def encode_infer_async(
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_parts`` for the event loop: results above OFFLOAD_BYTES are encoded on a
     worker thread. Outputs written to shared memory stay on the loop, where the regions live."""
-    if sum(a.nbytes for a in results.values()) <= OFFLOAD_BYTES:
+    if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
         body, header_length = _encode_small(model, req, results, shm)
         return [body], header_length
     if any(o.shm_region for o in req.outputs or ()):

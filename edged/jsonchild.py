@@ -35,14 +35,17 @@ from edged.protocol import (
     ParsedBody,
     ShmResolver,
     check_json_part,
+    decode_binary_bytes,
     decode_infer,
     finish_decode,
     load_json,
+    parse_body,
     plan_document,
 )
-from edged.tensors import from_json_data
+from edged.tensors import deserialize_bytes, from_json_data, is_bytes, tensor_bytes
 
 _LEN = struct.Struct("<Q")
+_BYTES = "BYTES"  # the dtype a BYTES array is sent under
 Frame = bytes | memoryview
 
 
@@ -78,8 +81,11 @@ def _handle(limits_raw: bytes, part: bytes) -> list[Frame]:
     for inp in doc["inputs"]:  # checked by plan_document: a list of objects
         if "data" in inp:
             inp["data"] = None  # the daemon gets the array itself
-    meta = orjson.dumps({"doc": doc, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]})
-    return [meta, *(np.ascontiguousarray(a).data.cast("B") for a in arrays)]
+    # A BYTES array crosses in its length-prefixed form, never as object pointers.
+    meta = orjson.dumps(
+        {"doc": doc, "arrays": [[_BYTES if is_bytes(a.dtype) else a.dtype.str, list(a.shape)] for a in arrays]}
+    )
+    return [meta, *(tensor_bytes(a) for a in arrays)]
 
 
 def main() -> None:
@@ -160,10 +166,14 @@ def parse_in_child(body: bytes | memoryview, header_length: int | None, limits: 
     plan = plan_document(meta["doc"], limits)
     json_inputs = [p for p in plan.inputs if p.kind == "json"]
     arrays = {
-        p.name: np.frombuffer(blob, dtype=np.dtype(dt)).reshape(shape)
+        p.name: deserialize_bytes(blob, tuple(shape), f"input '{p.name}'")
+        if dt == _BYTES
+        else np.frombuffer(blob, dtype=np.dtype(dt)).reshape(shape)
         for p, blob, (dt, shape) in zip(json_inputs, blobs, meta["arrays"])
     }
-    return ParsedBody(plan, None, view[end:], arrays)
+    binary = view[end:]
+    decode_binary_bytes(plan, binary, arrays)
+    return ParsedBody(plan, None, binary, arrays)
 
 
 if __name__ == "__main__":
@@ -181,6 +191,10 @@ async def decode_infer_async(
     the interpreter lock (a worker thread would still stall the loop for as long)."""
     json_part = len(body) if header_length is None else min(header_length, len(body))
     if json_part <= OFFLOAD_BYTES:
+        if len(body) - json_part > OFFLOAD_BYTES and b'"BYTES"' in bytes(memoryview(body)[:json_part]):
+            # Large BYTES tensors in the binary part: their framing is walked element by element.
+            parsed = await asyncio.to_thread(parse_body, body, header_length, limits)
+            return finish_decode(parsed, shm)
         return decode_infer(body, header_length, shm, limits)
     parsed = await asyncio.to_thread(parse_in_child, body, header_length, limits)
     return finish_decode(parsed, shm)

@@ -3,11 +3,14 @@ extension, and the system shared memory extension's tensor parameters.
 
 Both transports decode with this module (MQTT carries the same JSON as the HTTP body), so the
 same input is parsed the same way everywhere. It checks that a request is well formed and
-self-consistent; whether its tensors fit the model is the service's job.
+self-consistent, with the wire rules of edged/tensors.py and the request bounds of
+edged/validate.py; whether its tensors fit the model is validate.py's ``InputRules``, which the
+service runs once per request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -26,47 +29,27 @@ from edged.encoding import Part as Part
 from edged.encoding import encode_infer as encode_infer
 from edged.encoding import encode_infer_async as encode_infer_async
 from edged.encoding import encode_infer_parts as encode_infer_parts
-from edged.errors import BadRequestError, InvalidInputError, PayloadTooLargeError
+from edged.errors import BadRequestError
 from edged.tensors import NUMPY_TO_V2 as NUMPY_TO_V2
 from edged.tensors import V2_TO_NUMPY as V2_TO_NUMPY
 from edged.tensors import InferRequest as InferRequest
 from edged.tensors import OutputRequest as OutputRequest
 from edged.tensors import ShmResolver as ShmResolver
-from edged.tensors import from_bytes, from_json_data, parse_dtype, parse_shape
+from edged.tensors import deserialize_bytes, from_bytes, from_json_data, is_bytes, parse_dtype, parse_shape
 from edged.tensors import v2_datatype as v2_datatype
+from edged.validate import DEFAULT_LIMITS as DEFAULT_LIMITS
+from edged.validate import MAX_JSON as MAX_JSON
+from edged.validate import MAX_TENSORS as MAX_TENSORS
+from edged.validate import Limits as Limits
+from edged.validate import check_counts, check_json_size
+from edged.validate import check_json_part as check_json_part
 
-# How many tensors one request may name when the model's own count is not known (a model that
-# is not loaded yet). Past it a request is refused before its list is walked.
-MAX_TENSORS = 1024
 # Inference-Header-Content-Length: ASCII digits only, and no more than this many of them.
 _MAX_DIGITS = 18
 # Headers at most this long are remembered with their plan; the cache holds at most _PLAN_BYTES
 # of them (a stream's header is a few hundred bytes; a failed request's is never kept).
 _PLAN_HEADER_MAX = 8192
 _PLAN_BYTES = 1 << 20
-# The JSON part's default bound (server.max_json).
-MAX_JSON = 8 << 20
-# JSON objects a request may hold besides two per named tensor (the tensor and its parameters):
-# the body, its parameters, and room for clients that send empty objects.
-_SPARE_OBJECTS = 16
-# A JSON part this short parses in well under a millisecond whatever it holds: not scanned.
-_SMALL_JSON = 4096
-# Counting braces scans the body in slices of this size, so that on a worker thread no single
-# call holds the interpreter lock for long.
-_SCAN_SLICE = 1 << 20
-
-
-@dataclass(frozen=True)
-class Limits:
-    """How many inputs and outputs a request may name: the model's own counts when known."""
-
-    inputs: int = MAX_TENSORS
-    outputs: int = MAX_TENSORS
-    model: str = ""
-    json_bytes: int = MAX_JSON
-
-
-DEFAULT_LIMITS = Limits()
 
 
 def parse_header_length(raw: str | bytes, what: str = "Inference-Header-Content-Length") -> int:
@@ -145,11 +128,24 @@ def _plan_input(raw: Any, idx: int) -> _InputPlan:
     return _InputPlan(name, dtype, shape, "json", data=inp["data"])
 
 
-def _materialize(p: _InputPlan, binary: memoryview, offset: int, shm: ShmResolver | None) -> tuple[np.ndarray, int]:
+def _binary_part(p: _InputPlan, binary: memoryview, offset: int) -> memoryview:
+    if offset + p.size > len(binary):
+        raise BadRequestError(f"input '{p.name}': 'binary_data_size' {p.size} runs past the end of the binary data")
+    return binary[offset : offset + p.size]
+
+
+def _materialize(
+    p: _InputPlan, binary: memoryview, offset: int, shm: ShmResolver | None, req: InferRequest
+) -> tuple[np.ndarray | None, int]:
+    """(the tensor, or None for a BYTES tensor in shared memory, read once its bytes are copied
+    in: ``resolve_pending``; the offset of the next binary input)."""
     where = f"input '{p.name}'"
     if p.kind == "shm":
         if shm is None:
             raise BadRequestError(f"{where}: shared memory is not available on this transport")
+        if is_bytes(p.dtype):  # its size is the serialised form's, known only to the client
+            req.pending.append((p.name, shm(p.region, p.offset, p.size), p.shape))
+            return None, offset
         need = math.prod(p.shape) * p.dtype.itemsize
         if p.size != need:  # checked before the region is touched
             raise BadRequestError(
@@ -158,10 +154,37 @@ def _materialize(p: _InputPlan, binary: memoryview, offset: int, shm: ShmResolve
             )
         return from_bytes(shm(p.region, p.offset, p.size), p.dtype, p.shape, where), offset
     if p.kind == "binary":
-        if offset + p.size > len(binary):
-            raise BadRequestError(f"{where}: 'binary_data_size' {p.size} runs past the end of the binary data")
-        return from_bytes(binary[offset : offset + p.size], p.dtype, p.shape, where), offset + p.size
-    raise AssertionError("JSON inputs are converted by _convert_json")
+        return from_bytes(_binary_part(p, binary, offset), p.dtype, p.shape, where), offset + p.size
+    raise AssertionError("JSON inputs are converted by parse_body")
+
+
+def decode_binary_bytes(plan: _RequestPlan, binary: memoryview, arrays: dict[str, np.ndarray]) -> None:
+    """BYTES tensors in the binary part, read in ``parse_body`` (the slow part, which may run on
+    a worker thread): their framing is walked element by element."""
+    offset = 0
+    for p in plan.inputs:
+        if p.kind != "binary":
+            continue
+        if is_bytes(p.dtype):
+            arrays[p.name] = deserialize_bytes(_binary_part(p, binary, offset), p.shape, f"input '{p.name}'")
+        offset += p.size
+
+
+def resolve_pending(req: InferRequest) -> None:
+    """BYTES inputs from shared memory, once ``ShmRequest.fill`` has copied their bytes in."""
+    for name, buf, shape in req.pending:
+        req.inputs[name] = deserialize_bytes(buf, shape, f"input '{name}'")
+    req.pending.clear()
+
+
+async def resolve_pending_async(req: InferRequest) -> None:
+    """``resolve_pending`` for the event loop: large ones on a worker thread."""
+    if not req.pending:
+        return
+    if sum(len(buf) for _, buf, _ in req.pending) <= OFFLOAD_BYTES:
+        resolve_pending(req)
+    else:
+        await asyncio.to_thread(resolve_pending, req)
 
 
 def _decode_output(raw: Any, binary_all: bool, idx: int) -> OutputRequest:
@@ -200,37 +223,6 @@ def _unique(names: Sequence[str], what: str) -> None:
         seen.add(n)
 
 
-def _check_counts(n_inputs: int, n_outputs: int, limits: Limits) -> None:
-    """Refused before the lists are walked: a request names no more tensors than the model has."""
-    if n_inputs <= limits.inputs and n_outputs <= limits.outputs:
-        return
-    whose = f"model '{limits.model}' has" if limits.model else "a request may name at most"
-    if n_inputs > limits.inputs:
-        raise InvalidInputError(f"the request lists {n_inputs} inputs; {whose} {limits.inputs}")
-    raise InvalidInputError(f"the request asks for {n_outputs} outputs; {whose} {limits.outputs}")
-
-
-def _check_json_size(body: bytes | memoryview, end: int, limits: Limits) -> None:
-    """Before parsing: the JSON part is within server.max_json, and holds no more objects than a
-    request for this model can (every object needs a '{', so counting them bounds the objects;
-    a body of 480,000 tiny objects cost 3.2 s of parsing and collecting)."""
-    if end > limits.json_bytes:
-        raise PayloadTooLargeError(
-            f"the JSON part of the request is {end} bytes, over the limit of {limits.json_bytes} (server.max_json); "
-            "send large tensors with the binary tensor extension or shared memory"
-        )
-    allowed = 2 * (limits.inputs + limits.outputs) + _SPARE_OBJECTS
-    if end <= max(allowed, _SMALL_JSON):
-        return  # too short to hold more objects than allowed, or too short to matter
-    raw = body if isinstance(body, bytes) else bytes(memoryview(body)[:end])
-    found = 0
-    for start in range(0, end, _SCAN_SLICE):
-        found += raw.count(b"{", start, min(end, start + _SCAN_SLICE))
-        if found > allowed:
-            whose = f"for model '{limits.model}'" if limits.model else ""
-            raise InvalidInputError(f"the request holds more JSON objects than a request {whose} can ({allowed})")
-
-
 def load_json(header: memoryview | bytes) -> Any:
     """orjson, strict JSON; a document that orjson refuses and that holds NaN or Infinity (which
     Python's json, NumPy and tritonclient write for non-finite values, and Triton accepts) is read
@@ -260,7 +252,7 @@ def plan_document(doc: Any, limits: Limits) -> _RequestPlan:
     outputs_raw = doc.get("outputs")
     if outputs_raw is not None and not isinstance(outputs_raw, list):
         raise BadRequestError("'outputs' must be a list")
-    _check_counts(len(inputs_raw), len(outputs_raw or ()), limits)
+    check_counts(len(inputs_raw), len(outputs_raw or ()), limits)
     params = _obj(doc.get("parameters") or {}, "'parameters'")
     binary_all = params.get("binary_data_output", False)
     if not isinstance(binary_all, bool):
@@ -333,7 +325,7 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
     view = memoryview(body)
     key = None
     if header_length is None:
-        _check_json_size(body, len(view), limits)
+        check_json_size(body, len(view), limits)
         plan = _plan(view, limits)  # plain JSON carries its data inline: nothing to reuse
         header_length = len(view)
     elif header_length > len(view):
@@ -343,34 +335,41 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
         key = header.tobytes() if header_length <= PLANS.max_header else None
         cached = PLANS.get(key) if key is not None else None
         if cached is not None:
-            _check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
+            check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
             key = None
         else:
-            _check_json_size(body, header_length, limits)
+            check_json_size(body, header_length, limits)
         plan = cached or _plan(header, limits)
     arrays = {
         p.name: from_json_data(p.data, p.dtype, p.shape, f"input '{p.name}'") for p in plan.inputs if p.kind == "json"
     }
-    return ParsedBody(plan, key, view[header_length:], arrays)
+    binary = view[header_length:]
+    decode_binary_bytes(plan, binary, arrays)
+    return ParsedBody(plan, key, binary, arrays)
 
 
 def finish_decode(parsed: ParsedBody, shm: ShmResolver | None = None) -> InferRequest:
     """The cheap rest, on the caller's thread: binary tensors are views of the body, shared
     memory is resolved, and only a request that decoded completely has its plan remembered."""
     plan, binary = parsed.plan, parsed.binary
-    inputs: dict[str, np.ndarray] = {}
+    req = InferRequest(plan.id, {}, None, plan.binary_all, dict(plan.parameters))
+    inputs = req.inputs
     offset = 0
     for p in plan.inputs:
-        if p.kind == "json":
-            inputs[p.name] = parsed.arrays[p.name]
-        else:
-            inputs[p.name], offset = _materialize(p, binary, offset, shm)
+        done = parsed.arrays.get(p.name)  # JSON data, or BYTES read by parse_body
+        if done is not None:
+            inputs[p.name] = done
+            offset += p.size if p.kind == "binary" else 0
+            continue
+        arr, offset = _materialize(p, binary, offset, shm, req)
+        if arr is not None:
+            inputs[p.name] = arr
     if offset != len(binary):
         raise BadRequestError(f"{len(binary) - offset} bytes of binary data belong to no input")
     if parsed.key is not None:
         PLANS.put(parsed.key, plan)
-    outputs = [dataclasses.replace(o) for o in plan.outputs] if plan.outputs is not None else None
-    return InferRequest(plan.id, inputs, outputs, plan.binary_all, dict(plan.parameters))
+    req.outputs = [dataclasses.replace(o) for o in plan.outputs] if plan.outputs is not None else None
+    return req
 
 
 def decode_infer(
@@ -382,12 +381,3 @@ def decode_infer(
     """Parse an infer body: JSON alone, or (binary extension) JSON of ``header_length`` bytes
     followed by the tensors' raw bytes in the order of the inputs that declare them."""
     return finish_decode(parse_body(body, header_length, limits), shm)
-
-
-def check_json_part(body: bytes | memoryview, header_length: int | None, limits: Limits) -> int:
-    """The JSON part's length, once it is known to be within bounds (see _check_json_size)."""
-    end = len(body) if header_length is None else header_length
-    if end > len(body):
-        raise BadRequestError(f"Inference-Header-Content-Length {end} exceeds the body ({len(body)} bytes)")
-    _check_json_size(body, end, limits)
-    return end

@@ -19,7 +19,6 @@ from edged.config import parse_size
 from edged.errors import (
     BadRequestError,
     EdgedError,
-    InvalidInputError,
     ModelNotFoundError,
     ModelNotReadyError,
     ShuttingDownError,
@@ -39,6 +38,7 @@ from edged.protocol import (
 from edged.registry import ModelRuntime, Registry
 from edged.states import READY, ModelState
 from edged.stats import Statistics
+from edged.validate import InputRules
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class Service:
         self._limits: dict[str, tuple[Any, tuple[int, int], Limits]] = {}
         # Triton's statistics extension: one record per configured model (edged/stats.py).
         self.stats = Statistics(lambda: self.registry.models)
+        self._rules: dict[str, tuple[Any, Any, InputRules]] = {}
 
     # --- health and metadata ---
 
@@ -119,7 +120,7 @@ class Service:
         decoded off the loop when large, then the requested outputs against the model's."""
         rt = self.model(name)
         limits = self._limits_for(rt)
-        if (len(body) if header_length is None else header_length) <= OFFLOAD_BYTES:
+        if len(body) <= OFFLOAD_BYTES:
             req = decode_infer(body, header_length, shm, limits)  # the hot path: no hand-off
         else:
             req = await decode_infer_async(body, header_length, shm, limits)
@@ -153,7 +154,7 @@ class Service:
             queue = rt.queue if rt.state is READY and (self.ready.is_set() or self.warming) else None
             if queue is None:
                 rt, queue = await self._await_model(rt)
-            check_inputs(rt, inputs)
+            self._rules_for(rt).check(inputs)  # the one check of this request's tensors
             timeout = (rt.cfg.timeout_ms or self.registry.cfg.server.request_timeout_ms) / 1000
             rt.last_used = time.monotonic()
             out = await queue.submit(inputs, timeout, request_id, stats)
@@ -194,6 +195,19 @@ class Service:
             limits = Limits(MAX_TENSORS, MAX_TENSORS, rt.name, max_json)
         self._limits[rt.name] = (cfg, key, limits)
         return limits
+
+    def _rules_for(self, rt: ModelRuntime) -> InputRules:
+        """The backend's input rules narrowed by the model's config (profiles, max_batch),
+        built once per load and config (edged/validate.py owns the rules)."""
+        backend = rt.backend
+        assert backend is not None  # READY with a queue: loaded
+        cached = self._rules.get(rt.name)
+        if cached is not None and cached[0] is rt.cfg and cached[1] is backend:
+            return cached[2]
+        bounds = {n: (tuple(p.min), tuple(p.max)) for n, p in rt.cfg.profiles.items()}
+        rules = backend.input_rules.narrowed(rt.name, bounds, rt.cfg.max_batch)
+        self._rules[rt.name] = (rt.cfg, backend, rules)
+        return rules
 
     async def _await_model(self, rt: ModelRuntime) -> tuple[ModelRuntime, Any]:
         if self.stopping:
@@ -280,30 +294,3 @@ class Service:
 
 def _tensor_meta(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
     return {"name": name, "datatype": v2_datatype(dtype), "shape": list(shape)}
-
-
-def check_inputs(rt: ModelRuntime, inputs: Mapping[str, np.ndarray]) -> None:
-    """Names, dtypes and shapes against the model, with an error that says what was expected."""
-    specs = rt.inputs
-    if len(inputs) != len(specs) or any(s.name not in inputs for s in specs):
-        want = ", ".join(s.name for s in specs)
-        raise InvalidInputError(f"model '{rt.name}' takes inputs [{want}], got [{', '.join(inputs)}]")
-    for spec in specs:
-        arr = inputs[spec.name]
-        if arr.dtype != spec.np_dtype:
-            raise InvalidInputError(
-                f"input '{spec.name}': expected datatype {v2_datatype(spec.dtype)}, got {v2_datatype(arr.dtype.name)}"
-            )
-        if not spec.matches(arr.shape):
-            raise InvalidInputError(f"input '{spec.name}': expected shape {_dims(spec.shape)}, got {list(arr.shape)}")
-        profile = rt.cfg.profiles.get(spec.name)
-        if profile is not None and any(s < lo or s > hi for s, lo, hi in zip(arr.shape, profile.min, profile.max)):
-            raise InvalidInputError(
-                f"input '{spec.name}': shape {list(arr.shape)} is outside the profile {profile.min}..{profile.max}"
-            )
-        if arr.shape and rt.cfg.max_batch > 1 and arr.shape[0] > rt.cfg.max_batch:
-            raise InvalidInputError(f"input '{spec.name}': batch {arr.shape[0]} > max_batch {rt.cfg.max_batch}")
-
-
-def _dims(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join("-1" if d < 0 else str(d) for d in shape) + "]"

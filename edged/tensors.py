@@ -1,15 +1,21 @@
 """The request's tensor types, and tensors from untrusted request fields: shapes, datatypes,
-JSON data and raw bytes.
+JSON data and raw bytes. The wire rules of a tensor live here (edged/validate.py holds the rules
+of a model's inputs): both transports' decoders and the client use these functions.
 
 Every check here runs before numpy allocates anything, and each costs time linear in what the
 client actually sent (a request body is bounded by ``max_body``): a shape's element count is
 bounded, JSON data must be laid out as the shape says before it is converted, and raw bytes
 must match the shape exactly.
+
+BYTES tensors (ONNX ``tensor(string)``) are numpy object arrays of ``bytes`` inside edged. On the
+wire they are what Triton's binary tensor data extension says: each element a 4-byte
+little-endian length, then its bytes; in JSON each element is a string (its UTF-8 bytes).
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +38,7 @@ V2_TO_NUMPY = {
     "FP16": "float16",
     "FP32": "float32",
     "FP64": "float64",
+    "BYTES": "object",
 }
 NUMPY_TO_V2 = {v: k for k, v in V2_TO_NUMPY.items()}
 
@@ -55,6 +62,8 @@ class InferRequest:
     outputs: list[OutputRequest] | None = None  # None: every output, as JSON unless binary_all
     binary_all: bool = False
     parameters: dict[str, Any] = field(default_factory=dict)
+    # BYTES inputs in shared memory: (name, the daemon's buffer, shape), read once it is filled.
+    pending: list[tuple[str, memoryview, tuple[int, ...]]] = field(default_factory=list)
 
 
 # A float in JSON data beyond float16/float32 becomes inf, as a C cast would: not worth a warning
@@ -70,8 +79,20 @@ MAX_DIMS = 32
 MAX_ELEMENTS = 2**48
 
 
+_PREFIX = struct.Struct("<I")
+# wire_nbytes counts the lengths of at most this many BYTES elements (a short pass, on the loop).
+_COUNTED_ELEMENTS = 4096
+
+
 def v2_datatype(dtype: str) -> str:
+    if dtype.startswith(("bytes", "str")):  # numpy's fixed-width S and U arrays: strings too
+        return "BYTES"
     return NUMPY_TO_V2.get(dtype, dtype.upper())
+
+
+def is_bytes(dtype: np.dtype[Any]) -> bool:
+    """A BYTES tensor: variable-length elements, never a fixed itemsize."""
+    return dtype.kind in "OSU"
 
 
 def parse_shape(raw: Any, where: str) -> tuple[int, ...]:
@@ -118,6 +139,8 @@ def _check_layout(data: Any, shape: tuple[int, ...], where: str) -> None:
 
 def from_json_data(data: Any, dtype: np.dtype[Any], shape: tuple[int, ...], where: str) -> np.ndarray:
     _check_layout(data, shape, where)
+    if is_bytes(dtype):
+        return _bytes_from_json(data, shape, where)
     try:
         arr = np.asarray(data, dtype=dtype)
     except (ValueError, TypeError, OverflowError) as e:
@@ -128,10 +151,117 @@ def from_json_data(data: Any, dtype: np.dtype[Any], shape: tuple[int, ...], wher
     return arr.reshape(shape)
 
 
+def _bytes_from_json(data: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """JSON strings, each element's UTF-8 bytes (the layout is checked already)."""
+    flat = np.asarray(data if isinstance(data, list) else [data], dtype=object).reshape(-1)
+    count = math.prod(shape)
+    if flat.size != count:
+        raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, 'data' has {flat.size}")
+    out = np.empty(count, dtype=object)
+    for i, value in enumerate(flat):
+        if not isinstance(value, str):
+            raise BadRequestError(f"{where}: BYTES 'data' must hold strings, element {i} is {type(value).__name__}")
+        try:
+            out[i] = value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape such as "\\ud800"
+            raise BadRequestError(f"{where}: BYTES element {i} is not valid Unicode text") from None
+    return out.reshape(shape)
+
+
 def from_bytes(buf: memoryview | bytes, dtype: np.dtype[Any], shape: tuple[int, ...], where: str) -> np.ndarray:
+    if is_bytes(dtype):
+        return deserialize_bytes(buf, shape, where)
     need = math.prod(shape) * dtype.itemsize
     if len(buf) != need:
         raise BadRequestError(
             f"{where}: shape {list(shape)} of {v2_datatype(dtype.name)} needs {need} bytes, got {len(buf)}"
         )
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def deserialize_bytes(buf: memoryview | bytes, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """Length-prefixed elements, exactly ``prod(shape)`` of them filling ``buf``: one pass, each
+    element copied once (so the array owns its bytes, whatever ``buf`` was a view of)."""
+    count, end = math.prod(shape), len(buf) if isinstance(buf, bytes) else memoryview(buf).nbytes
+    if count * _PREFIX.size > end:  # before allocating: every element needs its prefix
+        raise BadRequestError(
+            f"{where}: shape {list(shape)} of BYTES needs at least {count * _PREFIX.size} bytes "
+            f"(a 4-byte length per element), got {end}"
+        )
+    # One copy of the whole buffer, then each element sliced from it: a bytes slice is the element
+    # itself (a memoryview slice would be a second object and a second copy).
+    data = buf if isinstance(buf, bytes) else memoryview(buf).cast("B").tobytes()
+    unpack, step = _PREFIX.unpack_from, _PREFIX.size
+    elements: list[bytes] = []
+    pos = 0
+    for i in range(count):
+        if pos + step > end:
+            raise BadRequestError(f"{where}: BYTES element {i} has no room for its 4-byte length (byte {pos} of {end})")
+        (size,) = unpack(data, pos)
+        pos += step
+        if size > end - pos:
+            raise BadRequestError(
+                f"{where}: BYTES element {i}'s length prefix ({size} bytes, at byte {pos - step}) "
+                f"runs past the end of its data ({end} bytes)"
+            )
+        elements.append(data[pos : pos + size])
+        pos += size
+    out = np.empty(count, dtype=object)
+    out[:] = elements
+    if pos != end:
+        raise BadRequestError(f"{where}: {end - pos} bytes follow the last of its {count} BYTES elements")
+    return out.reshape(shape)
+
+
+def _element(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, np.bytes_):
+        return bytes(value)
+    raise TypeError(f"a BYTES element must be bytes or str, not {type(value).__name__}")
+
+
+def serialize_bytes(arr: np.ndarray) -> bytes:
+    """Row-major, each element as a 4-byte little-endian length and its bytes."""
+    pack = _PREFIX.pack
+    parts: list[bytes] = []
+    for value in arr.reshape(-1).tolist():
+        raw = value if type(value) is bytes else _element(value)
+        parts += (pack(len(raw)), raw)
+    return b"".join(parts)
+
+
+def wire_nbytes(arr: np.ndarray) -> int:
+    """About how many bytes a tensor takes on the wire (what decides whether its encoding leaves
+    the event loop): ``nbytes``, but for BYTES its elements' lengths (an object array's nbytes
+    counts only pointers)."""
+    if arr.dtype.kind != "O":
+        return int(arr.nbytes)
+    if arr.size > _COUNTED_ELEMENTS:  # so many that a worker thread pays whatever their lengths
+        return 64 * arr.size
+    return 4 * arr.size + sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in arr.reshape(-1).tolist())
+
+
+def tensor_bytes(arr: np.ndarray) -> bytes | memoryview:
+    """A tensor as the binary tensor data extension carries it (a view when no copy is needed)."""
+    if is_bytes(arr.dtype):
+        return serialize_bytes(arr)
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+
+
+def json_strings(flat: np.ndarray, where: str) -> list[str]:
+    """A BYTES tensor's elements as JSON strings: their UTF-8 text."""
+    out: list[str] = []
+    for i, value in enumerate(flat.tolist()):
+        if isinstance(value, str):
+            out.append(value)
+            continue
+        try:
+            out.append(_element(value).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise BadRequestError(
+                f"{where}: BYTES element {i} is not UTF-8 text, which JSON cannot carry; ask for it as binary data"
+            ) from None
+    return out

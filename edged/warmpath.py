@@ -20,6 +20,7 @@ from edged.metrics import uncounted
 from edged.protocol import v2_datatype
 from edged.registry import Registry
 from edged.states import ModelState
+from edged.tensors import is_bytes, json_strings, tensor_bytes
 from edged.transports.http import App
 from edged.warmup import warm_inputs
 
@@ -31,11 +32,16 @@ ROUNDS = 3
 
 def _bodies(inputs: dict[str, np.ndarray]) -> list[tuple[bytes, int | None]]:
     meta = [{"name": n, "datatype": v2_datatype(a.dtype.name), "shape": list(a.shape)} for n, a in inputs.items()]
-    binary_meta = [dict(m, parameters={"binary_data_size": a.nbytes}) for m, a in zip(meta, inputs.values())]
+    raws = [bytes(tensor_bytes(a)) for a in inputs.values()]
+    binary_meta = [dict(m, parameters={"binary_data_size": len(r)}) for m, r in zip(meta, raws)]
     header = orjson.dumps({"id": "warmup", "inputs": binary_meta, "parameters": {"binary_data_output": True}})
-    bodies: list[tuple[bytes, int | None]] = [(header + b"".join(a.tobytes() for a in inputs.values()), len(header))]
+    bodies: list[tuple[bytes, int | None]] = [(header + b"".join(raws), len(header))]
     if all(a.size <= _JSON_LIMIT for a in inputs.values()):
-        doc = {"id": "warmup", "inputs": [dict(m, data=a.reshape(-1)) for m, a in zip(meta, inputs.values())]}
+        data = [
+            json_strings(a.reshape(-1), f"input '{n}'") if is_bytes(a.dtype) else a.reshape(-1)
+            for n, a in inputs.items()
+        ]
+        doc = {"id": "warmup", "inputs": [dict(m, data=d) for m, d in zip(meta, data)]}
         bodies.append((orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), None))
     return bodies
 

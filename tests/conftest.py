@@ -8,6 +8,7 @@ import pytest
 
 from edged.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, write_config
+from tests.string_model import make_string_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,6 +18,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("models")
     make_tiny_mlp(d / "tiny.onnx")
     make_tiny_mlp(d / "tiny_b.onnx", hidden=64)
+    make_string_model(d / "strings.onnx")
     return d
 
 

@@ -4,8 +4,9 @@ A backend turns a cached artefact (an optimised ONNX model, a TensorRT engine) i
 runs tensors. It has two levels because TensorRT has two: the ``Backend`` is loaded once per model
 (the deserialised engine, the session's graph), and each ``Instance`` is one concurrent runner
 (an execution context with its own stream, or an ONNX Runtime session with its own thread pool).
-The public methods check state, names, dtypes and shapes; subclasses implement only the ``_impl``
-parts (the shape of Polygraphy's runners).
+The public methods check state, names, dtypes and shapes (with edged/validate.py's rules, the one
+owner of them; a backend adds only its own bounds through ``_input_bounds``); subclasses implement
+only the ``_impl`` parts (the shape of Polygraphy's runners).
 
 Building is a class-level operation because it runs in a child process (edged.build.worker) that
 imports the backend by name, builds, and exits.
@@ -22,7 +23,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edged.errors import BackendError, InvalidInputError
+from edged.errors import BackendError, EdgedError
+from edged.validate import Bounds, InputRules, rules_of
 
 Progress = Callable[[str, float | None], None]
 """Build progress callback: (phase, fraction done or None when unknown)."""
@@ -39,9 +41,6 @@ class TensorSpec:
     @property
     def np_dtype(self) -> np.dtype[Any]:
         return np.dtype(self.dtype)
-
-    def matches(self, shape: tuple[int, ...]) -> bool:
-        return len(shape) == len(self.shape) and all(want < 0 or want == got for want, got in zip(self.shape, shape))
 
     def describe(self) -> str:
         dims = ",".join("?" if d < 0 else str(d) for d in self.shape)
@@ -82,6 +81,8 @@ class Instance(abc.ABC):
             self.backend.check_inputs(inputs)
         try:
             return self._infer_impl(inputs)
+        except EdgedError:
+            raise  # a request error the backend found (such as text ONNX Runtime cannot take)
         except Exception as e:  # a backend failure is a request error, never a daemon crash
             raise BackendError(f"{self.backend.name} failed to run: {e}") from e
 
@@ -104,7 +105,7 @@ class Backend(abc.ABC):
         self._loaded = False
         self._inputs: tuple[TensorSpec, ...] = ()
         self._outputs: tuple[TensorSpec, ...] = ()
-        self._input_map: dict[str, TensorSpec] = {}
+        self._rules = InputRules(())
 
     # --- class level: availability, identity, building ---
 
@@ -149,7 +150,7 @@ class Backend(abc.ABC):
             if self._loaded:
                 return
             self._inputs, self._outputs = self._load_impl()
-            self._input_map = {s.name: s for s in self._inputs}
+            self._rules = rules_of(self._inputs, self._input_bounds())
             self._loaded = True
 
     def instance(self) -> Instance:
@@ -168,18 +169,19 @@ class Backend(abc.ABC):
         """Bytes this model holds once loaded with its instances (weights, buffers)."""
         return self._footprint_impl()
 
+    @property
+    def input_rules(self) -> InputRules:
+        """The inputs as edged/validate.py checks them, with this backend's own bounds."""
+        return self._rules
+
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
         if not self._loaded:
             raise BackendError(f"{self.name}: model is not loaded")
-        if len(inputs) != len(self._input_map) or any(n not in self._input_map for n in inputs):
-            want = ", ".join(self._input_map)
-            raise InvalidInputError(f"expected inputs [{want}], got [{', '.join(inputs)}]")
-        for name, arr in inputs.items():
-            spec = self._input_map[name]
-            if arr.dtype != spec.np_dtype or not spec.matches(arr.shape):
-                raise InvalidInputError(
-                    f"input '{name}': expected {spec.describe()}, got {arr.dtype}[{','.join(map(str, arr.shape))}]"
-                )
+        self._rules.check(inputs)
+
+    def _input_bounds(self) -> Mapping[str, Bounds]:
+        """Shapes this backend cannot run beyond, per input (after ``_load_impl``); none by default."""
+        return {}
 
     @abc.abstractmethod
     def _load_impl(self) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]: ...

@@ -19,6 +19,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edged.backends.base import Backend, BuildSpec, Instance, Progress, TensorSpec
+from edged.errors import InvalidInputError
 
 # ONNX Runtime's own telemetry is off: the daemon writes nothing it was not asked to.
 ort.disable_telemetry_events()
@@ -52,6 +53,7 @@ _ORT_TYPES = {
     "tensor(int64)": "int64",
     "tensor(uint64)": "uint64",
     "tensor(bool)": "bool",
+    "tensor(string)": "object",  # BYTES: object arrays (of str for ONNX Runtime, of bytes in edged)
 }
 
 
@@ -96,15 +98,47 @@ def ort_session(path: str, threads: int = 0) -> ort.InferenceSession:
     return ort.InferenceSession(path, _configure(so), providers=["CPUExecutionProvider"])
 
 
+def _to_text(name: str, arr: np.ndarray) -> np.ndarray:
+    """ONNX Runtime's Python binding takes str elements for a string tensor (a bytes element would
+    become its repr, "b'..'"): edged's bytes are decoded as UTF-8, the text ONNX strings hold."""
+    out = np.empty(arr.shape, dtype=object)
+    flat = out.reshape(-1)
+    for i, value in enumerate(arr.reshape(-1).tolist()):
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidInputError(
+                    f"input '{name}': BYTES element {i} is not UTF-8, which ONNX Runtime's strings must be"
+                ) from None
+        flat[i] = value
+    return out
+
+
+def _to_bytes(arr: np.ndarray) -> np.ndarray:
+    out = np.empty(arr.shape, dtype=object)
+    flat = out.reshape(-1)
+    for i, value in enumerate(arr.reshape(-1).tolist()):
+        flat[i] = value.encode("utf-8") if isinstance(value, str) else value
+    return out
+
+
 class _OrtInstance(Instance):
     def __init__(self, backend: OnnxRuntimeBackend, session: ort.InferenceSession) -> None:
         super().__init__(backend)
         self._session = session
         self._names = [o.name for o in backend.outputs]
+        self._text_in = frozenset(s.name for s in backend.inputs if s.dtype == "object")
+        self._text_out = frozenset(s.name for s in backend.outputs if s.dtype == "object")
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        results = self._session.run(self._names, dict(inputs))
-        return dict(zip(self._names, results))
+        feed = dict(inputs)
+        for name in self._text_in:
+            feed[name] = _to_text(name, feed[name])
+        results = dict(zip(self._names, self._session.run(self._names, feed)))
+        for name in self._text_out:
+            results[name] = _to_bytes(results[name])
+        return results
 
 
 class OnnxRuntimeBackend(Backend):

@@ -26,7 +26,7 @@ from edged.errors import (
     NotFoundError,
     ShuttingDownError,
 )
-from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length
+from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length, resolve_pending_async
 from edged.service import Service
 from edged.states import ModelState
 from edged.transports import openai_api, triton_ext
@@ -218,6 +218,7 @@ class App:
         req = await self.service.decode_infer(name, body, header_len, shm.input)
         if shm.reads:
             await shm.fill()  # inputs are copied out of client memory before the model sees them
+            await resolve_pending_async(req)  # BYTES inputs are read once their bytes are copied
         return req
 
     async def _other(

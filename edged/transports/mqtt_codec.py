@@ -6,7 +6,6 @@ Pure functions of bytes and properties, no client and no loop, so the wire forma
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -17,8 +16,9 @@ import orjson
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from edged import tensors
 from edged.errors import BadRequestError, EdgedError, PayloadTooLargeError
-from edged.protocol import NUMPY_TO_V2, V2_TO_NUMPY, InferRequest, decode_infer, encode_infer, load_json, v2_datatype
+from edged.protocol import NUMPY_TO_V2, V2_TO_NUMPY, InferRequest, encode_infer, load_json, v2_datatype
 from edged.transports.mqtt_props import PublishProps, parse
 
 JSON = "application/json"
@@ -77,7 +77,8 @@ class Incoming:
 @dataclass
 class Decoded:
     """A request made ready for the service: ``input_name`` is None when a raw tensor leaves
-    the name to the model (single-input models)."""
+    the name to the model (single-input models). A JSON request (``body`` set) is decoded by
+    ``Service.decode_infer``, the decoder the socket uses, so both answer a fault alike."""
 
     request: InferRequest
     reply_to: str = ""
@@ -85,6 +86,8 @@ class Decoded:
     input_name: str | None = None
     raw_tensor: np.ndarray | None = None
     raw_output: str | None = None
+    body: bytes | None = None
+    header_length: int | None = None
 
 
 @dataclass
@@ -108,35 +111,25 @@ def model_from_topic(topic: str, prefix: str, device: str) -> str | None:
 
 
 def parse_dtype(text: str) -> np.dtype[Any]:
-    """``FP32`` (the protocol's name) or ``float32`` (numpy's), any case."""
+    """``FP32`` (the protocol's name) or ``float32`` (numpy's), any case; then the wire rules."""
     t = text.strip()
-    name = V2_TO_NUMPY.get(t.upper()) or (t.lower() if t.lower() in NUMPY_TO_V2 else None)
-    if name is None:
-        raise BadRequestError(f"user property 'dtype': unsupported {text!r}; one of {', '.join(V2_TO_NUMPY)}")
-    return np.dtype(name)
+    name = t.upper() if t.upper() in V2_TO_NUMPY else NUMPY_TO_V2.get(t.lower(), t)
+    return tensors.parse_dtype(name, "user property 'dtype'")
 
 
 _DIGITS = re.compile(r"[0-9]{1,12}")
-MAX_DIMS = 32  # numpy allows 64; no model input has more than a handful
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    """``1,16``, ``1x16`` or the JSON list ``[1, 16]``; ASCII digits only."""
+    """``1,16``, ``1x16`` or the JSON list ``[1, 16]``; ASCII digits only; then the wire rules."""
     t = text.strip()
     try:
         dims = orjson.loads(t) if t.startswith("[") else [_dim(d) for d in t.replace("x", ",").split(",") if d.strip()]
     except (ValueError, orjson.JSONDecodeError):
         dims = None
-    if (
-        not isinstance(dims, list)
-        or not dims
-        or len(dims) > MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims)
-    ):
-        raise BadRequestError(
-            f"user property 'shape': expected up to {MAX_DIMS} non-negative integers such as '1,16', got {text[:80]!r}"
-        )
-    return tuple(dims)
+    if not isinstance(dims, list) or not dims:
+        raise BadRequestError(f"user property 'shape': expected integers such as '1,16', got {text[:80]!r}")
+    return tensors.parse_shape(dims, "user property 'shape'")
 
 
 def _dim(text: str) -> int:
@@ -147,17 +140,13 @@ def _dim(text: str) -> int:
 
 def decode_raw(msg: Incoming) -> Decoded:
     """One tensor as raw bytes in the device's byte order (little-endian on every Jetson and
-    x86 machine), described by the user properties."""
+    x86 machine), described by the user properties; a BYTES tensor length-prefixed, as in the
+    binary tensor data extension."""
     if "dtype" not in msg.user or "shape" not in msg.user:
         raise BadRequestError("a raw tensor needs the user properties 'dtype' and 'shape'")
     dtype = parse_dtype(msg.user["dtype"])
     shape = parse_shape(msg.user["shape"])
-    need = math.prod(shape) * dtype.itemsize
-    if len(msg.payload) != need:
-        raise BadRequestError(
-            f"shape {list(shape)} of {v2_datatype(dtype.name)} needs {need} bytes, got {len(msg.payload)}"
-        )
-    arr = np.frombuffer(msg.payload, dtype=dtype).reshape(shape)
+    arr = tensors.from_bytes(msg.payload, dtype, shape, "the raw tensor")
     req = InferRequest(id=msg.user.get("id", ""))
     return Decoded(req, msg.response_topic, True, msg.user.get("input") or None, arr, msg.user.get("output") or None)
 
@@ -185,11 +174,10 @@ def decode_json(msg: Incoming) -> Decoded:
                 f"user property '{HEADER_LENGTH}' must be an integer from 0 to the payload's {len(msg.payload)} bytes"
             )
         header_length = int(text)
-    req = decode_infer(msg.payload, header_length)
     reply_to = msg.response_topic
     if not reply_to:
         reply_to = reply_to_of(msg.payload[:header_length] if header_length is not None else msg.payload)[0]
-    return Decoded(req, reply_to)
+    return Decoded(InferRequest(), reply_to, body=msg.payload, header_length=header_length)
 
 
 def decode(msg: Incoming) -> Decoded:
@@ -231,6 +219,12 @@ def read_request(inc: Incoming, max_body: int, refuse: EdgedError | None = None)
             return decode(inc)
         except Exception as e:
             err = wire_error(e)
+    return unreadable(inc, err, max_body)
+
+
+def unreadable(inc: Incoming, err: EdgedError, max_body: int) -> Unreadable:
+    """A request that failed before it ran, with where its error goes: the Response Topic, or
+    the 'reply_to' and 'id' an MQTT 3.1.1 client put in its JSON."""
     reply_to, rid = inc.response_topic, inc.user.get("id", "")
     if not inc.raw and not (reply_to and rid) and len(inc.payload) <= max_body:
         json_reply_to, json_rid = reply_to_of(inc.payload)
@@ -270,9 +264,8 @@ def raw_reply(model: str, results: dict[str, np.ndarray], wanted: str | None) ->
     arr = results.get(name)
     if arr is None:
         raise BadRequestError(f"requested output '{name}' is not an output of '{model}'")
-    data = np.ascontiguousarray(arr)
     return Reply(
-        data.tobytes(),
+        bytes(tensors.tensor_bytes(arr)),  # a BYTES output length-prefixed, as in the binary extension
         OCTET,
         [
             ("name", name),

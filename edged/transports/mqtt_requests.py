@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import paho.mqtt.client as mqtt
 
+from edged import tensors
 from edged.config import MqttConfig, max_body_bytes
 from edged.errors import (
     BusyError,
@@ -187,6 +188,8 @@ class Requests:
         except DeadlineExceededError as e:  # where to answer is known if the properties were read
             read = codec.Unreadable(e, inc.response_topic, inc.user.get("id", ""))
         extra["request_id"] = codec.request_id(inc)
+        if not isinstance(read, codec.Unreadable) and read.body is not None:
+            read = await self._decode_json(inc, model, read)
         if isinstance(read, codec.Unreadable):
             self._unreadable(link, inc, model, read, extra)
             return
@@ -204,6 +207,21 @@ class Requests:
             self.drop(model, "expired", extra)
             return
         self._publish_reply(link, inc, read.reply_to, reply, extra)
+
+    async def _decode_json(
+        self, inc: codec.Incoming, model: str, read: codec.Decoded
+    ) -> codec.Decoded | codec.Unreadable:
+        """The socket's decoder (``Service.decode_infer``: the model's limits, the requested
+        outputs, large bodies off the loop), so a fault gets the same code on both transports."""
+        assert read.body is not None
+        try:
+            read.request = await self.service.decode_infer(model, read.body, read.header_length)
+        except Exception as e:  # every failure answers (a bug too, as 'internal')
+            if not isinstance(e, EdgedError):
+                log.exception("%s: decoding failed", model, extra={"model": model, "request_id": ""})
+            return codec.unreadable(inc, codec.wire_error(e), self.max_body)
+        read.body = None
+        return read
 
     async def _run(self, size: int, fn: Any) -> Any:
         if size <= OFFLOAD_BYTES:
@@ -230,7 +248,7 @@ class Requests:
                 model, inputs, extra["request_id"], transport="mqtt", received_ns=received
             )
             ran = time.perf_counter_ns()
-            size = sum(a.nbytes for a in results.values() if isinstance(a, np.ndarray))
+            size = sum(tensors.wire_nbytes(a) for a in results.values() if isinstance(a, np.ndarray))
             reply: codec.Reply = await self._run(size, lambda: codec.ok_reply(model, dec, results))
             self.service.stats.encoded(model, ran)
             return reply

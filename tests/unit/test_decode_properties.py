@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from edged.errors import BadRequestError, EdgedError, SharedMemoryError
 from edged.protocol import V2_TO_NUMPY, Limits, decode_infer, encode_infer, parse_header_length
+from edged.tensors import tensor_bytes
 
 # pytest resets warning filters per test; the daemon's own filter (edged.tensors) hides this one.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -124,15 +125,25 @@ def test_binary_extension_with_any_tail_and_length(doc: dict[str, Any], tail: by
     decodes_or_4xx(header + tail, header_length)
 
 
+def sample(dtype: str, shape: list[int], mod: int) -> np.ndarray:
+    """A tensor of ``dtype``; BYTES elements of varying length (empty ones too)."""
+    values = np.arange(math.prod(shape)) % mod
+    if dtype == "BYTES":
+        return np.array([b"\xc3\xa9" * int(v) for v in values] + [b""], dtype=object)[:-1].reshape(shape)
+    return values.astype(V2_TO_NUMPY[dtype]).reshape(shape)
+
+
 def _valid_request(shape: list[int], dtype: str, mode: str) -> tuple[bytes, int | None, np.ndarray]:
-    arr = (np.arange(math.prod(shape)) % 7).astype(V2_TO_NUMPY[dtype]).reshape(shape)
+    arr = sample(dtype, shape, 7)
     inp: dict[str, Any] = {"name": "x", "shape": shape, "datatype": dtype}
     if mode == "json":
-        inp["data"] = arr.reshape(-1).tolist()
+        flat = arr.reshape(-1).tolist()
+        inp["data"] = [v.decode() for v in flat] if dtype == "BYTES" else flat
         return orjson.dumps({"inputs": [inp]}), None, arr
-    inp["parameters"] = {"binary_data_size": arr.nbytes}
+    raw = bytes(tensor_bytes(arr))
+    inp["parameters"] = {"binary_data_size": len(raw)}
     header = orjson.dumps({"inputs": [inp]})
-    return header + arr.tobytes(), len(header), arr
+    return header + raw, len(header), arr
 
 
 @SETTINGS
@@ -202,9 +213,7 @@ def test_header_length_is_a_plain_decimal_or_a_400(raw: str | bytes) -> None:
     st.dictionaries(
         st.sampled_from(["a", "b", "c"]),
         st.sampled_from(sorted(V2_TO_NUMPY)).flatmap(
-            lambda dt: st.lists(st.integers(0, 3), max_size=3).map(
-                lambda s: (np.arange(math.prod(s)) % 5).astype(V2_TO_NUMPY[dt]).reshape(s)
-            )
+            lambda dt: st.lists(st.integers(0, 3), max_size=3).map(lambda s: sample(dt, s, 5))
         ),
         min_size=1,
     ),

@@ -18,6 +18,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edged.errors import BadRequestError, EdgedError
+from edged.protocol import decode_infer
 from edged.transports import mqtt_codec as codec
 from edged.transports import mqtt_props
 
@@ -107,6 +108,12 @@ def test_any_publish_is_a_request_or_a_client_error(inc: codec.Incoming) -> None
         assert json.loads(reply.payload)["code"] == result.error.code
     else:
         assert isinstance(result, codec.Decoded)
+        if result.body is not None:  # JSON: decoded by the socket's decoder (Service.decode_infer)
+            try:
+                result.request = decode_infer(result.body, result.header_length)
+            except EdgedError as e:
+                assert 400 <= e.http_status < 500, (e.code, e.message)
+                return
         assert result.raw_tensor is not None or result.request.inputs
 
 

@@ -218,10 +218,12 @@ def test_int64_is_narrowed_for_an_input_tensorrt_8_made_int32() -> None:
     typed INT32: the build's gate feeds INT64 and is served; values INT32 cannot hold are refused."""
     from edged.backends.base import TensorSpec
     from edged.errors import InvalidInputError
+    from edged.validate import rules_of
 
     backend = TensorRTBackend(Path("fake.engine"))
     spec = TensorSpec("ids", "int32", (-1, 4))
-    backend._inputs, backend._input_map, backend._loaded = (spec,), {"ids": spec}, True
+    backend._profiles = {"ids": ((1, 4), (2, 4), (8, 4))}
+    backend._inputs, backend._rules, backend._loaded = (spec,), rules_of((spec,), backend._input_bounds()), True
     backend._int32_inputs = frozenset({"ids"})
     ids = np.arange(8, dtype=np.int64).reshape(2, 4)
     backend.check_inputs({"ids": ids})
@@ -229,5 +231,8 @@ def test_int64_is_narrowed_for_an_input_tensorrt_8_made_int32() -> None:
     assert narrowed.dtype == np.int32 and narrowed.tolist() == ids.tolist()
     with pytest.raises(InvalidInputError, match="outside int32"):
         backend.check_inputs({"ids": np.full((1, 4), 2**40, np.int64)})
-    with pytest.raises(InvalidInputError, match="expected int32"):
+    with pytest.raises(InvalidInputError, match="expected datatype INT32"):
         backend.check_inputs({"ids": np.zeros((1, 4), np.float32)})  # only INT64 is narrowed
+    # The engine's profile is the backend's own bound, checked by the shared rules.
+    with pytest.raises(InvalidInputError, match=r"outside the profile \[1, 4\]..\[8, 4\] \(dim 0 is 9, not 1..8\)"):
+        backend.check_inputs({"ids": np.zeros((9, 4), np.int64)})

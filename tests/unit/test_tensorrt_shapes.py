@@ -10,7 +10,6 @@ from edged.backends.tensorrt.shapes import (
     io_bytes,
     max_shape,
     numpy_dtype,
-    out_of_profile,
     resolve_profiles,
 )
 from edged.errors import BuildError
@@ -58,12 +57,6 @@ def test_max_shape_of_static_and_dynamic_tensors() -> None:
     assert max_shape("images", IMAGE[1], PROFILE[2]) == (4, 3, 1280, 1280)
     with pytest.raises(ValueError, match="data-dependent"):
         max_shape("boxes", (-1, 4), None)
-
-
-def test_out_of_profile_says_which_dimension() -> None:
-    assert out_of_profile((1, 3, 640, 640), PROFILE) == ""
-    assert "dim 2 is 2000" in out_of_profile((1, 3, 2000, 640), PROFILE)
-    assert "rank" in out_of_profile((3, 640, 640), PROFILE)
 
 
 def test_tensor_plan_sizes_for_the_maximum() -> None:

@@ -33,11 +33,11 @@ from edged.backends.tensorrt.shapes import (
     max_shape,
     narrow_int64,
     numpy_dtype,
-    out_of_profile,
 )
 from edged.backends.tensorrt.trtlog import capture_errors, get_logger
 from edged.backends.tensorrt.versions import BuildOptions, parse_version, unsupported_reason, uses_device_memory_v2
 from edged.errors import BackendError, CacheError, InvalidInputError
+from edged.validate import Bounds
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -232,12 +232,12 @@ class TensorRTBackend(Backend):
         return runtime, engine
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """The shared rules (edged/validate.py), on the INT32 a direct caller's INT64 becomes."""
         super().check_inputs(self.narrowed(inputs))
-        for name, arr in inputs.items():
-            prof = self._profiles.get(name)
-            why = out_of_profile(arr.shape, prof) if prof else ""
-            if why:
-                raise InvalidInputError(f"input '{name}': {why}")
+
+    def _input_bounds(self) -> Mapping[str, Bounds]:
+        """A dynamic input's profile: TensorRT refuses a shape outside it."""
+        return {name: (lo, hi) for name, (lo, _, hi) in self._profiles.items()}
 
     def narrowed(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """INT64 arrays for the inputs TensorRT 8.x made INT32, as INT32 (range-checked): what a

@@ -110,17 +110,6 @@ def max_shape(name: str, shape: Shape, profile_max: Shape | None) -> Shape:
     return tuple(profile_max)
 
 
-def out_of_profile(shape: Shape, prof: Profile) -> str:
-    """Why ``shape`` is outside the profile, or "" when TensorRT will accept it."""
-    lo, _, hi = prof
-    if len(shape) != len(lo):
-        return f"rank {len(shape)}, the engine takes rank {len(lo)}"
-    for i, (d, a, b) in enumerate(zip(shape, lo, hi)):
-        if not a <= d <= b:
-            return f"dim {i} is {d}, the engine was built for {a}..{b}"
-    return ""
-
-
 @dataclass(frozen=True)
 class TensorPlan:
     """One I/O tensor's buffer: sized for its largest shape, never reallocated."""
