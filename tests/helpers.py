@@ -7,8 +7,10 @@ and cache, exactly as a user starts it, and stopped by PID.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -159,3 +161,19 @@ class RequestStream:
         self.stop.set()
         for t in self.threads:
             t.join(30)
+
+
+def raw_http(
+    sock: Path, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> tuple[int, bytes, http.client.HTTPResponse]:
+    """A plain HTTP/1.1 request over the Unix socket, as curl --unix-socket would send it."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(sock))
+    conn = http.client.HTTPConnection("localhost")
+    conn.sock = s
+    conn.request(method, path, body=body, headers=headers or {})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data, resp

@@ -5,7 +5,6 @@ directions (a zip bomb is a 413), and the shared memory extension's parameter ru
 from __future__ import annotations
 
 import gzip
-import http.client
 import json
 import socket
 import struct
@@ -19,7 +18,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.helpers import DaemonProcess, write_config
+from tests.helpers import DaemonProcess, raw_http, write_config
 from tests.integration.mosquitto import Broker, Peer, broker
 from tests.integration.test_mqtt import Edged, code_of, json_request
 
@@ -30,19 +29,7 @@ __all__ = ["broker"]  # a fixture: imported so that pytest finds it
 MAX_BODY = 2 << 20
 
 
-def request(
-    sock: Path, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-) -> tuple[int, bytes, http.client.HTTPResponse]:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(str(sock))
-    conn = http.client.HTTPConnection("localhost")
-    conn.sock = s
-    conn.request(method, path, body=body, headers=headers or {})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    return resp.status, data, resp
+request = raw_http
 
 
 def code(data: bytes) -> str:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import http.client
 import os
-import socket
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -17,7 +15,7 @@ import pytest
 
 from edged import errors
 from edged.client import Client
-from tests.helpers import DaemonProcess
+from tests.helpers import DaemonProcess, raw_http
 
 pytestmark = pytest.mark.integration
 
@@ -27,20 +25,7 @@ def reference(model: Path, x: np.ndarray) -> np.ndarray:
     return sess.run(None, {"x": x})[0]
 
 
-def raw(
-    sock: Path, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-) -> tuple[int, bytes, http.client.HTTPResponse]:
-    """A plain HTTP/1.1 request over the socket, as curl --unix-socket would send it."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(str(sock))
-    conn = http.client.HTTPConnection("localhost")
-    conn.sock = s
-    conn.request(method, path, body=body, headers=headers or {})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    return resp.status, data, resp
+raw = raw_http
 
 
 @pytest.fixture(scope="module")
