@@ -369,6 +369,10 @@ def finish_decode(parsed: ParsedBody, shm: ShmResolver | None = None) -> InferRe
     if parsed.key is not None:
         PLANS.put(parsed.key, plan)
     req.outputs = [dataclasses.replace(o) for o in plan.outputs] if plan.outputs is not None else None
+    if shm is None and req.outputs:  # as for inputs: never an answer silently inline instead
+        for o in req.outputs:
+            if o.shm_region is not None:
+                raise BadRequestError(f"output '{o.name}': shared memory is not available on this transport")
     return req
 
 

@@ -112,6 +112,18 @@ def test_shm_resolver_errors_propagate() -> None:
         decode_infer(body, None, None)
 
 
+def test_an_output_in_shared_memory_without_it_is_refused_not_answered_inline() -> None:
+    """MQTT has no shared memory: an output asking for a region is a 400, as an input is."""
+    doc = {
+        "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}],
+        "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}}],
+    }
+    with pytest.raises(BadRequestError, match="output 'y': shared memory is not available"):
+        decode_infer(orjson.dumps(doc), None, None)
+    del doc["outputs"]
+    assert decode_infer(orjson.dumps(doc), None, None).outputs is None
+
+
 def test_encode_json_binary_and_requested_outputs() -> None:
     results: dict[str, np.ndarray] = {
         "a": np.arange(4, dtype=np.float16).reshape(2, 2),
