@@ -95,6 +95,9 @@ def one_start(server: EdgedServer, specs: dict[str, ModelSpec]) -> dict[str, Any
             time.sleep(GAP_S)  # the same gap on a daemon that has served
             after[m] = timed_request(conn, server.pid)
         server.close_frames()
+    except Exception:
+        print(f"edged's log:\n{server.log_tail(6000)}", file=sys.stderr)
+        raise
     finally:
         server.stop()
     return {"ready_s": ready_s, "first": first, "after_gap": after, "steady_ms": steady}
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = EdgedServer(work, specs)  # builds the cache: every measured start is a cache hit
         warm.start()
         warm.wait_ready()
+        warm.wait_built()
         warm.stop()
         for i in range(args.starts):
             stages = work / f"stages-{i}.jsonl"
