@@ -7,12 +7,15 @@ does when it starts), then per model a 0.5 s idle gap and the first request on a
 then steady requests; then per model the same gap and one more request on a new connection. The
 ratio is first / after-gap. Each request also records the client's part (the producer's copy into
 the region, connect, send to last byte) and the daemon's minor page faults and thread count around
-it (from /proc), so a cold first request shows what it paid for. ``--stages`` runs the daemon under
+it (from /proc), so a cold first request shows what it paid for. ``--variants`` alternates
+daemons start by start (the current one, the former one-piece copy out of a region, other intra-op
+thread counts for the frame models) and reports each. ``--stages`` runs the daemon under
 bench.stage_probe (timers around each stage of the request path: decode, copy in, hand-off and
 run, encode, copy out, each with its thread's page faults) and prints them for the first and the
 after-gap request.
 
     scripts/bench.sh first-request [--starts 7] [--stages] [--models tiny,conv640,ocr_det]
+                                   [--variants default,serial,threads=15]
 """
 
 from __future__ import annotations
@@ -37,17 +40,44 @@ GAP_S = 0.5
 
 
 class ProbedEdged(EdgedServer):
-    """edged started through bench.stage_probe: the same daemon with stage timers."""
+    """edged started through bench.stage_probe: the same daemon, with stage timers when
+    ``stages_file`` is given, with the former one-piece copy out of a region when ``serial``."""
 
-    def __init__(self, work: Path, specs: dict[str, ModelSpec], stages_file: Path) -> None:
-        super().__init__(work, specs)
+    def __init__(
+        self,
+        work: Path,
+        specs: dict[str, ModelSpec],
+        stages_file: Path | None,
+        serial: bool = False,
+        options: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(work, specs, options=options)
         self.stages_file = stages_file
+        self.serial = serial
 
     def command(self) -> list[str]:
         return [self.python, "-m", "bench.stage_probe", "serve", "--config", str(self.config())]
 
     def extra_env(self) -> dict[str, str]:
-        return {**super().extra_env(), "BENCH_STAGES": str(self.stages_file)}
+        env = super().extra_env()
+        if self.stages_file is not None:
+            env["BENCH_STAGES"] = str(self.stages_file)
+        if self.serial:
+            env["BENCH_SERIAL_COPIES"] = "1"
+        return env
+
+
+def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages: Path | None) -> EdgedServer:
+    """``default``: edged as configured by the benchmark; ``serial``: frames copied out of their
+    region in one piece; ``threads=N``: the frame models with N intra-op threads."""
+    if variant == "default":
+        return ProbedEdged(work, specs, stages)
+    if variant == "serial":
+        return ProbedEdged(work, specs, stages, serial=True)
+    if variant.startswith("threads="):
+        n = int(variant.split("=", 1)[1])
+        return ProbedEdged(work, specs, stages, options={m: {"threads": n} for m, s in specs.items() if s.frame})
+    raise SystemExit(f"unknown variant {variant!r}: default, serial or threads=N")
 
 
 def _proc(pid: int) -> tuple[int, int]:
@@ -116,9 +146,21 @@ def _stage_lines(path: Path, models: list[str]) -> list[str]:
             continue
         first, after = mine[-(STEADY[m] + 2)], mine[-1]  # first request, steady requests, after gap
         for label, r in (("first", first), ("after gap", after)):
-            parts = ", ".join(f"{k} {v:.3f} ms/{r['faults'][k]} flt" for k, v in r["ms"].items())
-            out.append(f"  {m} {label}: {parts}")
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in r["ms"].items())
+            faults = sum(r["faults"].values())
+            out.append(f"  {m} {label} (ms): {parts}; {_hops(r['at_ms'])}; {faults} faults")
     return out
+
+
+def _hops(at: dict[str, list[float]]) -> str:
+    """The hand-offs between threads: loop → copier thread → loop, loop → model worker → loop."""
+    hops = []
+    for name, outer, inner in (("to copier", "fill", "read_copy"), ("to worker", "infer", "run")):
+        if outer in at and inner in at:
+            there = at[inner][0] - at[outer][0]
+            back = at[outer][1] - at[inner][1]
+            hops.append(f"{name} {there:.3f} / back {back:.3f}")
+    return ", ".join(hops) or "no hand-offs"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,11 +168,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--starts", type=int, default=7)
     ap.add_argument("--stages", action="store_true", help="daemon-side stage timers (bench.stage_probe)")
     ap.add_argument("--models", default="tiny,conv640,ocr_det")
+    ap.add_argument(
+        "--variants", default="default", help="comma-separated, alternated start by start: default, serial, threads=N"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "first_request.json")
     args = ap.parse_args(argv)
     wanted = args.models.split(",")
     specs = {m: s for m, s in prepare(REPO / "data", REPO / "data" / "bench").items() if m in wanted}
     work = Path(tempfile.mkdtemp(prefix="edged-first-"))
+    variants = args.variants.split(",")
     starts: list[dict[str, Any]] = []
     try:
         write_specs(work / "specs.json", specs)
@@ -139,28 +185,39 @@ def main(argv: list[str] | None = None) -> None:
         warm.wait_ready()
         warm.wait_built()
         warm.stop()
-        for i in range(args.starts):
+        for i in range(args.starts * len(variants)):
+            variant = variants[i % len(variants)]
             stages = work / f"stages-{i}.jsonl"
-            server = ProbedEdged(work, specs, stages) if args.stages else EdgedServer(work, specs)
-            r = one_start(server, specs)
+            r = one_start(variant_server(variant, work, specs, stages if args.stages else None), specs)
+            r["variant"] = variant
             starts.append(r)
             print(
-                f"start {i} (ready {r['ready_s']:.2f} s): "
+                f"start {i} {variant} (ready {r['ready_s']:.2f} s): "
                 + "; ".join(_describe(m, r) for m in specs)
                 + ("\n" + "\n".join(_stage_lines(stages, list(specs))) if args.stages else ""),
                 flush=True,
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    ratios = {m: [s["first"][m]["total_ms"] / s["after_gap"][m]["total_ms"] for s in starts] for m in specs}
+    ratios = {
+        v: {
+            m: [s["first"][m]["total_ms"] / s["after_gap"][m]["total_ms"] for s in starts if s["variant"] == v]
+            for m in specs
+        }
+        for v in variants
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"starts": starts, "ratios": ratios, "stages": args.stages}, indent=2))
-    print(
-        f"first / after the same {GAP_S} s gap over {len(starts)} fresh starts"
-        + (" (stage timers on)" if args.stages else "")
-        + ": "
-        + ", ".join(f"{m} median {statistics.median(v):.2f}x (worst {max(v):.2f}x)" for m, v in ratios.items())
-    )
+    for v, by_model in ratios.items():
+        steady = {m: statistics.median(s["steady_ms"][m] for s in starts if s["variant"] == v) for m in specs}
+        print(
+            f"{v}: first / after the same {GAP_S} s gap over {args.starts} fresh starts"
+            + (" (stage timers on)" if args.stages else "")
+            + ": "
+            + ", ".join(f"{m} median {statistics.median(r):.2f}x (worst {max(r):.2f}x)" for m, r in by_model.items())
+            + "; steady median "
+            + ", ".join(f"{m} {ms:.3f} ms" for m, ms in steady.items())
+        )
     sys.stdout.flush()
 
 

@@ -9,7 +9,8 @@ shared-memory input buffers it allocates (``decode``), the copy out of the clien
 (``infer``) and the model run alone on its worker (``run``), encoding (``encode``) and the copy
 into an output region (``flush``). Each stage records its wall time and the minor page faults of
 the thread it ran on (RUSAGE_THREAD). The records are written as JSON lines to the file named by
-BENCH_STAGES when the daemon exits.
+BENCH_STAGES when the daemon exits. BENCH_SERIAL_COPIES=1 copies a frame out of its region in one
+piece on one thread (the variant edged had before), for a same-run comparison.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ def _faults() -> int:
 def _add(rec: Record | None, stage: str, dt: float, faults: int) -> None:
     if rec is None:
         return
-    ms, flt = rec.setdefault("ms", {}), rec.setdefault("faults", {})
+    end = time.perf_counter()
+    ms, flt, at = rec.setdefault("ms", {}), rec.setdefault("faults", {}), rec.setdefault("at_ms", {})
     ms[stage] = ms.get(stage, 0.0) + dt * 1000
     flt[stage] = flt.get(stage, 0) + faults
+    # When the stage started and ended, in ms since the request reached the app (first time only).
+    at.setdefault(stage, [(end - dt - rec["t0"]) * 1000, (end - rec["t0"]) * 1000])
 
 
 def _wrap_async(owner: Any, attr: str, stage: str) -> None:
@@ -82,7 +86,7 @@ def install() -> None:
     async def app(self: Any, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http" or not scope.get("path", "").endswith("/infer"):
             return await app_call(self, scope, receive, send)
-        rec: Record = {"path": scope["path"], "at": time.time()}
+        rec: Record = {"path": scope["path"], "at": time.time(), "t0": time.perf_counter()}
         token = _current.set(rec)
         _in_flight.append(rec)
         f0, t0 = _faults(), time.perf_counter()
@@ -121,8 +125,19 @@ def _dump() -> None:
                 f.write(json.dumps(rec) + "\n")
 
 
+def serial_copies() -> None:
+    """The copy out of a region as one piece on one thread (what edged did before it split large
+    copies across its copier threads): for a before/after comparison in one run."""
+    from edged.transports import shm_io
+
+    shm_io._pieces = lambda jobs: [jobs]
+
+
 def main() -> int:
-    install()
+    if os.environ.get("BENCH_STAGES"):
+        install()
+    if os.environ.get("BENCH_SERIAL_COPIES") == "1":
+        serial_copies()
     from edged.cli import main as edged_main
 
     return edged_main(sys.argv[1:])

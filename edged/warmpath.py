@@ -20,6 +20,7 @@ from edged.metrics import uncounted
 from edged.protocol import v2_datatype
 from edged.registry import READY, Registry
 from edged.transports.http import App
+from edged.transports.shm_io import warm_copies
 from edged.warmup import warm_inputs
 
 log = logging.getLogger(__name__)
@@ -60,15 +61,22 @@ async def _call(app: App, model: str, body: bytes, header_len: int | None) -> in
 
 
 async def warm_request_path(app: App, registry: Registry) -> None:
+    largest = 0  # the largest input a model takes: the size of the shared-memory copy to warm
     for rt in registry.models.values():
         if rt.state != READY or rt.backend is None:
             continue
         if is_language_model(rt.cfg):  # the generation routes, streamed and not
             await app.generation.warm(rt.name)
             continue
-        bodies = _bodies(warm_inputs(rt.backend.inputs, rt.cfg))
+        inputs = warm_inputs(rt.backend.inputs, rt.cfg)
+        largest = max([largest, *(a.nbytes for a in inputs.values())])
+        bodies = _bodies(inputs)
         for _ in range(ROUNDS):
             for body, header_len in bodies:
                 status = await _call(app, rt.name, body, header_len)
                 if status != 200:
                     log.warning("%s: warm-up request answered %d", rt.name, status, extra={"model": rt.name})
+    # Frames arrive through shared memory: the copy path (its threads, preadv, pwrite) is not on
+    # the path of the requests above, which carry their tensors in the body.
+    for _ in range(ROUNDS):
+        await warm_copies(largest)
