@@ -10,7 +10,8 @@ shared-memory input buffers it allocates (``decode``), the copy out of the clien
 into an output region (``flush``). Each stage records its wall time and the minor page faults of
 the thread it ran on (RUSAGE_THREAD). The records are written as JSON lines to the file named by
 BENCH_STAGES when the daemon exits. BENCH_SERIAL_COPIES=1 copies a frame out of its region in one
-piece on one thread (the variant edged had before), for a same-run comparison.
+piece on one thread (the variant edged had before), BENCH_KEEP_SPINNING=1 leaves ONNX Runtime's
+pool spinning after each run (as edged did before): each for a same-run comparison.
 """
 
 from __future__ import annotations
@@ -133,11 +134,21 @@ def serial_copies() -> None:
     shm_io._pieces = lambda jobs: [jobs]
 
 
+def keep_spinning() -> None:
+    """ONNX Runtime's intra-op pool left spinning after a run returns (edged's sessions before
+    session.force_spinning_stop), for a same-run comparison."""
+    from edged.backends import onnxruntime as ort_backend
+
+    ort_backend.SERVING_CONFIG.pop("session.force_spinning_stop", None)
+
+
 def main() -> int:
     if os.environ.get("BENCH_STAGES"):
         install()
     if os.environ.get("BENCH_SERIAL_COPIES") == "1":
         serial_copies()
+    if os.environ.get("BENCH_KEEP_SPINNING") == "1":
+        keep_spinning()
     from edged.cli import main as edged_main
 
     return edged_main(sys.argv[1:])
