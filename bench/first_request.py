@@ -8,14 +8,14 @@ then steady requests; then per model the same gap and one more request on a new 
 ratio is first / after-gap. Each request also records the client's part (the producer's copy into
 the region, connect, send to last byte) and the daemon's minor page faults and thread count around
 it (from /proc), so a cold first request shows what it paid for. ``--variants`` alternates
-daemons start by start (the current one, the former one-piece copy out of a region, ONNX
-Runtime's pool left spinning after a run, other intra-op thread counts for the frame models) and
+daemons start by start (the current one, ONNX Runtime's pool left spinning after a run, other intra-op thread
+counts for the frame models) and
 reports each. ``--stages`` runs the daemon under bench.stage_probe (timers around each stage of
 the request path: decode, copy in, hand-off and run, encode, copy out, each with its thread's page
 faults) and prints them for the first and the after-gap request.
 
     scripts/bench.sh first-request [--starts 7] [--stages] [--models tiny,conv640,ocr_det]
-                                   [--variants default,serial,spinning,threads=15]
+                                   [--variants default,spinning,threads=15]
 """
 
 from __future__ import annotations
@@ -41,20 +41,18 @@ GAP_S = 0.5
 
 class ProbedEdged(EdgedServer):
     """edged started through bench.stage_probe: the same daemon, with stage timers when
-    ``stages_file`` is given, with the former one-piece copy out of a region when ``serial``."""
+    ``stages_file`` is given, with ONNX Runtime's pool left spinning when ``spinning``."""
 
     def __init__(
         self,
         work: Path,
         specs: dict[str, ModelSpec],
         stages_file: Path | None,
-        serial: bool = False,
         options: dict[str, dict[str, Any]] | None = None,
         spinning: bool = False,
     ) -> None:
         super().__init__(work, specs, options=options)
         self.stages_file = stages_file
-        self.serial = serial
         self.spinning = spinning
 
     def command(self) -> list[str]:
@@ -64,27 +62,22 @@ class ProbedEdged(EdgedServer):
         env = super().extra_env()
         if self.stages_file is not None:
             env["BENCH_STAGES"] = str(self.stages_file)
-        if self.serial:
-            env["BENCH_SERIAL_COPIES"] = "1"
         if self.spinning:
             env["BENCH_KEEP_SPINNING"] = "1"
         return env
 
 
 def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages: Path | None) -> EdgedServer:
-    """``default``: edged as configured by the benchmark; ``serial``: frames copied out of their
-    region in one piece; ``spinning``: ONNX Runtime's pool left spinning after each run;
-    ``threads=N``: the frame models with N intra-op threads."""
+    """``default``: edged as configured by the benchmark; ``spinning``: ONNX Runtime's pool left
+    spinning after each run; ``threads=N``: the frame models with N intra-op threads."""
     if variant == "default":
         return ProbedEdged(work, specs, stages)
-    if variant == "serial":
-        return ProbedEdged(work, specs, stages, serial=True)
     if variant == "spinning":
         return ProbedEdged(work, specs, stages, spinning=True)
     if variant.startswith("threads="):
         n = int(variant.split("=", 1)[1])
         return ProbedEdged(work, specs, stages, options={m: {"threads": n} for m, s in specs.items() if s.frame})
-    raise SystemExit(f"unknown variant {variant!r}: default, serial, spinning or threads=N")
+    raise SystemExit(f"unknown variant {variant!r}: default, spinning or threads=N")
 
 
 def _proc(pid: int) -> tuple[int, int]:
@@ -178,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--variants",
         default="default",
-        help="comma-separated, alternated start by start: default, serial, spinning, threads=N",
+        help="comma-separated, alternated start by start: default, spinning, threads=N",
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "first_request.json")
     args = ap.parse_args(argv)

@@ -9,9 +9,8 @@ shared-memory input buffers it allocates (``decode``), the copy out of the clien
 (``infer``) and the model run alone on its worker (``run``), encoding (``encode``) and the copy
 into an output region (``flush``). Each stage records its wall time and the minor page faults of
 the thread it ran on (RUSAGE_THREAD). The records are written as JSON lines to the file named by
-BENCH_STAGES when the daemon exits. BENCH_SERIAL_COPIES=1 copies a frame out of its region in one
-piece on one thread (the variant edged had before), BENCH_KEEP_SPINNING=1 leaves ONNX Runtime's
-pool spinning after each run (as edged did before): each for a same-run comparison.
+BENCH_STAGES when the daemon exits. BENCH_KEEP_SPINNING=1 leaves ONNX Runtime's pool spinning after
+each run (as edged did before), for a same-run comparison.
 """
 
 from __future__ import annotations
@@ -126,14 +125,6 @@ def _dump() -> None:
                 f.write(json.dumps(rec) + "\n")
 
 
-def serial_copies() -> None:
-    """The copy out of a region as one piece on one thread (what edged did before it split large
-    copies across its copier threads): for a before/after comparison in one run."""
-    from edged.transports import shm_io
-
-    shm_io._pieces = lambda jobs: [jobs]
-
-
 def keep_spinning() -> None:
     """ONNX Runtime's intra-op pool left spinning after a run returns (edged's sessions before
     session.force_spinning_stop), for a same-run comparison."""
@@ -145,8 +136,6 @@ def keep_spinning() -> None:
 def main() -> int:
     if os.environ.get("BENCH_STAGES"):
         install()
-    if os.environ.get("BENCH_SERIAL_COPIES") == "1":
-        serial_copies()
     if os.environ.get("BENCH_KEEP_SPINNING") == "1":
         keep_spinning()
     from edged.cli import main as edged_main

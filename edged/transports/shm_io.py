@@ -13,7 +13,6 @@ import asyncio
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
@@ -23,16 +22,15 @@ from edged.transports.shm import Region
 
 # Copies up to this size run on the loop: handing them to a thread costs more than the copy.
 INLINE_COPY_BYTES = 256 * 1024
-# A large copy is split into pieces of at least this size, one per copier thread: the kernel's
-# copy out of a shared memory object goes page by page (about 1 ms for a 4.9 MB frame on one
-# core of a 16-core x86 host), so on a machine with cores to spare the pieces run side by side.
-CHUNK_BYTES = 1024 * 1024
-COPIERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+# Copier threads: a frame's copy is one piece on one thread. Splitting it across threads was
+# measured (bench first-request --variants default,serial, 16-core host): no steady gain (3.73 vs
+# 3.66 ms a conv640 frame) and a slower first request, each extra thread being one more wake-up.
+COPIERS = 4
 
 Job = tuple[Region, int, np.ndarray]
 
 # The copier threads: their own small pool (not the loop's default executor, where a slow file
-# hash or memory probe could hold a frame's copy up), started at warm-up (``warm_copies``).
+# hash or memory probe could hold a frame's copy up), one started at warm-up (``warm_copies``).
 _copiers = ThreadPoolExecutor(max_workers=COPIERS, thread_name_prefix="edged-shm-copy")
 
 
@@ -47,7 +45,7 @@ class ShmRequest:
         self.reads: list[Job] = []
         self.writes: list[Job] = []
         self._held: list[Region] = []
-        self._busy: asyncio.Future[Any] | None = None  # threads still copying
+        self._busy: asyncio.Future[None] | None = None  # a thread still copying
 
     def _take(self, name: str, offset: int, size: int) -> Region:
         region = self._lookup(name)
@@ -75,34 +73,26 @@ class ShmRequest:
         return buf.data
 
     async def fill(self) -> None:
-        await self._run(self.reads, _read_all, split=True)
+        await self._run(self.reads, _read_all)
 
     async def flush(self) -> None:
-        # Writes are not split: each piece would need its own size check of the object.
-        await self._run(self.writes, _write_all, split=False)
+        await self._run(self.writes, _write_all)
 
-    async def _run(self, jobs: list[Job], fn: Callable[[Region, int, np.ndarray], None], split: bool) -> None:
+    async def _run(self, jobs: list[Job], fn: Callable[[Region, int, np.ndarray], None]) -> None:
         if not jobs:
             return
         if sum(buf.nbytes for _, _, buf in jobs) <= INLINE_COPY_BYTES:
             for job in jobs:
                 fn(*job)
             return
-        groups = _pieces(jobs) if split else [jobs]
 
-        def run(group: list[Job]) -> None:
-            for job in group:
+        def all_jobs() -> None:
+            for job in jobs:
                 fn(*job)
 
-        loop = asyncio.get_running_loop()
-        # return_exceptions: done only once every thread is, even when one piece fails early.
-        busy = asyncio.gather(*(loop.run_in_executor(_copiers, run, g) for g in groups), return_exceptions=True)
-        self._busy = busy
-        outcomes = await asyncio.shield(busy)  # cancelled: the threads still run; release() waits
+        self._busy = asyncio.get_running_loop().run_in_executor(_copiers, all_jobs)
+        await asyncio.shield(self._busy)  # cancelled: the thread still runs; release() waits for it
         self._busy = None
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
 
     def release(self) -> None:
         if self._busy is not None and not self._busy.done():
@@ -113,34 +103,11 @@ class ShmRequest:
             region.close_if_idle()
         self._held.clear()
 
-    def _release_later(self, fut: asyncio.Future[Any]) -> None:
+    def _release_later(self, fut: asyncio.Future[None]) -> None:
         if not fut.cancelled():
             fut.exception()  # retrieved: the request that wanted it is gone
         self._busy = None
         self.release()
-
-
-def _pieces(jobs: list[Job]) -> list[list[Job]]:
-    """The jobs cut into at most COPIERS groups of about equal bytes, no piece under CHUNK_BYTES
-    (a piece is a slice of a job's buffer: the threads write disjoint parts of it)."""
-    total = sum(buf.nbytes for _, _, buf in jobs)
-    n = max(1, min(COPIERS, total // CHUNK_BYTES))
-    if n == 1:
-        return [jobs]
-    share = -(-total // n)
-    groups: list[list[Job]] = [[]]
-    room = share
-    for region, pos, buf in jobs:
-        done = 0
-        while done < buf.nbytes:
-            if room == 0:
-                groups.append([])
-                room = share
-            take = min(room, buf.nbytes - done)
-            groups[-1].append((region, pos + done, buf[done : done + take]))
-            done += take
-            room -= take
-    return groups
 
 
 def _read_all(region: Region, pos: int, buf: np.ndarray) -> None:
@@ -183,7 +150,7 @@ async def warm_copies(nbytes: int) -> None:
     frame pays for none of it."""
     if not hasattr(os, "memfd_create"):
         return
-    nbytes = max(nbytes, COPIERS * CHUNK_BYTES, INLINE_COPY_BYTES + 1)
+    nbytes = max(nbytes, INLINE_COPY_BYTES + 1)  # large enough to take the thread path
     fd = os.memfd_create("edged-warm-copy", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
