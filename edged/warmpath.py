@@ -29,11 +29,18 @@ _JSON_LIMIT = 4096  # elements: larger warm-up tensors go only through the binar
 ROUNDS = 3
 
 
-def _bodies(inputs: dict[str, np.ndarray]) -> list[tuple[bytes, int | None]]:
+def _bodies(inputs: dict[str, np.ndarray], outputs: list[str]) -> list[tuple[bytes, int | None]]:
     meta = [{"name": n, "datatype": v2_datatype(a.dtype.name), "shape": list(a.shape)} for n, a in inputs.items()]
     binary_meta = [dict(m, parameters={"binary_data_size": a.nbytes}) for m, a in zip(meta, inputs.values())]
-    header = orjson.dumps({"id": "warmup", "inputs": binary_meta, "parameters": {"binary_data_output": True}})
-    bodies: list[tuple[bytes, int | None]] = [(header + b"".join(a.tobytes() for a in inputs.values()), len(header))]
+    data = b"".join(a.tobytes() for a in inputs.values())
+    bodies: list[tuple[bytes, int | None]] = []
+    # Binary, all outputs; then binary naming its outputs, as edged's and Triton's clients send it
+    # (the requested-outputs path of decoding and encoding is otherwise first run by a client).
+    named = [{"name": n, "parameters": {"binary_data": True}} for n in outputs]
+    for extra in ({}, {"outputs": named}):
+        doc = {"id": "warmup", "inputs": binary_meta, "parameters": {"binary_data_output": True}, **extra}
+        header = orjson.dumps(doc)
+        bodies.append((header + data, len(header)))
     if all(a.size <= _JSON_LIMIT for a in inputs.values()):
         doc = {"id": "warmup", "inputs": [dict(m, data=a.reshape(-1)) for m, a in zip(meta, inputs.values())]}
         bodies.append((orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), None))
@@ -70,7 +77,7 @@ async def warm_request_path(app: App, registry: Registry) -> None:
             continue
         inputs = warm_inputs(rt.backend.inputs, rt.cfg)
         largest = max([largest, *(a.nbytes for a in inputs.values())])
-        bodies = _bodies(inputs)
+        bodies = _bodies(inputs, [o.name for o in rt.backend.outputs])
         for _ in range(ROUNDS):
             for body, header_len in bodies:
                 status = await _call(app, rt.name, body, header_len)
