@@ -23,8 +23,9 @@ from edged.transports.shm import Region
 # Copies up to this size run on the loop: handing them to a thread costs more than the copy.
 INLINE_COPY_BYTES = 256 * 1024
 # Copier threads: a frame's copy is one piece on one thread. Splitting it across threads was
-# measured (bench first-request --variants default,serial, 16-core host): no steady gain (3.73 vs
-# 3.66 ms a conv640 frame) and a slower first request, each extra thread being one more wake-up.
+# measured (bench first-request, 16-core host, commit 9a1007b against one piece in the same run):
+# no steady gain (3.73 vs 3.66 ms a conv640 frame) and a slower first request, each extra thread
+# being one more wake-up. Four threads copy for four requests at once; more wait their turn.
 COPIERS = 4
 
 Job = tuple[Region, int, np.ndarray]
@@ -146,7 +147,7 @@ def _write_all(region: Region, pos: int, buf: np.ndarray) -> None:
 
 async def warm_copies(nbytes: int) -> None:
     """Run the copy path once both ways against a daemon-owned memfd of ``nbytes`` (before
-    READY=1): starts the copier threads and runs the code a client's first frame takes, so that
+    READY=1): starts a copier thread and runs the code a client's first frame takes, so that
     frame pays for none of it."""
     if not hasattr(os, "memfd_create"):
         return
