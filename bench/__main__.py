@@ -21,7 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "soak": ("bench.soak", "mixed socket, shm and MQTT clients with a reload and a broker restart"),
     "llm": ("bench.llm", "language model: TTFT and tokens/s against llama.cpp's server and a lazy loader"),
     "placement": ("bench.placement", "CPU placement and intra-op threads: tiny and frame against the floor"),
-    "first-request": ("bench.first_request", "first request after READY=1, warmed through the socket or not"),
+    "first-request": (
+        "bench.first_request",
+        "first request after READY=1 against one after the same idle gap, per stage",
+    ),
     "overhead": ("bench.overhead", "where a request's time goes outside the model, with trial fixes"),
     "spinning": ("bench.spinning", "ONNX Runtime's spinning intra-op threads on and off"),
     "shm-copy": ("bench.shm_copy", "the safe kernel copy of a shared-memory frame against the old mapping"),

@@ -32,8 +32,8 @@ import onnxruntime as ort
 
 REPO = Path(__file__).resolve().parent.parent
 
+from bench.models import demo_onnx  # noqa: E402
 from edged.client import Client, encode_request  # noqa: E402
-from edged.demo import setup as demo_setup  # noqa: E402
 from tests.helpers import DaemonProcess, wait_for, write_config  # noqa: E402
 
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rounds, per, frame_per, starts = (5, 200, 4, 3) if args.quick else (10, 500, 8, 7)
     data = REPO / "data"
-    demo_setup(data)
+    demo_onnx(data)
     models = data / "models"
     results: dict[str, object] = {
         "machine": {

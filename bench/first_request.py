@@ -1,12 +1,21 @@
-"""Probe: does the first request after READY=1 pay for the socket path that the daemon's own
-warm-up (edged.warmpath, which calls the ASGI app directly) never exercises?
+"""The first request after READY=1 against a request after the same idle gap on a daemon that
+has served, over fresh starts, per model (tiny over the socket, conv640 and the PP-OCRv4
+detector as frames through a registered shared memory region).
 
-Fresh edged starts, alternating: readiness from sd_notify then the first request (as systemd and
-the benchmark see it), against the same with one GET /v2/health/live through the socket right
-after READY=1 (what warming through the real socket would do). Each start reports, per model, the
-first request after a 0.5 s idle gap over the request after the same gap on the warm daemon.
+Each start: spawn, wait for sd_notify READY=1, register a region per frame model (as a client
+does when it starts), then per model a 0.5 s idle gap and the first request on a new connection;
+then steady requests; then per model the same gap and one more request on a new connection. The
+ratio is first / after-gap. Each request also records the client's part (the producer's copy into
+the region, connect, send to last byte) and the daemon's minor page faults and thread count around
+it (from /proc), so a cold first request shows what it paid for. ``--variants`` alternates
+daemons start by start (the current one, ONNX Runtime's pool left spinning after a run, other intra-op thread
+counts for the frame models) and
+reports each. ``--stages`` runs the daemon under bench.stage_probe (timers around each stage of
+the request path: decode, copy in, hand-off and run, encode, copy out, each with its thread's page
+faults) and prints them for the first and the after-gap request.
 
-    scripts/bench.sh first-request [--starts 6]
+    scripts/bench.sh first-request [--starts 7] [--stages] [--models tiny,conv640,ocr_det]
+                                   [--variants default,spinning,threads=15]
 """
 
 from __future__ import annotations
@@ -15,47 +24,213 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-from bench.measure import cold_start
-from bench.models import prepare, write_specs
+from bench.measure import STEADY, _client_conns, _steady
+from bench.models import ModelSpec, prepare, write_specs
 from bench.servers import EdgedServer
+from bench.wire import Conn, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
+GAP_S = 0.5
+
+
+class ProbedEdged(EdgedServer):
+    """edged started through bench.stage_probe: the same daemon, with stage timers when
+    ``stages_file`` is given, with ONNX Runtime's pool left spinning when ``spinning``."""
+
+    def __init__(
+        self,
+        work: Path,
+        specs: dict[str, ModelSpec],
+        stages_file: Path | None,
+        options: dict[str, dict[str, Any]] | None = None,
+        spinning: bool = False,
+    ) -> None:
+        super().__init__(work, specs, options=options)
+        self.stages_file = stages_file
+        self.spinning = spinning
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", "bench.stage_probe", "serve", "--config", str(self.config())]
+
+    def extra_env(self) -> dict[str, str]:
+        env = super().extra_env()
+        if self.stages_file is not None:
+            env["BENCH_STAGES"] = str(self.stages_file)
+        if self.spinning:
+            env["BENCH_KEEP_SPINNING"] = "1"
+        return env
+
+
+def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages: Path | None) -> EdgedServer:
+    """``default``: edged as configured by the benchmark; ``spinning``: ONNX Runtime's pool left
+    spinning after each run; ``threads=N``: the frame models with N intra-op threads."""
+    if variant == "default":
+        return ProbedEdged(work, specs, stages)
+    if variant == "spinning":
+        return ProbedEdged(work, specs, stages, spinning=True)
+    if variant.startswith("threads="):
+        n = int(variant.split("=", 1)[1])
+        return ProbedEdged(work, specs, stages, options={m: {"threads": n} for m, s in specs.items() if s.frame})
+    raise SystemExit(f"unknown variant {variant!r}: default, spinning or threads=N")
+
+
+def _proc(pid: int) -> tuple[int, int]:
+    """(minor page faults, threads) of the daemon's process, all threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[7]), int(fields[17])
+
+
+def timed_request(conn: Conn, pid: int) -> dict[str, float]:
+    """One request on a fresh connection, in parts: copy into the region, connect, send → the
+    last byte of the answer. ``total_ms`` is what the benchmark's ratio uses."""
+    flt0, thr0 = _proc(pid)
+    t0 = time.perf_counter()
+    if conn.before is not None:
+        conn.before()
+    t1 = time.perf_counter()
+    with connect(conn.addr) as s:
+        t2 = time.perf_counter()
+        roundtrip(s, conn.request)
+        t3 = time.perf_counter()
+    flt1, thr1 = _proc(pid)
+    return {
+        "total_ms": (t3 - t0) * 1000,
+        "copy_ms": (t1 - t0) * 1000,
+        "connect_ms": (t2 - t1) * 1000,
+        "roundtrip_ms": (t3 - t2) * 1000,
+        "daemon_faults": flt1 - flt0,
+        "daemon_new_threads": thr1 - thr0,
+    }
+
+
+def one_start(server: EdgedServer, specs: dict[str, ModelSpec]) -> dict[str, Any]:
+    server.start()
+    try:
+        ready_s = server.wait_ready()
+        conns, _ = _client_conns(server, specs)
+        first, after, steady = {}, {}, {}
+        for m, conn in conns.items():
+            time.sleep(GAP_S)  # the idle gap being measured, not synchronisation
+            first[m] = timed_request(conn, server.pid)
+        for m, conn in conns.items():
+            steady[m] = _steady(conn, STEADY[m]) * 1000
+        for m, conn in conns.items():
+            time.sleep(GAP_S)  # the same gap on a daemon that has served
+            after[m] = timed_request(conn, server.pid)
+        server.close_frames()
+    except Exception:
+        print(f"edged's log:\n{server.log_tail(6000)}", file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+    return {"ready_s": ready_s, "first": first, "after_gap": after, "steady_ms": steady}
+
+
+def _stage_lines(path: Path, models: list[str]) -> list[str]:
+    """The daemon's own stage timings of the last start: its first and its after-gap request per
+    model (the warm-up's requests through the app come before them)."""
+    if not path.exists():
+        return ["(no stage records: the daemon did not write BENCH_STAGES)"]
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    out = []
+    for m in models:
+        mine = [r for r in recs if r["path"] == f"/v2/models/{m}/infer"]
+        if len(mine) < 2:
+            continue
+        first, after = mine[-(STEADY[m] + 2)], mine[-1]  # first request, steady requests, after gap
+        for label, r in (("first", first), ("after gap", after)):
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in r["ms"].items())
+            faults = sum(r["faults"].values())
+            out.append(f"  {m} {label} (ms): {parts}; {_hops(r['at_ms'])}; {faults} faults")
+    return out
+
+
+def _hops(at: dict[str, list[float]]) -> str:
+    """The hand-offs between threads: loop → copier thread → loop, loop → model worker → loop."""
+    hops = []
+    for name, outer, inner in (("to copier", "fill", "read_copy"), ("to worker", "infer", "run")):
+        if outer in at and inner in at:
+            there = at[inner][0] - at[outer][0]
+            back = at[outer][1] - at[inner][1]
+            hops.append(f"{name} {there:.3f} / back {back:.3f}")
+    return ", ".join(hops) or "no hand-offs"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--starts", type=int, default=6)
+    ap.add_argument("--starts", type=int, default=7)
+    ap.add_argument("--stages", action="store_true", help="daemon-side stage timers (bench.stage_probe)")
+    ap.add_argument("--models", default="tiny,conv640,ocr_det")
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help="comma-separated, alternated start by start: default, spinning, threads=N",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "first_request.json")
     args = ap.parse_args(argv)
-    specs = prepare(REPO / "data", REPO / "data" / "bench")
-    work = Path(tempfile.mkdtemp(prefix="edged-probe-"))
-    ratios: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+    wanted = args.models.split(",")
+    specs = {m: s for m, s in prepare(REPO / "data", REPO / "data" / "bench").items() if m in wanted}
+    work = Path(tempfile.mkdtemp(prefix="edged-first-"))
+    variants = args.variants.split(",")
+    starts: list[dict[str, Any]] = []
     try:
         write_specs(work / "specs.json", specs)
-        cold_start(EdgedServer(work, specs), specs, 0.1)  # builds the cache
-        for i in range(2 * args.starts):
-            touch = bool(i % 2)
-            r = cold_start(EdgedServer(work, specs), specs, 0.5, touch=touch)
-            for m in specs:
-                ratios[touch].setdefault(m, []).append(r["first_ms"][m] / r["after_gap_ms"][m])
+        warm = EdgedServer(work, specs)  # builds the cache: every measured start is a cache hit
+        warm.start()
+        warm.wait_ready()
+        warm.wait_built()
+        warm.stop()
+        for i in range(args.starts * len(variants)):
+            variant = variants[i % len(variants)]
+            stages = work / f"stages-{i}.jsonl"
+            r = one_start(variant_server(variant, work, specs, stages if args.stages else None), specs)
+            r["variant"] = variant
+            starts.append(r)
             print(
-                f"start {i} touch={touch}: "
-                + ", ".join(f"{m} {r['first_ms'][m]:.3f}/{r['after_gap_ms'][m]:.3f} ms" for m in specs),
+                f"start {i} {variant} (ready {r['ready_s']:.2f} s): "
+                + "; ".join(_describe(m, r) for m in specs)
+                + ("\n" + "\n".join(_stage_lines(stages, list(specs))) if args.stages else ""),
                 flush=True,
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    ratios = {
+        v: {
+            m: [s["first"][m]["total_ms"] / s["after_gap"][m]["total_ms"] for s in starts if s["variant"] == v]
+            for m in specs
+        }
+        for v in variants
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"socket_touched" if t else "ready_only": v for t, v in ratios.items()}, indent=2))
-    for touch, by_model in ratios.items():
-        label = "one GET through the socket after READY=1" if touch else "READY=1 only"
+    args.out.write_text(json.dumps({"starts": starts, "ratios": ratios, "stages": args.stages}, indent=2))
+    for v, by_model in ratios.items():
+        steady = {m: statistics.median(s["steady_ms"][m] for s in starts if s["variant"] == v) for m in specs}
         print(
-            f"{label}: first / after gap, median: "
-            + ", ".join(f"{m} {statistics.median(v):.2f}x (worst {max(v):.2f}x)" for m, v in by_model.items())
+            f"{v}: first / after the same {GAP_S} s gap over {args.starts} fresh starts"
+            + (" (stage timers on)" if args.stages else "")
+            + ": "
+            + ", ".join(f"{m} median {statistics.median(r):.2f}x (worst {max(r):.2f}x)" for m, r in by_model.items())
+            + "; steady median "
+            + ", ".join(f"{m} {ms:.3f} ms" for m, ms in steady.items())
         )
+    sys.stdout.flush()
+
+
+def _describe(m: str, r: dict[str, Any]) -> str:
+    f, a = r["first"][m], r["after_gap"][m]
+    return (
+        f"{m} {f['total_ms']:.3f}/{a['total_ms']:.3f} ms = {f['total_ms'] / a['total_ms']:.2f}x "
+        f"(copy {f['copy_ms']:.3f}/{a['copy_ms']:.3f}, connect {f['connect_ms']:.3f}/{a['connect_ms']:.3f}, "
+        f"faults {f['daemon_faults']}/{a['daemon_faults']}, "
+        f"threads +{f['daemon_new_threads']}/+{a['daemon_new_threads']})"
+    )
 
 
 if __name__ == "__main__":

@@ -111,11 +111,22 @@ def batchable(bench_models: Path) -> ModelSpec:
     return ModelSpec("mlp2k", str(path.resolve()), "x", (1, 256), ("y",), len(os.sched_getaffinity(0)), False)
 
 
-def prepare(data_dir: Path, bench_models: Path) -> dict[str, ModelSpec]:
-    """Fetch the demo models if missing, build the conv net, and describe all three."""
-    from edged.demo import setup as demo_setup
+def demo_onnx(data_dir: Path) -> None:
+    """The demo's two ONNX models (not its language model, which no benchmark here needs), fetched
+    or built if missing; a host without a package index gets them carried in data/models."""
+    from edged.demo import extract_detector, make_tiny_mlp
 
-    demo_setup(data_dir)
+    if not (data_dir / "models" / "ocr_det.onnx").exists():
+        extract_detector(data_dir / "models" / "ocr_det.onnx")
+    if not (data_dir / "models" / "tiny.onnx").exists():
+        make_tiny_mlp(data_dir / "models" / "tiny.onnx")
+
+
+def prepare(data_dir: Path, bench_models: Path) -> dict[str, ModelSpec]:
+    """Fetch the demo models if missing, build the conv net, and describe all three. Only the two
+    ONNX demo models are needed (not the language model): a host without a package index runs
+    this with them carried in data/models."""
+    demo_onnx(data_dir)
     conv = bench_models / "conv640.onnx"
     if not conv.exists():
         make_conv640(conv)

@@ -31,9 +31,8 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.core import LeanClient, http_request
-from bench.models import make_conv640
+from bench.models import demo_onnx, make_conv640
 from edged.client import Client
-from edged.demo import setup as demo_setup
 from tests.helpers import DaemonProcess, write_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -186,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     ncpu = os.cpu_count() or 1
     data = REPO / "data"
-    demo_setup(data)
+    demo_onnx(data)
     results: dict[str, Any] = {
         "machine": {
             "cpus": ncpu,

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -278,7 +279,9 @@ class EdgedServer(Server):
                         raise RuntimeError(f"edged exited: {self.log_tail()}") from None
                     continue
                 if b"READY=1" in msg.split(b"\n"):
-                    return time.perf_counter() - self.spawned
+                    ready = time.perf_counter() - self.spawned
+                    self._drain_notify()
+                    return ready
         except BaseException:
             self._close_notify()
             raise
@@ -302,8 +305,25 @@ class EdgedServer(Server):
         (self.dir / "stacks.txt").write_text(text)
         return text
 
+    def _drain_notify(self) -> None:
+        """Keep reading the notify socket after READY=1: the daemon's STATUS= lines (a background
+        build sends several) would otherwise fill its queue (10 datagrams), and the daemon's next
+        sd_notify would block in sendto, as it never would under systemd."""
+        sock = self.notify
+        assert sock is not None
+        sock.settimeout(None)
+
+        def drain() -> None:
+            with contextlib.suppress(OSError):
+                while sock.recv(4096):
+                    pass
+
+        threading.Thread(target=drain, name="notify-drain", daemon=True).start()
+
     def _close_notify(self) -> None:
         if self.notify is not None:
+            with contextlib.suppress(OSError):
+                self.notify.shutdown(socket.SHUT_RDWR)  # wakes the drain thread's recv
             self.notify.close()
             self.notify = None
 
@@ -313,6 +333,18 @@ class EdgedServer(Server):
 
     def is_ready(self) -> bool:
         return _get(self.addr, "/v2/health/ready") == 200
+
+    def wait_built(self, timeout: float = 600.0) -> None:
+        """Until no build is queued or running: the engine cache is complete, so the next start
+        is a pure cache hit with no background build under the measurement."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = get_status(self.addr)
+            line = str(st.get("status", ""))
+            if not st.get("builds") and "building" not in line and "queued" not in line:
+                return
+            time.sleep(0.2)  # polling the daemon's status, bounded by the deadline
+        raise RuntimeError(f"edged still building after {timeout} s: {self.log_tail()}")
 
     def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
         return v2_request(spec.name, spec.input, x, spec.outputs)

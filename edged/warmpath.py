@@ -22,6 +22,7 @@ from edged.registry import Registry
 from edged.states import ModelState
 from edged.tensors import is_bytes, json_strings, tensor_bytes
 from edged.transports.http import App
+from edged.transports.shm_io import warm_copies
 from edged.warmup import warm_inputs
 
 log = logging.getLogger(__name__)
@@ -30,18 +31,25 @@ _JSON_LIMIT = 4096  # elements: larger warm-up tensors go only through the binar
 ROUNDS = 3
 
 
-def _bodies(inputs: dict[str, np.ndarray]) -> list[tuple[bytes, int | None]]:
+def _bodies(inputs: dict[str, np.ndarray], outputs: list[str]) -> list[tuple[bytes, int | None]]:
     meta = [{"name": n, "datatype": v2_datatype(a.dtype.name), "shape": list(a.shape)} for n, a in inputs.items()]
     raws = [bytes(tensor_bytes(a)) for a in inputs.values()]
     binary_meta = [dict(m, parameters={"binary_data_size": len(r)}) for m, r in zip(meta, raws)]
-    header = orjson.dumps({"id": "warmup", "inputs": binary_meta, "parameters": {"binary_data_output": True}})
-    bodies: list[tuple[bytes, int | None]] = [(header + b"".join(raws), len(header))]
+    data = b"".join(raws)
+    bodies: list[tuple[bytes, int | None]] = []
+    # Binary, all outputs; then binary naming its outputs, as edged's and Triton's clients send it
+    # (the requested-outputs path of decoding and encoding is otherwise first run by a client).
+    named = [{"name": n, "parameters": {"binary_data": True}} for n in outputs]
+    for extra in ({}, {"outputs": named}):
+        doc = {"id": "warmup", "inputs": binary_meta, "parameters": {"binary_data_output": True}, **extra}
+        header = orjson.dumps(doc)
+        bodies.append((header + data, len(header)))
     if all(a.size <= _JSON_LIMIT for a in inputs.values()):
-        data = [
+        values = [
             json_strings(a.reshape(-1), f"input '{n}'") if is_bytes(a.dtype) else a.reshape(-1)
             for n, a in inputs.items()
         ]
-        doc = {"id": "warmup", "inputs": [dict(m, data=d) for m, d in zip(meta, data)]}
+        doc = {"id": "warmup", "inputs": [dict(m, data=d) for m, d in zip(meta, values)]}
         bodies.append((orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), None))
     return bodies
 
@@ -67,15 +75,22 @@ async def _call(app: App, model: str, body: bytes, header_len: int | None) -> in
 
 
 async def warm_request_path(app: App, registry: Registry) -> None:
+    largest = 0  # the largest input a model takes: the size of the shared-memory copy to warm
     for rt in registry.models.values():
         if rt.state != ModelState.READY or rt.backend is None:
             continue
         if is_language_model(rt.cfg):  # the generation routes, streamed and not
             await app.generation.warm(rt.name)
             continue
-        bodies = _bodies(warm_inputs(rt.backend.inputs, rt.cfg))
+        inputs = warm_inputs(rt.backend.inputs, rt.cfg)
+        largest = max([largest, *(a.nbytes for a in inputs.values())])
+        bodies = _bodies(inputs, [o.name for o in rt.backend.outputs])
         for _ in range(ROUNDS):
             for body, header_len in bodies:
                 status = await _call(app, rt.name, body, header_len)
                 if status != 200:
                     log.warning("%s: warm-up request answered %d", rt.name, status, extra={"model": rt.name})
+    # Frames arrive through shared memory: the copy path (its threads, preadv, pwrite) is not on
+    # the path of the requests above, which carry their tensors in the body.
+    for _ in range(ROUNDS):
+        await warm_copies(largest)

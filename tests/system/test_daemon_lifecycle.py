@@ -99,7 +99,7 @@ class StatePoller:
 # --- 1. start ---------------------------------------------------------------------------------
 
 
-def test_active_only_once_warm_and_the_first_request_costs_what_later_ones_do(
+def test_active_only_once_warm_and_every_model_warmed_before_ready(
     boot_systemd: Boot, demo_models: Path, tmp_path: Path
 ) -> None:
     edged = boot_edged(boot_systemd)
@@ -107,11 +107,9 @@ def test_active_only_once_warm_and_the_first_request_costs_what_later_ones_do(
     img = frame(320)
     want = onnx_reference(demo_models, {"x": img})
 
-    blocked = edged.start()  # Type=notify: returns once READY=1 has arrived
-    t0 = time.perf_counter()
+    edged.start()  # Type=notify: returns once READY=1 has arrived
     with edged.client() as c:
         first = c.infer("det", {"x": img})
-    first_s = time.perf_counter() - t0
     assert matches(first, want), "the first answer differs from ONNX Runtime's"
 
     assert edged.state() == "active"
@@ -137,20 +135,90 @@ def test_active_only_once_warm_and_the_first_request_costs_what_later_ones_do(
     assert set(warming) == {"tiny", "det"}, warming
     assert all(int(shown["ExecMainStartTimestampMonotonic"]) < t < active_at for t in warming.values())
 
-    steady = []
-    for _ in range(20):
-        t = time.perf_counter()
-        with edged.client() as c:
-            out = c.infer("det", {"x": img})
-        steady.append(time.perf_counter() - t)
-        assert matches(out, first)
-    median = statistics.median(steady)
-    ratio = first_s / median
-    print(
-        f"\nsystemctl start blocked {blocked:.2f} s; det 320x320 first request {first_s * 1000:.1f} ms, "
-        f"steady median {median * 1000:.1f} ms (ratio {ratio:.2f})"
+
+# The promise: the first request after READY=1 costs what a request does on a daemon that has
+# served. Both are taken after the same idle gap on a new connection (an idle daemon's threads and
+# caches go cold whatever the warm-up did), on a model that runs about a millisecond here, so that
+# the model and not timer noise or the socket is what is compared. One first request is one
+# sample of a noisy machine: the median over fresh starts, against the median of the requests
+# after the gap, is what the bound holds (the same measure as bench/first_request.py).
+STARTS, AFTER_GAP_PER_START, GAP_S, FIRST_BOUND = 7, 3, 0.5, 1.5
+
+
+def make_conv(path: Path, size: int = 512) -> tuple[Path, np.ndarray]:
+    """Conv(3→8, s2) → Relu → Conv(8→16, s2) → Relu → GlobalAveragePool → Flatten on 1x3xSxS."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edged.demo import save_graph
+
+    rng = np.random.default_rng(512)
+    inits, nodes, prev, chans = [], [], "x", 3
+    for i, out in enumerate((8, 16)):
+        w = (rng.standard_normal((out, chans, 3, 3)) * (2 / (9 * chans)) ** 0.5).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(np.zeros(out, np.float32), f"b{i}")]
+        nodes += [
+            helper.make_node(
+                "Conv", [prev, f"w{i}", f"b{i}"], [f"c{i}"], kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4
+            ),
+            helper.make_node("Relu", [f"c{i}"], [f"r{i}"]),
+        ]
+        prev, chans = f"r{i}", out
+    nodes += [helper.make_node("GlobalAveragePool", [prev], ["g"]), helper.make_node("Flatten", ["g"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, chans])],
+        inits,
     )
-    assert ratio < 20, f"first request {first_s * 1000:.1f} ms vs steady {median * 1000:.1f} ms"
+    return save_graph(graph, path), frame(size)
+
+
+def timed_infer(edged: Edged, x: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    """One request as a client that just started sends it: a new connection, the tensor in the
+    body. Seconds, and the answer."""
+    t0 = time.perf_counter()
+    with edged.client() as c:
+        out = c.infer("conv", {"x": x})
+    return time.perf_counter() - t0, out
+
+
+def test_the_first_request_after_ready_costs_what_a_request_after_the_same_idle_gap_does(
+    boot_systemd: Boot, tmp_path: Path
+) -> None:
+    edged = boot_edged(boot_systemd)
+    model, x = make_conv(tmp_path / "conv.onnx")
+    edged.write_config({"models.conv": {"path": edged.install(model, "models/conv.onnx")}})
+    want = onnx_reference(model, {"x": x})
+    firsts: list[float] = []
+    after_gap: list[float] = []
+    runs: list[float] = []
+    for i in range(STARTS):
+        edged.ns.systemctl("restart" if i else "start", SERVICE, check=True, timeout=120)  # until READY=1
+        time.sleep(GAP_S)  # the idle gap being measured, not synchronisation
+        first_s, out = timed_infer(edged, x)
+        assert matches(out, want), "the first answer differs from ONNX Runtime's"
+        firsts.append(first_s)
+        for _ in range(AFTER_GAP_PER_START):
+            time.sleep(GAP_S)  # the same gap, on a daemon that has served
+            seconds, out = timed_infer(edged, x)
+            assert matches(out, want)
+            after_gap.append(seconds)
+        with edged.client() as c:
+            runs.append(c.status()["models"]["conv"]["infer_us"] / 1e6)
+    first, after = statistics.median(firsts), statistics.median(after_gap)
+    ratio = first / after
+    print(
+        f"\nconv {x.shape[-1]}x{x.shape[-1]} (warm-up run {statistics.median(runs) * 1000:.2f} ms): "
+        f"first request after READY=1 "
+        f"median {first * 1000:.2f} ms over {STARTS} starts ({', '.join(f'{v * 1000:.2f}' for v in firsts)}); "
+        f"after the same {GAP_S} s gap median {after * 1000:.2f} ms over {len(after_gap)}; ratio {ratio:.2f}"
+    )
+    assert ratio <= FIRST_BOUND, (
+        f"the first request after READY=1 costs {ratio:.2f}x a request after the same idle gap "
+        f"(medians {first * 1000:.2f} vs {after * 1000:.2f} ms; firsts {[round(v * 1000, 2) for v in firsts]}, "
+        f"after the gap {[round(v * 1000, 2) for v in after_gap]})"
+    )
 
 
 # --- 2. STATUS= while building -----------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""edged with per-stage timers, for the first-request benchmark: ``python -m bench.stage_probe
+serve --config FILE`` runs the real daemon (edged.cli.main) after wrapping the stages of an infer
+request with timers. Nothing of this is in the product: the wrappers are installed here, in the
+benchmark's own launcher, and cost the same on every request they time.
+
+Per request, in order of the path: the ASGI call as a whole (``app``), body decode with the
+shared-memory input buffers it allocates (``decode``), the copy out of the client's region
+(``fill``: on the loop or a worker thread), the scheduler's hand-off, run and wake-up
+(``infer``) and the model run alone on its worker (``run``), encoding (``encode``) and the copy
+into an output region (``flush``). Each stage records its wall time and the minor page faults of
+the thread it ran on (RUSAGE_THREAD). The records are written as JSON lines to the file named by
+BENCH_STAGES when the daemon exits. BENCH_KEEP_SPINNING=1 leaves ONNX Runtime's pool spinning after
+each run (as edged did before), for a same-run comparison.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import functools
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+Record = dict[str, Any]
+
+_current: contextvars.ContextVar[Record | None] = contextvars.ContextVar("bench_stage_request", default=None)
+_done: list[Record] = []
+_in_flight: list[Record] = []  # the request the loop is serving (the benchmark sends one at a time)
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def _add(rec: Record | None, stage: str, dt: float, faults: int) -> None:
+    if rec is None:
+        return
+    end = time.perf_counter()
+    ms, flt, at = rec.setdefault("ms", {}), rec.setdefault("faults", {}), rec.setdefault("at_ms", {})
+    ms[stage] = ms.get(stage, 0.0) + dt * 1000
+    flt[stage] = flt.get(stage, 0) + faults
+    # When the stage started and ended, in ms since the request reached the app (first time only).
+    at.setdefault(stage, [(end - dt - rec["t0"]) * 1000, (end - rec["t0"]) * 1000])
+
+
+def _wrap_async(owner: Any, attr: str, stage: str) -> None:
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        rec, f0, t0 = _current.get(), _faults(), time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            _add(rec, stage, time.perf_counter() - t0, _faults() - f0)
+
+    setattr(owner, attr, timed)
+
+
+def _wrap_sync(owner: Any, attr: str, stage: str, rec_of: Callable[[], Record | None]) -> None:
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        rec, f0, t0 = rec_of(), _faults(), time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _add(rec, stage, time.perf_counter() - t0, _faults() - f0)
+
+    setattr(owner, attr, timed)
+
+
+def install() -> None:
+    from edged.backends import onnxruntime as ort_backend
+    from edged.service import Service
+    from edged.transports import http, shm_io
+
+    app_call = http.App.__call__
+
+    async def app(self: Any, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or not scope.get("path", "").endswith("/infer"):
+            return await app_call(self, scope, receive, send)
+        rec: Record = {"path": scope["path"], "at": time.time(), "t0": time.perf_counter()}
+        token = _current.set(rec)
+        _in_flight.append(rec)
+        f0, t0 = _faults(), time.perf_counter()
+        try:
+            await app_call(self, scope, receive, send)
+        finally:
+            _add(rec, "app", time.perf_counter() - t0, _faults() - f0)
+            _current.reset(token)
+            _in_flight.remove(rec)
+            _done.append(rec)
+
+    http.App.__call__ = app  # type: ignore[method-assign]
+    _wrap_async(Service, "decode_infer", "decode")
+    _wrap_async(shm_io.ShmRequest, "fill", "fill")
+    _wrap_async(shm_io.ShmRequest, "flush", "flush")
+    _wrap_async(Service, "infer", "infer")
+    _wrap_async(http, "encode_infer_async", "encode")
+    # The copies and the model run on other threads: they find their request through the
+    # context that run_in_executor and the scheduler's queue do not carry, so they record into
+    # the one request in flight (the benchmark sends one at a time).
+    _wrap_sync(shm_io, "_read_all", "read_copy", _latest)
+    _wrap_sync(shm_io, "_write_all", "write_copy", _latest)
+    _wrap_sync(ort_backend._OrtInstance, "_infer_impl", "run", _latest)
+    atexit.register(_dump)
+
+
+def _latest() -> Record | None:
+    return _in_flight[-1] if _in_flight else None
+
+
+def _dump() -> None:
+    path = os.environ.get("BENCH_STAGES")
+    if path:
+        with open(path, "a") as f:
+            for rec in _done:
+                f.write(json.dumps(rec) + "\n")
+
+
+def keep_spinning() -> None:
+    """ONNX Runtime's intra-op pool left spinning after a run returns (edged's sessions before
+    session.force_spinning_stop), for a same-run comparison."""
+    from edged.backends import onnxruntime as ort_backend
+
+    ort_backend.SERVING_CONFIG.pop("session.force_spinning_stop", None)
+
+
+def main() -> int:
+    if os.environ.get("BENCH_STAGES"):
+        install()
+    if os.environ.get("BENCH_KEEP_SPINNING") == "1":
+        keep_spinning()
+    from edged.cli import main as edged_main
+
+    return edged_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
