@@ -1,10 +1,14 @@
 """systemd integration: sd_notify, the watchdog, socket activation and journald logging.
 
 The daemon runs on JetPack 5 (systemd 245) up to JetPack 7 (255), with or without the
-``systemd-python`` package (the ``systemd`` extra). Everything here works without it: notify falls
-back to one datagram on ``$NOTIFY_SOCKET`` (the whole sd_notify protocol), listen fds to parsing
-``$LISTEN_FDS``. Outside systemd every call is a cheap no-op that returns False or nothing, so the
-daemon calls these helpers unconditionally.
+``systemd-python`` package (the ``systemd`` extra). Everything here works without it: listen fds
+fall back to parsing ``$LISTEN_FDS``. Notify is always edged's own: one non-blocking datagram on
+``$NOTIFY_SOCKET`` (the whole sd_notify protocol for what edged sends; it passes no fds), because
+libsystemd's sd_notify sends with a blocking ``sendmsg``: a manager that stops reading (or a
+harness that listens only until READY=1) fills the socket's queue of ``net.unix.max_dgram_qlen``
+(10 by default) and the next STATUS= line would freeze the event loop, and with it the daemon.
+Outside systemd every call is a cheap no-op that returns False or nothing, so the daemon calls
+these helpers unconditionally.
 
 Only messages that systemd 245 understands are sent. ``MONOTONIC_USEC`` with ``RELOADING=1`` is
 read by 253+ (Type=notify-reload) and ignored before, which is why it is safe to always send it.
@@ -57,31 +61,45 @@ def _socket_address(value: str) -> str | None:
 
 
 def _send_datagram(message: str) -> bool:
-    """The sd_notify protocol without libsystemd: one datagram, credentials added by the kernel."""
+    """The sd_notify protocol: one datagram, credentials added by the kernel; never waits (a full
+    queue raises BlockingIOError)."""
     address = _socket_address(os.environ.get("NOTIFY_SOCKET", ""))
     if address is None:
         return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
         sock.sendto(message.encode("utf-8"), address)
     return True
+
+
+_queue_full = False  # the manager's queue was full at the last notify: say so once per episode
 
 
 def notify(*lines: str) -> bool:
     """Send ``KEY=value`` lines to the service manager; False outside systemd or on failure.
 
-    A failed notify never raises: losing a STATUS= line must not take the daemon down, and a lost
-    READY=1 shows up as a start timeout in systemd, which is where an operator looks.
+    A failed notify never raises nor waits: losing a STATUS= line must not take the daemon down,
+    and a lost READY=1 shows up as a start timeout in systemd, which is where an operator looks.
     """
+    global _queue_full
     if not lines:
         return False
     message = "\n".join(lines)
     try:
-        if _sd_daemon is not None:
-            return bool(_sd_daemon.notify(message))
-        return _send_datagram(message)
+        sent = _send_datagram(message)
+    except BlockingIOError:
+        if not _queue_full:
+            log.warning(
+                "sd_notify: the service manager is not reading its socket; dropped: %s", message.replace("\n", " ")
+            )
+        _queue_full = True
+        return False
     except OSError as e:
         log.warning("sd_notify failed (%s): %s", e, message.replace("\n", " "))
         return False
+    if _queue_full and sent:
+        log.info("sd_notify: the service manager reads its socket again")
+    _queue_full = False
+    return sent
 
 
 def _with_status(first: str, text: str) -> bool:

@@ -16,16 +16,15 @@ from systemd_ns import REPO, Boot, SystemdNamespace, open_fifo_writer
 
 ONE_LINER = (
     "import edged.systemd as s, signal; "
-    "s._sd_daemon = None if {fallback} else s._sd_daemon; "
-    "s.status('waiting for go via ' + ('fallback' if s._sd_daemon is None else 'systemd-python')); "
+    "s.status('waiting for go'); "
     "open('{fifo}').read(); "
     "s.notify('READY=1', 'STATUS=warm'); "
     "signal.pause()"
 )
 
 
-def notify_unit(fifo: Path, fallback: bool) -> str:
-    one_liner = ONE_LINER.format(fifo=fifo, fallback=fallback)
+def notify_unit(fifo: Path) -> str:
+    one_liner = ONE_LINER.format(fifo=fifo)
     return f"""[Unit]
 Description=edged notify probe
 
@@ -37,18 +36,15 @@ ExecStart={sys.executable} -c "{one_liner}"
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("path", ["systemd-python", "fallback"])
-def test_active_only_after_ready(boot_systemd: Boot, tmp_path: Path, path: str) -> None:
-    if path == "systemd-python":
-        pytest.importorskip("systemd.daemon")
+def test_active_only_after_ready(boot_systemd: Boot, tmp_path: Path) -> None:
     fifo = tmp_path / "go"
     os.mkfifo(fifo)
-    unit = notify_unit(fifo, fallback=path == "fallback")
+    unit = notify_unit(fifo)
     ns: SystemdNamespace = boot_systemd({"probe.service": unit})
 
     # STATUS= arrived (the service ran its first line) and systemd still waits for READY=1.
     ns.wait_state("probe.service", "activating")
-    ns.wait_property("probe.service", "StatusText", f"waiting for go via {path}")
+    ns.wait_property("probe.service", "StatusText", "waiting for go")
     assert ns.state("probe.service") == "activating"
     assert ns.show("probe.service", "SubState")["SubState"] == "start"
 

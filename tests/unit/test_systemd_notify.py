@@ -1,7 +1,7 @@
 """edged.systemd against a real AF_UNIX datagram socket standing in for systemd's notify socket.
 
-Every notify test runs twice: through systemd-python (libsystemd's sd_notify) and through the
-fallback datagram sender, so both paths are held to the same wire format.
+Notify is edged's own non-blocking datagram sender (libsystemd's sd_notify blocks on a full
+queue); socket activation runs twice, through systemd-python and through the fallback parser.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ def abstract_receiver(clean_env: pytest.MonkeyPatch) -> Iterator[NotifyReceiver]
 # --- notify ------------------------------------------------------------------------------------
 
 
-def test_ready_with_status_is_one_datagram_from_this_process(path: str, receiver: NotifyReceiver) -> None:
+def test_ready_with_status_is_one_datagram_from_this_process(receiver: NotifyReceiver) -> None:
     assert sd.ready("3 models warm") is True
     got = receiver.recv()
     assert got.text == "READY=1\nSTATUS=3 models warm"
@@ -113,7 +114,7 @@ def test_ready_with_status_is_one_datagram_from_this_process(path: str, receiver
     assert (got.pid, got.uid) == (os.getpid(), os.getuid())
 
 
-def test_every_helper_sends_its_protocol_line(path: str, receiver: NotifyReceiver) -> None:
+def test_every_helper_sends_its_protocol_line(receiver: NotifyReceiver) -> None:
     cases: list[tuple[Callable[[], bool], str]] = [
         (sd.ready, "READY=1"),
         (lambda: sd.status("building detector 40%"), "STATUS=building detector 40%"),
@@ -129,7 +130,7 @@ def test_every_helper_sends_its_protocol_line(path: str, receiver: NotifyReceive
     receiver.assert_empty()
 
 
-def test_reloading_carries_the_monotonic_clock(path: str, receiver: NotifyReceiver) -> None:
+def test_reloading_carries_the_monotonic_clock(receiver: NotifyReceiver) -> None:
     before = sd.monotonic_usec()
     assert sd.reloading("reloading config") is True
     after = sd.monotonic_usec()
@@ -140,12 +141,12 @@ def test_reloading_carries_the_monotonic_clock(path: str, receiver: NotifyReceiv
     assert before <= int(fields["MONOTONIC_USEC"]) <= after
 
 
-def test_abstract_namespace_socket(path: str, abstract_receiver: NotifyReceiver) -> None:
+def test_abstract_namespace_socket(abstract_receiver: NotifyReceiver) -> None:
     assert sd.status("abstract") is True
     assert abstract_receiver.recv().text == "STATUS=abstract"
 
 
-def test_outside_systemd_everything_is_a_no_op(path: str, clean_env: pytest.MonkeyPatch) -> None:
+def test_outside_systemd_everything_is_a_no_op(clean_env: pytest.MonkeyPatch) -> None:
     assert sd.ready("x") is False
     assert sd.watchdog_ping() is False
     assert sd.notify() is False
@@ -153,7 +154,7 @@ def test_outside_systemd_everything_is_a_no_op(path: str, clean_env: pytest.Monk
 
 
 def test_unreachable_socket_returns_false_and_warns(
-    path: str, tmp_path: Path, clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     clean_env.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
     with caplog.at_level(logging.WARNING, logger="edged.systemd"):
@@ -161,10 +162,36 @@ def test_unreachable_socket_returns_false_and_warns(
     assert "sd_notify failed" in caplog.text
 
 
-def test_fallback_ignores_addresses_it_cannot_reach(clean_env: pytest.MonkeyPatch) -> None:
-    clean_env.setattr(sd, "_sd_daemon", None)
+def test_addresses_it_cannot_reach_are_ignored(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("NOTIFY_SOCKET", "vsock:2:1234")
     assert sd.ready() is False
+
+
+def test_a_manager_that_stops_reading_never_blocks_the_sender(
+    receiver: NotifyReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its queue (net.unix.max_dgram_qlen) fills; then notify drops, says so once, and returns at
+    once: libsystemd's blocking sendmsg froze the daemon's event loop here."""
+    results: list[bool] = []
+
+    def flood() -> None:
+        results.extend(sd.status(f"line {i}") for i in range(600))
+
+    with caplog.at_level(logging.INFO, logger="edged.systemd"):
+        sender = threading.Thread(target=flood, daemon=True)
+        sender.start()
+        sender.join(timeout=30)
+        assert not sender.is_alive(), "notify blocked on a full queue"
+        assert results[0] is True and results[-1] is False
+        assert caplog.text.count("not reading its socket") == 1
+        while True:  # the manager catches up: the next line goes through, and that is said too
+            try:
+                receiver.recv(timeout=0.5)
+            except TimeoutError:
+                break
+        assert sd.status("again") is True
+    assert "reads its socket again" in caplog.text
+    assert receiver.recv().text == "STATUS=again"
 
 
 def test_extend_timeout_rejects_non_positive() -> None:
