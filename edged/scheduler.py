@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
@@ -61,10 +61,6 @@ class _Work:
     enqueued_ns: int = 0
     queue_ns: int = 0
     infer_ns: int = 0
-    # Run by the worker just before the model (a large input's copy out of shared memory): one
-    # thread hand-off for both; its time counts as the request's compute_input.
-    prepare: Callable[[], None] | None = None
-    prepare_ns: int = 0
 
 
 # A finished request: its work item, and its result or its error.
@@ -158,25 +154,14 @@ class ModelQueue:
     # --- submitting (on the loop) ---
 
     async def submit(
-        self,
-        inputs: Tensors,
-        timeout: float,
-        request_id: str = "",
-        stats: ModelStatistics | None = None,
-        prepare: Callable[[], None] | None = None,
+        self, inputs: Tensors, timeout: float, request_id: str = "", stats: ModelStatistics | None = None
     ) -> dict[str, np.ndarray]:
-        """``prepare``: run by the worker before the model; such a request never runs inline."""
         if self._closed:
             raise ShuttingDownError(f"model '{self.model}' is not serving")
         if self._backlog >= self.depth:
             raise BusyError(f"model '{self.model}' queue is full ({self.depth} requests)")
         inst = self._inline_instance
-        if (
-            inst is not None
-            and prepare is None
-            and _elements(inputs) <= self.inline_max_elements
-            and self._inline_lock.acquire(False)
-        ):
+        if inst is not None and _elements(inputs) <= self.inline_max_elements and self._inline_lock.acquire(False):
             # Synchronous on the loop, bounded by the warm-up's size; the lock keeps the worker
             # (running a larger request on the same instance) from overlapping it.
             try:
@@ -188,15 +173,7 @@ class ModelQueue:
                 stats.ran_alone(perf_counter_ns() - started)
             return out
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
-        work = _Work(
-            inputs,
-            time.monotonic() + timeout,
-            fut,
-            request_id,
-            stats=stats,
-            enqueued_ns=perf_counter_ns(),
-            prepare=prepare,
-        )
+        work = _Work(inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns())
         if self.max_batch > 1:
             work.signature = tuple((k, v.shape[1:], v.dtype.str) for k, v in inputs.items())
             work.rows = next(iter(inputs.values())).shape[0] if inputs else 1
@@ -278,7 +255,7 @@ class ModelQueue:
             for w in batch:
                 if now > w.deadline:
                     self._resolve(w, None, DeadlineExceededError(f"model '{self.model}': deadline passed while queued"))
-                elif w.prepare is None or self._prepare(w):
+                else:
                     live.append(w)
             if not live:
                 continue
@@ -292,22 +269,6 @@ class ModelQueue:
                 state.rows += sum(w.rows for w in live)
             # Answered only once the worker is idle again: whoever sees the answer sees it idle.
             self._resolve_all(done, timing)
-
-    def _prepare(self, w: _Work) -> bool:
-        """Run a request's own preparation; False (and the request answered) when it failed."""
-        assert w.prepare is not None
-        started = perf_counter_ns()
-        try:
-            w.prepare()
-        except EdgedError as e:
-            self._resolve(w, None, e)
-            return False
-        except Exception as e:  # never let one request kill a worker
-            log.exception("preparing request %s failed", w.request_id, extra={"model": self.model})
-            self._resolve(w, None, e)
-            return False
-        w.prepare_ns = perf_counter_ns() - started
-        return True
 
     def _run(self, inst: Instance, batch: list[_Work]) -> tuple[list[_Done], _Timing | None]:
         """The batch's results, and the time spent joining its inputs, running the backend and
@@ -358,7 +319,7 @@ class ModelQueue:
                     assert result is not None
                     w.future.set_result(result)
                     if w.stats is not None:
-                        w.stats.ran(w.queue_ns, w.infer_ns, w.rows, w.prepare_ns)
+                        w.stats.ran(w.queue_ns, w.infer_ns, w.rows)
             if stats is not None and timing is not None:
                 stats.executed(*timing)
 

@@ -138,12 +138,9 @@ class Service:
         request_id: str = "",
         transport: str = "http",
         received_ns: int = 0,
-        prepare: Callable[[], None] | None = None,
     ) -> dict[str, np.ndarray]:
         """``received_ns``: when the transport took the request (perf_counter_ns), so its
-        decoding counts in the statistics; 0 when there was nothing to decode. ``prepare``: what
-        the model's worker runs just before the model (the copy of a large input out of shared
-        memory; ``inputs`` then have their shapes and types but not yet their values)."""
+        decoding counts in the statistics; 0 when there was nothing to decode."""
         started = time.perf_counter()
         entered = time.perf_counter_ns()
         stats = self.stats.counted(name)
@@ -160,7 +157,7 @@ class Service:
             self._rules_for(rt).check(inputs)  # the one check of this request's tensors
             timeout = (rt.cfg.timeout_ms or self.registry.cfg.server.request_timeout_ms) / 1000
             rt.last_used = time.monotonic()
-            out = await queue.submit(inputs, timeout, request_id, stats, prepare)
+            out = await queue.submit(inputs, timeout, request_id, stats)
         except EdgedError as e:
             if stats is not None:
                 stats.failed(received_ns or entered, time.perf_counter_ns())

@@ -68,10 +68,8 @@ class ModelStatistics:
 
     # --- the scheduler (on the loop, once the result is handed back) ---
 
-    def ran(self, queue_ns: int, infer_ns: int, rows: int, input_ns: int = 0) -> None:
-        """One request's share of a successful execution: its wait and the run it was part of
-        (``input_ns``: its input copied by the worker before the run, part of its compute_input)."""
-        self.input_ns += input_ns
+    def ran(self, queue_ns: int, infer_ns: int, rows: int) -> None:
+        """One request's share of a successful execution: its wait and the run it was part of."""
         self.queue_count += 1
         self.queue_ns += queue_ns
         self.infer_count += 1

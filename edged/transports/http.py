@@ -188,8 +188,7 @@ class App:
             except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
                 self.service.metrics.reject(name, "http", e.code)
                 raise
-            prepare = shm.deferred_fill() if shm.reads else None
-            outputs = await self.service.infer(name, req.inputs, req.id, received_ns=received, prepare=prepare)
+            outputs = await self.service.infer(name, req.inputs, req.id, received_ns=received)
             ran = time.perf_counter_ns()
             parts, out_header_len = await encode_infer_async(name, req, outputs, shm.output)
             if shm.writes:
@@ -217,12 +216,9 @@ class App:
             if key == b"inference-header-content-length":
                 header_len = parse_header_length(value, "Inference-Header-Content-Length")
         req = await self.service.decode_infer(name, body, header_len, shm.input)
-        if shm.reads and (req.pending or shm.deferred_fill() is None):
-            # Copied out of client memory now: small inputs, and BYTES inputs, which are parsed
-            # before the model sees them. A large tensor is copied by the model's worker instead.
-            await shm.fill()
-            await resolve_pending_async(req)
-            shm.reads.clear()
+        if shm.reads:
+            await shm.fill()  # inputs are copied out of client memory before the model sees them
+            await resolve_pending_async(req)  # BYTES inputs are read once their bytes are copied
         return req
 
     async def _other(

@@ -2,25 +2,21 @@
 
 The daemon never reads or writes client pages through a mapping (see shm.py): the kernel copies
 with preadv/pwrite on the descriptor kept since registration, so a shrunk object is a short read
-or a failed size check for that request, never SIGBUS. Small copies run on the loop. A large
-input is copied by the model's own worker thread just before the run (``deferred_fill``): one
-hand-off instead of two (loop -> copier -> loop -> worker), each a thread wake-up of 0.1-0.4 ms.
-Large outputs (and BYTES inputs, which must be parsed before the model sees them) are copied on a
-copier thread. A request cancelled while a thread copies keeps its regions held until the thread
-is done, so a descriptor is never closed (and its number reused) under a running copy.
+or a failed size check for that request, never SIGBUS. Small copies run on the loop, large ones
+on a worker thread; a request cancelled while a thread copies keeps its regions held until the
+thread is done, so a descriptor is never closed (and its number reused) under a running copy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from edged.errors import SharedMemoryError, SharedMemoryTruncatedError, ShuttingDownError
+from edged.errors import SharedMemoryError, SharedMemoryTruncatedError
 from edged.transports.peer import Peer
 from edged.transports.shm import Region
 
@@ -51,11 +47,6 @@ class ShmRequest:
         self.writes: list[Job] = []
         self._held: list[Region] = []
         self._busy: asyncio.Future[None] | None = None  # a thread still copying
-        # A deferred fill run by a worker thread: "pending" until it starts, "copying", then
-        # "done"; "released" once the request let go first (the fill must then not start).
-        self._lock = threading.Lock()
-        self._deferred = "pending"
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _take(self, name: str, offset: int, size: int) -> Region:
         region = self._lookup(name)
@@ -85,29 +76,6 @@ class ShmRequest:
     async def fill(self) -> None:
         await self._run(self.reads, _read_all)
 
-    def deferred_fill(self) -> Callable[[], None] | None:
-        """The input copy as a function for the model's worker thread to run before the model
-        (None when it is small enough to copy on the loop now, which ``fill`` then does)."""
-        if sum(buf.nbytes for _, _, buf in self.reads) <= INLINE_COPY_BYTES:
-            return None
-        self._loop = asyncio.get_running_loop()
-        return self._fill_blocking
-
-    def _fill_blocking(self) -> None:
-        with self._lock:
-            if self._deferred == "released":  # the request is gone: its descriptors may be too
-                raise ShuttingDownError("the request was abandoned before its inputs were copied")
-            self._deferred = "copying"
-        try:
-            for job in self.reads:
-                _read_all(*job)
-        finally:
-            with self._lock:
-                late = self._deferred == "copying-released"
-                self._deferred = "done"
-            if late and self._loop is not None:  # release() came while the copy ran: finish it now
-                self._loop.call_soon_threadsafe(self.release)
-
     async def flush(self) -> None:
         await self._run(self.writes, _write_all)
 
@@ -131,12 +99,6 @@ class ShmRequest:
         if self._busy is not None and not self._busy.done():
             self._busy.add_done_callback(self._release_later)
             return
-        with self._lock:
-            if self._deferred == "copying":  # a worker copies: it calls release() again when done
-                self._deferred = "copying-released"
-                return
-            if self._deferred == "pending":
-                self._deferred = "released"
         for region in self._held:
             region.users -= 1
             region.close_if_idle()
