@@ -132,6 +132,35 @@ def test_shrunk_input_object_is_a_400_not_sigbus(tiny: DaemonProcess, shm_keys: 
         assert c.infer("tiny", {"x": X})["probs"].shape == (1, 4)
 
 
+def test_shrunk_large_input_copied_on_a_thread_is_a_400_not_sigbus(
+    daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, shm_keys: list[str]
+) -> None:
+    """An input past the loop's copy limit is copied on a copier thread: a shrunk object fails
+    there, that request alone."""
+    from edged.demo import make_tiny_mlp
+    from edged.transports.shm_io import INLINE_COPY_BYTES
+
+    width = INLINE_COPY_BYTES // 4 + 1024
+    d = daemon_factory({"wide": {"path": str(make_tiny_mlp(tmp_path / "wide.onnx", in_dim=width, hidden=4))}}).start()
+    x = np.linspace(-1, 1, width, dtype=np.float32).reshape(1, width)
+    key = make_object(x.nbytes, x.tobytes())
+    shm_keys.append(key)
+    inp = {"name": "x", "shape": [1, width], "datatype": "FP32"}
+    body = orjson.dumps(
+        {"inputs": [dict(inp, parameters={"shared_memory_region": "in", "shared_memory_byte_size": x.nbytes})]}
+    )
+    with d.client() as c:
+        assert register(c, "in", key, x.nbytes)[0] == 200
+        status, doc = post(c, "/v2/models/wide/infer", body=body)
+        assert status == 200, doc
+        assert np.allclose(doc["outputs"][0]["data"], c.infer("wide", {"x": x})["probs"].ravel(), atol=1e-5)
+        os.truncate(f"/dev/shm/{key}", x.nbytes // 2)
+        status, doc = post(c, "/v2/models/wide/infer", body=body)
+        assert (status, doc["code"]) == (400, "shm_region_truncated"), doc
+        assert c.infer("wide", {"x": x})["probs"].shape == (1, 4)
+    assert_live_fast(d)
+
+
 def test_shrunk_output_object_is_a_400_not_sigbus(tiny: DaemonProcess, shm_keys: list[str]) -> None:
     key = make_object(4096)
     shm_keys.append(key)
