@@ -70,7 +70,10 @@ def _read(inp: IO[bytes]) -> bytes:
 
 def _handle(limits_raw: bytes, part: bytes) -> list[Frame]:
     try:
-        limits = Limits(**orjson.loads(limits_raw))
+        raw = orjson.loads(limits_raw)
+        if raw.get("bytes_inputs") is not None:
+            raw["bytes_inputs"] = frozenset(raw["bytes_inputs"])
+        limits = Limits(**raw)
         doc = load_json(part)
         plan = plan_document(doc, limits)
         arrays = [
@@ -126,7 +129,7 @@ class _Child:
             proc = self._started()
             assert proc.stdin is not None and proc.stdout is not None
             try:
-                _write(proc.stdin, orjson.dumps(dataclasses.asdict(limits)))
+                _write(proc.stdin, orjson.dumps(dataclasses.asdict(limits), default=sorted))
                 _write(proc.stdin, part)
                 proc.stdin.flush()
                 meta = orjson.loads(_read(proc.stdout))
@@ -191,8 +194,10 @@ async def decode_infer_async(
     the interpreter lock (a worker thread would still stall the loop for as long)."""
     json_part = len(body) if header_length is None else min(header_length, len(body))
     if json_part <= OFFLOAD_BYTES:
-        if len(body) - json_part > OFFLOAD_BYTES and b'"BYTES"' in bytes(memoryview(body)[:json_part]):
+        header = bytes(memoryview(body)[:json_part]) if len(body) - json_part > OFFLOAD_BYTES else b""
+        if b'"BYTES"' in header or b"\\u" in header:
             # Large BYTES tensors in the binary part: their framing is walked element by element.
+            # A datatype spelt with escapes ("\\u0042YTES") is the same datatype to the parser.
             parsed = await asyncio.to_thread(parse_body, body, header_length, limits)
             return finish_decode(parsed, shm)
         return decode_infer(body, header_length, shm, limits)

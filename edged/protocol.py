@@ -41,7 +41,7 @@ from edged.validate import DEFAULT_LIMITS as DEFAULT_LIMITS
 from edged.validate import MAX_JSON as MAX_JSON
 from edged.validate import MAX_TENSORS as MAX_TENSORS
 from edged.validate import Limits as Limits
-from edged.validate import check_counts, check_json_size
+from edged.validate import check_bytes_inputs, check_counts, check_json_size
 from edged.validate import check_json_part as check_json_part
 
 # Inference-Header-Content-Length: ASCII digits only, and no more than this many of them.
@@ -258,6 +258,7 @@ def plan_document(doc: Any, limits: Limits) -> _RequestPlan:
     if not isinstance(binary_all, bool):
         raise BadRequestError("parameter 'binary_data_output' must be true or false")
     inputs = tuple(_plan_input(raw, idx) for idx, raw in enumerate(inputs_raw))
+    check_bytes_inputs(((p.name, is_bytes(p.dtype)) for p in inputs), limits)
     _unique([p.name for p in inputs], "input")
     outputs = None
     if outputs_raw is not None:
@@ -340,6 +341,8 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
         else:
             check_json_size(body, header_length, limits)
         plan = cached or _plan(header, limits)
+        if cached is not None:  # planned under another model's limits, maybe
+            check_bytes_inputs(((p.name, is_bytes(p.dtype)) for p in plan.inputs), limits)
     arrays = {
         p.name: from_json_data(p.data, p.dtype, p.shape, f"input '{p.name}'") for p in plan.inputs if p.kind == "json"
     }

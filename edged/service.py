@@ -38,6 +38,7 @@ from edged.protocol import (
 from edged.registry import ModelRuntime, Registry
 from edged.states import READY, ModelState
 from edged.stats import Statistics
+from edged.tensors import is_bytes
 from edged.validate import InputRules
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,8 @@ class Service:
             return cached[2]
         max_json = parse_size(cfg.server.max_json)
         if rt.inputs and rt.outputs:
-            limits = Limits(key[0], key[1], rt.name, max_json)
+            strings = frozenset(s.name for s in rt.inputs if is_bytes(s.np_dtype))
+            limits = Limits(key[0], key[1], rt.name, max_json, strings)
         else:  # not loaded yet: its counts are unknown
             limits = Limits(MAX_TENSORS, MAX_TENSORS, rt.name, max_json)
         self._limits[rt.name] = (cfg, key, limits)

@@ -23,7 +23,7 @@ class ModelState(str, Enum):
     READY = "ready"  # loaded and warm: requests run
     LAZY = "lazy"  # built, not loaded: the first request loads it
     DEFERRED = "deferred"  # over the memory budget: not loaded until a reload or a restart
-    UNLOADED = "unloaded"  # unloaded by an operator (or at stop); a request loads it again
+    UNLOADED = "unloaded"  # unloaded by an operator (or at stop): 503 until loaded again
     FAILED = "failed"  # resolving, building or loading failed; the reason says why
 
     def __str__(self) -> str:

@@ -46,6 +46,8 @@ Body = bytes | list[Part]
 
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = b"application/octet-stream"
+# The largest body a control route takes (log settings, shared memory registration, load/unload).
+CONTROL_BODY = 64 * 1024
 
 
 class UnauthorizedError(EdgedError):
@@ -132,6 +134,11 @@ class App:
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | memoryview:
         return await read_body(scope, receive, self.max_body)
+
+    async def _read_small(self, scope: Scope, receive: Receive) -> bytes | memoryview:
+        """The body of a control route (settings, registrations): a few hundred bytes, parsed on
+        the loop, so bounded far below max_body (64 MiB of JSON took the loop for 1.25 s)."""
+        return await read_body(scope, receive, CONTROL_BODY)
 
     async def _dispatch(self, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
         path = scope["path"]
@@ -240,9 +247,9 @@ class App:
             return await self._shm(method, parts[1:], scope, receive)
         if parts[0] in triton_ext.PREFIXES and triton_ext.methods(parts):  # logging, CUDA shared memory
             _expect(method, *triton_ext.methods(parts))
-            body = await self._read_body(scope, receive) if method == "POST" else b""
             if parts == ["logging"] and method == "POST":
                 self._check_admin(scope, "change the log settings")
+            body = await self._read_small(scope, receive) if method == "POST" else b""
             verb = "GET" if method == "HEAD" else method  # HEAD answers what GET would, without the body
             return 200, triton_ext.answer(self.service, verb, parts, body), _JSON
         if parts == ["edged", "status"]:
@@ -254,7 +261,7 @@ class App:
         self, method: str, parts: list[str], scope: Scope, receive: Receive
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         _expect(method, "POST")
-        await self._read_body(scope, receive)  # load/unload parameters are not used
+        await self._read_small(scope, receive)  # load/unload parameters are not used
         if parts == ["index"]:
             return 200, orjson.dumps(self.service.repository_index()), _JSON
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
@@ -282,7 +289,7 @@ class App:
             return 200, orjson.dumps(self.shm.status_for(peer)), _JSON
         if parts == ["unregister"]:
             _expect(method, "POST")
-            await self._read_body(scope, receive)
+            await self._read_small(scope, receive)
             self.shm.unregister_for(peer)
             return 200, b"{}", _JSON
         if len(parts) == 3 and parts[0] == "region":
@@ -291,7 +298,7 @@ class App:
                 _expect(method, "GET")
                 return 200, orjson.dumps(self.shm.status_for(peer, name)), _JSON
             _expect(method, "POST")
-            body = await self._read_body(scope, receive)
+            body = await self._read_small(scope, receive)
             if action == "register":
                 self._register(peer, name, body)
                 return 200, b"{}", _JSON

@@ -282,10 +282,27 @@ def test_a_zip_bomb_is_a_413_and_allocates_no_more_than_max_body(served: DaemonP
     assert status == 200  # still serving
 
 
+def test_control_routes_take_small_bodies_only(served: DaemonProcess) -> None:
+    """Log settings, shared memory registration and load/unload are parsed on the loop: their
+    bodies are bounded far below max_body, as sent and as inflated."""
+    from edged.transports.http import CONTROL_BODY
+
+    big = b"[" + b"0," * CONTROL_BODY + b"0]"
+    routes = ["/v2/logging", "/v2/systemsharedmemory/region/r/register", "/v2/repository/models/tiny/load"]
+    for path in routes:
+        status, data, _ = request(served.socket, "POST", path, big)
+        assert (status, code(data)) == (413, "payload_too_large"), (path, data)
+    status, data, _ = request(served.socket, "POST", "/v2/logging", gzip.compress(big), {"Content-Encoding": "gzip"})
+    assert (status, code(data)) == (413, "payload_too_large")
+    status, data, _ = request(served.socket, "GET", "/v2/logging")
+    assert status == 200 and "log_verbose_level" in orjson.loads(data)
+
+
 def test_answers_are_compressed_when_accepted_and_large(served: DaemonProcess) -> None:
     x = np.random.default_rng(2).standard_normal((512, 16)).astype(np.float32)  # about 20 kB of JSON out
     plain = request(served.socket, "POST", "/v2/models/tiny/infer", infer_body(x))
-    assert plain[0] == 200 and plain[2].getheader("content-encoding") is None and len(plain[1]) > 4096
+    assert plain[0] == 200, plain[1]
+    assert plain[2].getheader("content-encoding") is None and len(plain[1]) > 4096
     for accept, enc, unpack in (
         ("gzip", "gzip", gzip.decompress),
         ("deflate", "deflate", zlib.decompress),

@@ -225,3 +225,20 @@ def test_inline_model_runs_only_bounded_requests_on_the_loop() -> None:
         q.close()
 
     run(main())
+
+
+def test_bytes_tensors_never_run_on_the_loop() -> None:
+    """One BYTES element may hold megabytes that the backend converts: never inline, whatever
+    the element count."""
+    inst = ThreadRecordingInstance()
+    loop_thread = threading.get_ident()
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=8)
+        q.start(inline=True, inline_max_elements=10**6)
+        await q.submit({"x": np.ones((1, 2), np.float32)}, 10)
+        await q.submit({"x": np.array([[b"ab", b"cd"]], dtype=object)}, 10)
+        q.close()
+
+    run(main())
+    assert inst.threads[0] == loop_thread and inst.threads[1] != loop_thread
