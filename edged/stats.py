@@ -115,6 +115,16 @@ class ModelStatistics:
         self.fail_ns += now_ns - received_ns
         self.last_ns = now_ns
 
+    def encode_failed(self, received_ns: int, ran_ns: int, now_ns: int) -> None:
+        """The model answered (``succeeded``, at about ``ran_ns``) but the answer could not be
+        encoded or written (an output region too small or shrunk, text that is not UTF-8): the
+        client got an error, so the request is a failure after all."""
+        self.success_count -= 1
+        self.success_ns -= ran_ns - received_ns
+        self.fail_count += 1
+        self.fail_ns += now_ns - received_ns
+        self.last_ns = now_ns
+
     def encoded(self, ns: int) -> None:
         """The answer of a successful request was encoded: its output stage, and its total."""
         self.output_count += 1
@@ -182,6 +192,11 @@ class Statistics:
         rec = self._records.get(name)
         if rec is not None and counted():
             rec.encoded(time.perf_counter_ns() - ran_ns)
+
+    def encode_failed(self, name: str, received_ns: int, ran_ns: int) -> None:
+        rec = self._records.get(name)
+        if rec is not None and counted():
+            rec.encode_failed(received_ns, ran_ns, time.perf_counter_ns())
 
     def _add(self, name: str) -> ModelStatistics:
         known = self._models()

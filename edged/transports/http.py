@@ -197,9 +197,13 @@ class App:
                 raise
             outputs = await self.service.infer(name, req.inputs, req.id, received_ns=received)
             ran = time.perf_counter_ns()
-            parts, out_header_len = await encode_infer_async(name, req, outputs, shm.output)
-            if shm.writes:
-                await shm.flush()
+            try:
+                parts, out_header_len = await encode_infer_async(name, req, outputs, shm.output)
+                if shm.writes:
+                    await shm.flush()
+            except BaseException:
+                self.service.stats.encode_failed(name, received, ran)
+                raise
             self.service.stats.encoded(name, ran)
         finally:
             shm.release()

@@ -249,7 +249,11 @@ class Requests:
             )
             ran = time.perf_counter_ns()
             size = sum(tensors.wire_nbytes(a) for a in results.values() if isinstance(a, np.ndarray))
-            reply: codec.Reply = await self._run(size, lambda: codec.ok_reply(model, dec, results))
+            try:
+                reply: codec.Reply = await self._run(size, lambda: codec.ok_reply(model, dec, results))
+            except BaseException:
+                self.service.stats.encode_failed(model, received, ran)
+                raise
             self.service.stats.encoded(model, ran)
             return reply
         except BusyError as e:

@@ -161,6 +161,25 @@ def test_shrunk_large_input_copied_on_a_thread_is_a_400_not_sigbus(
     assert_live_fast(d)
 
 
+def test_an_answer_that_cannot_be_written_is_a_failure_in_the_statistics(
+    tiny: DaemonProcess, shm_keys: list[str]
+) -> None:
+    """The model ran, but its output does not fit the region named for it: the client gets a
+    400, and Triton's statistics count a failure, not a success."""
+    key = make_object(4096)
+    shm_keys.append(key)
+    with tiny.client() as c:
+        assert register(c, "out", key, 4096)[0] == 200
+        status, doc = post(c, "/v2/models/tiny/infer", body=infer_body(None, "out", out_size=4))
+        assert status == 400, doc
+        status, data, _ = c.request("GET", "/v2/models/tiny/stats")
+        st = orjson.loads(data)["model_stats"][0]["inference_stats"]
+        assert (st["success"]["count"], st["fail"]["count"]) == (0, 1), st
+        assert post(c, "/v2/models/tiny/infer", body=infer_body(None, "out", out_size=16))[0] == 200
+        st = orjson.loads(c.request("GET", "/v2/models/tiny/stats")[1])["model_stats"][0]["inference_stats"]
+        assert (st["success"]["count"], st["fail"]["count"], st["compute_output"]["count"]) == (1, 1, 1), st
+
+
 def test_shrunk_output_object_is_a_400_not_sigbus(tiny: DaemonProcess, shm_keys: list[str]) -> None:
     key = make_object(4096)
     shm_keys.append(key)
