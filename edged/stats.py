@@ -3,8 +3,9 @@
 Each stage is timed where its work happens, with ``time.perf_counter_ns`` and integer adds on
 plain slots (no locks, no allocation per request):
 
-- compute_input: from the transport taking the request to the service getting its decoded
-  inputs (the body's JSON or binary tensors, copies out of shared memory);
+- compute_input: from the request's body having arrived (as Triton: a slow upload is not counted)
+  to the service getting its decoded inputs (the body's JSON or binary tensors, copies out of
+  shared memory);
 - queue: from the scheduler's queue to a worker taking the request (batching's wait included);
 - compute_infer: the backend's run (for a batch, every request in it adds the batch's run, as
   Triton counts it);

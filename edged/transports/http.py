@@ -188,10 +188,9 @@ class App:
     async def _infer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
         peer = scope.get(PEER_KEY)
         shm = ShmRequest(self.shm.region_for(peer), peer)
-        received = time.perf_counter_ns()  # the statistics' compute_input starts here (edged/stats.py)
         try:
             try:
-                req = await self._infer_request(name, scope, receive, shm)
+                req, received = await self._infer_request(name, scope, receive, shm)
             except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
                 self.service.metrics.reject(name, "http", e.code)
                 raise
@@ -217,11 +216,16 @@ class App:
             [(b"content-type", _BINARY), (b"inference-header-content-length", str(out_header_len).encode())],
         )
 
-    async def _infer_request(self, name: str, scope: Scope, receive: Receive, shm: ShmRequest) -> InferRequest:
+    async def _infer_request(
+        self, name: str, scope: Scope, receive: Receive, shm: ShmRequest
+    ) -> tuple[InferRequest, int]:
+        """The decoded request, and when its body had arrived (perf_counter_ns): the statistics'
+        compute_input starts there, as Triton's does, so a slow upload is not the daemon's time."""
         if not self.accepting:
             raise ShuttingDownError("edged is shutting down")
         self.service.model(name)  # an unknown model is a 404 whatever the body holds
         body = await self._read_body(scope, receive)
+        received = time.perf_counter_ns()
         header_len = None
         for key, value in scope["headers"]:
             if key == b"inference-header-content-length":
@@ -230,7 +234,7 @@ class App:
         if shm.reads:
             await shm.fill()  # inputs are copied out of client memory before the model sees them
             await resolve_pending_async(req)  # BYTES inputs are read once their bytes are copied
-        return req
+        return req, received
 
     async def _other(
         self, method: str, parts: list[str], scope: Scope, receive: Receive
