@@ -65,6 +65,9 @@ class _Txn:
     swapped: list[tuple[ModelRuntime, ModelRuntime]] = field(default_factory=list)  # (old, new), queued
     serve: dict[str, ModelRuntime] = field(default_factory=dict)  # name → runtime to register
     build: list[tuple[ModelRuntime, bool]] = field(default_factory=list)  # background builds to start
+    # Holds taken when a held swap failed: the model's requests keep waiting until the rollback
+    # has loaded the old runtime back (released they would find it unloaded and fail).
+    holds: dict[str, asyncio.Event] = field(default_factory=dict)
 
 
 class Reloader:
@@ -265,6 +268,7 @@ class Reloader:
 
         async def roll_back_later(old: ModelRuntime, new: ModelRuntime) -> None:
             txn.swapped.append((old, new))
+            txn.holds[old.name] = hold(self.registry, old.name)  # taken before swap_held lets go
 
         await swap_held(self.registry, old, new, self.loop, WHY, roll_back_later)
         txn.swapped.append((old, new))
@@ -275,7 +279,7 @@ class Reloader:
             if rt.backend is not None:
                 await reg.unload(rt, notify=False)
         for old, new in reversed(txn.swapped):
-            held = hold(reg, old.name)
+            held = txn.holds.pop(old.name, None) or hold(reg, old.name)
             try:
                 if new.backend is not None:
                     await reg.unload(new, notify=False)
@@ -285,6 +289,9 @@ class Reloader:
                 reg.set_state(old, ModelState.FAILED, f"could not be restored after a failed reload: {e.message}")
             finally:
                 release(reg, old.name, held)
+        for name, held in txn.holds.items():  # never left holding requests
+            release(reg, name, held)
+        txn.holds.clear()
 
     def _commit(self, new_cfg: Config, txn: _Txn) -> list[ModelRuntime]:
         """Apply the new config and swap every model at once (no await in here)."""

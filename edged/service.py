@@ -215,11 +215,12 @@ class Service:
         if self.stopping:
             raise ShuttingDownError("edged is shutting down")
         timeout = self.registry.cfg.server.request_timeout_ms / 1000
-        gate = self.registry.holds.get(rt.name)
-        if gate is not None:
-            # A reload is swapping this model and old and new do not fit together: wait for it.
+        deadline = self.loop.time() + timeout
+        while (gate := self.registry.holds.get(rt.name)) is not None:
+            # A reload is swapping this model and old and new do not fit together: wait for it
+            # (and for its rollback, which holds the model again if the swap failed).
             try:
-                await asyncio.wait_for(gate.wait(), timeout)
+                await asyncio.wait_for(gate.wait(), max(0.0, deadline - self.loop.time()))
             except asyncio.TimeoutError:
                 raise ModelNotReadyError(f"model '{rt.name}' is being swapped by a reload") from None
             rt = self.registry.models.get(rt.name, rt)

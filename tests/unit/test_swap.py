@@ -168,7 +168,12 @@ def test_a_reload_rolls_back_its_held_swaps_when_one_fails(reg: Registry, tmp_pa
         with pytest.raises(CacheError):
             await reloader._swap_queued(new, again, txn)
         assert reg.models["m"] is new and txn.swapped == [(old, new), (new, again)]
-        await reloader._rollback(txn)  # newest first: new is loaded back, then old replaces it
+        # Requests keep waiting until the rollback has loaded a runtime back: released now, they
+        # would find 'new' unloaded and fail.
+        waiting = reg.holds.get("m")
+        assert waiting is not None and not waiting.is_set() and txn.holds == {"m": waiting}
+        await reloader._rollback(txn)
+        assert waiting.is_set() and not txn.holds  # newest first: new is loaded back, then old replaces it
         assert reg.models["m"] is old and old.state == ModelState.READY and old.queue is not None
         assert new.backend is None and again.backend is None and not reg.holds
         out = await old.queue.submit(X, 10)
