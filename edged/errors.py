@@ -97,6 +97,14 @@ class ClientGoneError(BadRequestError):
     code = "client_disconnected"
 
 
+class UnauthorizedError(EdgedError):
+    """HTTP only: a TCP listener with ``server.tcp_token_file`` and no or a wrong
+    ``Authorization: Bearer`` token."""
+
+    code = "unauthorized"
+    http_status = 401
+
+
 class MethodNotAllowedError(EdgedError):
     """HTTP only: a known path with the wrong method (the ``Allow`` header lists the right ones)."""
 

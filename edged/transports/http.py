@@ -25,6 +25,7 @@ from edged.errors import (
     ModelVersionNotFoundError,
     NotFoundError,
     ShuttingDownError,
+    UnauthorizedError,
 )
 from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length, resolve_pending_async
 from edged.service import Service
@@ -48,11 +49,6 @@ _JSON = [(b"content-type", b"application/json")]
 _BINARY = b"application/octet-stream"
 # The largest body a control route takes (log settings, shared memory registration, load/unload).
 CONTROL_BODY = 64 * 1024
-
-
-class UnauthorizedError(EdgedError):
-    code = "unauthorized"
-    http_status = 401
 
 
 class App:
