@@ -1,6 +1,7 @@
 """Fuzz a live daemon with mutated infer requests (issue 10): JSON bodies, the binary tensor
 extension, shared memory parameters and header values, from valid requests mutated at the
-document and at the byte level, with a few hostile floods among them.
+document and at the byte level, with a few hostile floods among them; some bodies compressed
+(gzip, deflate, and encodings edged does not read) and some BYTES tensors (issue 12).
 
     .venv/bin/python -m bench.fuzz [--cases 100000] [--workers 4] [--seed 0] [--out bench-results/fuzz.json]
 
@@ -14,6 +15,7 @@ Counted: answers by status, 5xx (with the first few bodies), daemon crashes, hea
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -174,10 +177,42 @@ def _flood(rng: random.Random) -> tuple[str, bytes, dict[str, str]]:
     return "tiny", orjson.dumps(doc), {}
 
 
+ENCODINGS = ["gzip", "deflate", "x-gzip", "identity", "br", "gzip, gzip", "GZIP", "", "zstd"]
+
+
+def _bytes_case(rng: random.Random) -> tuple[str, dict[str, Any], bytes]:
+    """A BYTES tensor (length-prefixed elements, some framing broken) for a model that takes
+    floats: refused before its elements are read."""
+    count = rng.choice([1, 3, 1000, 100_000])
+    tail = b"".join(len(e).to_bytes(4, "little") + e for e in (b"ab",) * count)
+    if rng.random() < 0.5:
+        tail = _mutate_bytes(rng, tail)
+    params = {"binary_data_size": len(tail)}
+    doc = {"inputs": [{"name": "x", "shape": [count], "datatype": "BYTES", "parameters": params}]}
+    return "tiny", doc, tail
+
+
+def _compress(rng: random.Random, body: bytes, valid: bool) -> tuple[bytes, dict[str, str], bool]:
+    """The body compressed as the Content-Encoding header says (or says wrongly)."""
+    encoding = rng.choice(ENCODINGS)
+    if encoding in ("gzip", "x-gzip", "GZIP"):
+        body = gzip.compress(body, 1)
+    elif encoding == "deflate":
+        body = zlib.compress(body, 1)
+    readable = encoding in ("gzip", "x-gzip", "GZIP", "deflate", "identity", "")
+    if rng.random() < 0.2:
+        body, readable = _mutate_bytes(rng, body), False
+    return body, {"Content-Encoding": encoding}, valid and readable
+
+
 def make_case(rng: random.Random) -> tuple[str, bytes, dict[str, str], bool]:
     """(model, body, extra headers, whether the request is valid as generated)."""
     if rng.random() < 0.001:
         return (*_flood(rng), False)
+    if rng.random() < 0.03:
+        model, doc, tail = _bytes_case(rng)
+        header = orjson.dumps(doc)
+        return model, header + tail, {"Inference-Header-Content-Length": str(len(header))}, False
     model, doc, tail = _valid(rng)
     valid = rng.random() < 0.05
     if not valid:
@@ -199,7 +234,10 @@ def make_case(rng: random.Random) -> tuple[str, bytes, dict[str, str], bool]:
     if not valid and rng.random() < 0.3:
         body = _mutate_bytes(rng, body)
     if not valid and rng.random() < 0.02:
-        model = rng.choice(["nope", "tiny/versions/1", "pair", "tiny"])
+        model = rng.choice(["nope", "tiny/versions/1", "tiny/versions/2", "pair", "tiny"])
+    if rng.random() < 0.1:
+        body, extra, valid = _compress(rng, body, valid)
+        headers.update(extra)
     return model, body, headers, valid
 
 
