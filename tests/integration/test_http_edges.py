@@ -160,6 +160,10 @@ def test_405_names_the_allowed_methods(served: DaemonProcess) -> None:
         ("GET", "/v2/repository/index"): "POST",
         ("POST", "/v2/systemsharedmemory/status"): "GET, HEAD",
         ("POST", "/v1/models"): "GET, HEAD",  # the generation routes answer the same way
+        ("PUT", "/v2/logging"): "GET, POST, HEAD",  # Triton's extensions too
+        ("GET", "/v2/cudasharedmemory/unregister"): "POST",
+        ("POST", "/v2/models/stats"): "GET, HEAD",
+        ("POST", "/v2/models/tiny/versions/1/config"): "GET, HEAD",
     }
     for (method, path), allow in cases.items():
         status, data, resp = request(served.socket, method, path)
@@ -189,7 +193,9 @@ def _read_response(s: socket.socket, buf: bytearray, head_only: bool) -> tuple[b
 def test_head_answers_as_get_without_a_body(served: DaemonProcess) -> None:
     """On one connection, HEAD then GET: the HEAD answer has GET's status and content-length,
     and the next bytes on the wire are the GET's status line (no body was sent)."""
-    for path in ("/v2/health/live", "/v2/models/tiny", "/v2/models/lazy/ready", "/v2", "/v2/models/nope"):
+    paths = ("/v2/health/live", "/v2/models/tiny", "/v2/models/lazy/ready", "/v2", "/v2/models/nope")
+    triton = ("/v2/models/stats", "/v2/models/tiny/stats", "/v2/models/tiny/config", "/v2/logging")
+    for path in (*paths, *triton, "/v2/cudasharedmemory/status"):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(30)
             s.connect(str(served.socket))
