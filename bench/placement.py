@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from bench.core import LeanClient, http_request
+from bench.core import LeanClient, http_request, timed
 from bench.models import demo_onnx, make_conv640
 from edged.client import Client
 from tests.helpers import DaemonProcess, write_config
@@ -54,15 +54,6 @@ uvicorn.run(app, uds=sys.argv[1], http="httptools", loop="uvloop", lifespan="off
 """
 
 
-def block(fn: Callable[[], object], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def alternate(sides: dict[str, Callable[[], object]], rounds: int, per: int) -> dict[str, list[float]]:
     """Blocks of each side in turn, from a client thread pinned to CPU 0 (only that thread: the
     daemons and the in-process sessions' pools were started unpinned)."""
@@ -73,11 +64,11 @@ def alternate(sides: dict[str, Callable[[], object]], rounds: int, per: int) -> 
         try:
             os.sched_setaffinity(0, {0})  # 0 = the calling thread
             for fn in sides.values():  # warm each side outside the measurement
-                block(fn, max(20, per // 5))
+                timed(fn, max(20, per // 5))
             for _ in range(rounds):
                 for name, fn in sides.items():
                     time.sleep(PAUSE_S)
-                    times[name] += block(fn, per)
+                    times[name] += timed(fn, per)
         except BaseException as e:
             failure.append(e)
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -80,3 +82,12 @@ def daemon_factory(tmp_path: Path, daemons: list[DaemonProcess]) -> Callable[...
         return d
 
     return make
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A socket directory other users can traverse (pytest's tmp_path is 0700 root)."""
+    d = Path(tempfile.mkdtemp(prefix="edgedt-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

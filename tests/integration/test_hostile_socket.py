@@ -5,12 +5,10 @@ a concurrent /v2/health/live must answer in under 100 ms."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import socket
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,14 +169,6 @@ def test_connection_limit_refuses_one_more_and_serves_the_rest(tiny: Callable[..
 
 
 # --- admin_group ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="edgedt-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_admin_group_gates_load_and_unload(

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -207,15 +205,6 @@ def test_region_stays_bound_to_the_object_registered(tiny: DaemonProcess, shm_ke
 
 
 # --- least privilege: two real users ------------------------------------------------------------
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A socket directory other users can traverse (pytest's tmp_path is 0700 root)."""
-    d = Path(tempfile.mkdtemp(prefix="edgedt-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_second_user_cannot_see_use_unregister_or_reach_the_first_users_region(
