@@ -109,7 +109,7 @@ def _search(
             )
             artefact = work / f"artefact-{tag}{cls.artifact_suffix}"
             built, gate = build_and_judge(qdq, artefact, excluded)
-            if gate["passed"] and (not best or len(excluded) < len(best["excluded"])):
+            if gate["passed"]:  # the search tries fewer nodes only after a pass: the last pass is the best
                 best.update(excluded=excluded, qdq=qdq, artefact=artefact, extra=dict(summary, **built))
             return gate
 

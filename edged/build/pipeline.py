@@ -164,7 +164,10 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
         )
         if held is not None and reference is not None:
             gate = _gate(job, cls, tmp, held, reference, progress)
-            if not gate["passed"] and job.precision == "int8" and GateConfig(**job.gate).search == "auto":
+            # The search quantizes explicitly (Q/DQ): never with the legacy calibrator, whose
+            # TensorRT build refuses a Q/DQ model, so every trial would fail.
+            searchable = job.precision == "int8" and legacy is None and GateConfig(**job.gate).search == "auto"
+            if not gate["passed"] and searchable:
                 from edged.build.mixed import mixed_precision
 
                 def build_and_judge(
@@ -173,7 +176,7 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
                     built = _build_artifact(job, cls, str(qdq), artefact, progress, excluded)
                     return built, _gate(job, cls, artefact, held, reference, progress)
 
-                all_int8, _ = _qdq_model(job, cache, calib, progress)  # cached: the one just judged
+                all_int8 = Path(source)  # the all-INT8 Q/DQ model just judged
                 found = mixed_precision(job, cls, cache, calib, gate, tmp, progress, all_int8, build_and_judge)
                 gate, extra = found.gate, dict(found.extra)
                 manifest.update(extra)

@@ -135,9 +135,8 @@ def rank(prepared: Path, qdq: Path, feeds: Sequence[Feed]) -> list[NodeInfo]:
             norm[t] += float((a[t].astype(np.float64) ** 2).sum())
         if not shapes:
             shapes = {n.name: (a[n.input[0]], a[n.output[0]]) for n in nodes}
-    weights = {
-        i.name: numpy_helper.to_array(i) for i in fp32.graph.initializer if i.name in {n.input[1] for n in nodes}
-    }
+    weighted = {n.input[1] for n in nodes}
+    weights = {i.name: numpy_helper.to_array(i) for i in fp32.graph.initializer if i.name in weighted}
 
     def err(t: str) -> float:
         return math.sqrt(diff[t] / norm[t]) if norm[t] > 0 else 0.0

@@ -115,9 +115,8 @@ class _Pass:
         }
         self.inits = {i.name: i for i in g.initializer}
         self.types.update({name: t.data_type for name, t in self.inits.items()})
-        self.now = {
-            name: t for name, t in self.types.items() if name in self.inits or name in {i.name for i in g.input}
-        }
+        graph_inputs = {i.name for i in g.input}
+        self.now = {name: t for name, t in self.types.items() if name in self.inits or name in graph_inputs}
         self.kept = _kept(g, keep)
         self.casts: dict[tuple[str, int], str] = {}
         self.new_inits: dict[str, str] = {}
