@@ -130,7 +130,8 @@ class BackgroundBuilds:
                 log.exception("%s: background build failed", name, extra={"model": name})
                 self._failed(target, f"{e.__class__.__name__}: {e}")
             finally:
-                self._current = ""
+                if self._task is asyncio.current_task():  # a cancelled run ends after its successor began
+                    self._current = ""
             if self.targets.get(name, (None,))[0] is target:
                 del self.targets[name]
             self._on_change()

@@ -250,8 +250,9 @@ class Daemon:
         if self.registry is None:
             return
         reg, c = self.registry, self.cfg.cache
-        in_use = reg.keys_in_use() | {t.entry.key for t, _ in self._targets() if t.entry is not None}
         async with self._gc_lock:
+            # Taken under the lock: a collection queued behind another sees the swaps made meanwhile.
+            in_use = reg.keys_in_use() | {t.entry.key for t, _ in self._targets() if t.entry is not None}
             await asyncio.to_thread(
                 collect,
                 self.cache,

@@ -191,6 +191,33 @@ async def encode_infer_async(
     if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
         body, header_length = _encode_small(model, req, results, shm)
         return [body], header_length
-    if any(o.shm_region for o in req.outputs or ()):
-        return encode_infer_parts(model, req, results, shm)
-    return await asyncio.to_thread(encode_infer_parts, model, req, results, None)
+    if shm is not None and any(o.shm_region for o in req.outputs or ()):
+        resolved = _resolved_on_the_loop(model, req, results, shm)
+        if resolved is None:
+            return encode_infer_parts(model, req, results, shm)
+        shm = resolved
+    return await asyncio.to_thread(encode_infer_parts, model, req, results, shm)
+
+
+def _resolved_on_the_loop(
+    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: ShmResolver
+) -> ShmResolver | None:
+    """The shared-memory destinations taken here, on the loop (region lookups and their use
+    counts live there), handed to the worker thread in the order ``encode_infer_parts`` asks for
+    them, so that the JSON of the other outputs is not encoded on the loop. None (encode all
+    on the loop, as before) when a BYTES output goes to shared memory: its size is known only
+    once it is serialised."""
+    bufs: list[memoryview] = []
+    for out in _wanted(req, results):
+        if out.shm_region is None:
+            continue
+        arr = _output(model, out, results)
+        if is_bytes(arr.dtype):
+            return None
+        if arr.nbytes > out.shm_size:  # as _to_shm says it, before the region is touched
+            raise BadRequestError(
+                f"output '{out.name}' needs {arr.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
+            )
+        bufs.append(shm(out.shm_region, out.shm_offset, arr.nbytes))
+    taken = iter(bufs)
+    return lambda region, offset, size: next(taken)

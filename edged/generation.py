@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from edged.service import Service
 
 # Bounds on what one request may carry, whatever the body limit: every cost stays linear and small.
+# A generate request's body: a prompt and a few parameters (the context bounds the prompt anyway),
+# parsed on the event loop, so far below server.max_body (both transports).
+MAX_BODY = 4 << 20
 MAX_STOP = 4
 MAX_STOP_CHARS = 64
 MAX_MESSAGES = 256

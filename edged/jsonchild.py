@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -153,6 +154,8 @@ class _Child:
             proc.wait()
 
 
+# The thread that talks to the child (its pipe carries one request at a time).
+_CALLERS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edged-json-child")
 _CHILD = _Child()
 atexit.register(_CHILD.stop)
 
@@ -201,5 +204,7 @@ async def decode_infer_async(
             parsed = await asyncio.to_thread(parse_body, body, header_length, limits)
             return finish_decode(parsed, shm)
         return decode_infer(body, header_length, shm, limits)
-    parsed = await asyncio.to_thread(parse_in_child, body, header_length, limits)
+    # On a thread of its own: the child parses one document at a time, so callers queue here as
+    # futures instead of each holding a thread of the loop's default executor (metrics, probes).
+    parsed = await asyncio.get_running_loop().run_in_executor(_CALLERS, parse_in_child, body, header_length, limits)
     return finish_decode(parsed, shm)

@@ -34,6 +34,7 @@ import numpy as np
 
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
+from edged.tensors import is_bytes
 
 if TYPE_CHECKING:
     from edged.stats import ModelStatistics
@@ -334,7 +335,7 @@ def _elements(inputs: Tensors) -> int:
     hold megabytes, which its conversion walks: 181 ms for one 32 MiB element)."""
     total = 0
     for a in inputs.values():
-        if a.dtype.kind in "OSU":
+        if is_bytes(a.dtype):
             return 1 << 62
         total += a.size
     return total

@@ -111,6 +111,8 @@ async def _read_raw(scope: Scope, receive: Receive, max_body: int) -> bytes | me
         if not message.get("more_body"):
             return view[:size]
         message = await receive()
+        if message["type"] == "http.disconnect":  # gone mid-upload: never decode half a body
+            raise ClientGoneError("the client closed the connection")
         body = message.get("body", b"")
 
 

@@ -234,10 +234,14 @@ class MqttTransport:
     def _on_message(self, link: Link, msg: mqtt.MQTTMessage) -> None:
         """paho's callback, on the loop: Home Assistant's topics here, requests elsewhere."""
         try:
-            if self.discovery is not None and link is self.link and self.discovery.wants(msg.topic):
-                d = link.deliveries.receive(msg.topic, msg.mid, msg.qos, False, len(msg.payload), 0)
+            try:
+                topic = msg.topic
+            except UnicodeDecodeError:  # not ours: the requests side answers and acknowledges it
+                topic = ""
+            if self.discovery is not None and link is self.link and self.discovery.wants(topic):
+                d = link.deliveries.receive(topic, msg.mid, msg.qos, False, len(msg.payload), 0)
                 try:
-                    self.discovery.on_message(msg.topic, bytes(msg.payload))
+                    self.discovery.on_message(topic, bytes(msg.payload))
                 finally:
                     link.deliveries.finish(d)
                 return

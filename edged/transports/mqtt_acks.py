@@ -101,8 +101,7 @@ class Deliveries:
         if dup and key in self._done:
             d.verdict = Verdict.DUPLICATE
             return d
-        fingerprint = digest(key)
-        if dup and self.journal.failed_before(fingerprint):
+        if dup and self.journal.failed_before(digest(key)):
             d.verdict = Verdict.REDELIVERED
             return d
         self._done.pop(key, None)  # a packet id freed and reused for a new message

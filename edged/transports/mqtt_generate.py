@@ -42,7 +42,7 @@ class Requests(Protocol):
 log = logging.getLogger(__name__)
 
 SUFFIX = "/generate"
-MAX_BODY = 4 << 20  # a prompt and a few parameters; the context bounds the prompt anyway
+MAX_BODY = gen.MAX_BODY
 
 
 def model_from_topic(topic: str, prefix: str, device: str) -> str | None:

@@ -104,10 +104,11 @@ class GenerationRoutes:
         await handler(parts, body, receive, send)
 
     async def _body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        limit = min(self.max_body, gen.MAX_BODY)  # parsed on the loop: a prompt, not a tensor
         try:  # gzip and deflate bodies too, bounded as sent and as inflated
-            raw = await read_body(scope, receive, self.max_body)
+            raw = await read_body(scope, receive, limit)
         except PayloadTooLargeError:
-            raise PayloadTooLargeError(f"a generation request is limited to {self.max_body} bytes") from None
+            raise PayloadTooLargeError(f"a generation request is limited to {limit} bytes") from None
         try:
             doc = orjson.loads(raw)
         except orjson.JSONDecodeError as e:

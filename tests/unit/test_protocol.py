@@ -383,3 +383,41 @@ def test_large_json_is_parsed_in_a_child_process_with_the_same_results_and_error
     child.wait()
     assert asyncio.run(decode_infer_async(body)).inputs["x"].shape == (2_500, 16)
     assert jsonchild._CHILD._proc is not child
+
+
+def test_large_json_outputs_beside_a_shared_memory_output_are_encoded_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The region is taken on the loop; the JSON of a large output is encoded on a thread."""
+    import threading
+
+    from edged import encoding
+    from edged.protocol import InferRequest, OutputRequest, encode_infer_async
+
+    big = np.linspace(0, 1, 100_000, dtype=np.float32)
+    small = np.arange(4, dtype=np.float32)
+    req = InferRequest("r", {}, [OutputRequest("big", False), OutputRequest("small", False)])
+    req.outputs[1].shm_region, req.outputs[1].shm_offset, req.outputs[1].shm_size = "out", 0, 16  # type: ignore[index]
+    dest = np.zeros(4, np.float32)
+    resolved_on: list[str] = []
+    encoded_on: list[str] = []
+    parts_fn = encoding.encode_infer_parts
+
+    def resolver(region: str, offset: int, size: int) -> memoryview:
+        resolved_on.append(threading.current_thread().name)
+        return dest.data.cast("B")
+
+    def where(*args: object) -> object:
+        encoded_on.append(threading.current_thread().name)
+        return parts_fn(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(encoding, "encode_infer_parts", where)
+    parts, header_len = asyncio.run(encode_infer_async("m", req, {"big": big, "small": small}, resolver))
+    doc = orjson.loads(b"".join(bytes(p) for p in parts))
+    assert header_len is None and np.allclose(doc["outputs"][0]["data"], big)
+    assert doc["outputs"][1]["parameters"] == {"shared_memory_region": "out", "shared_memory_byte_size": 16}
+    assert dest.tolist() == small.tolist()
+    assert resolved_on == [threading.main_thread().name] and encoded_on[0] != threading.main_thread().name
+    with pytest.raises(BadRequestError, match="needs 16 bytes, region 'out' was given 8"):
+        req.outputs[1].shm_size = 8  # type: ignore[index]
+        asyncio.run(encode_infer_async("m", req, {"big": big, "small": small}, resolver))
