@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from edged.config import Config, parse_size
+from edged.ratelog import RateLimitedLog
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, close_peer, peer_of
 
 log = logging.getLogger(__name__)
@@ -53,24 +53,15 @@ class ConnectionLimits:
 
 class Gate:
     """Open connections across every listener, and the log of refusals: at most one line per
-    kind every LOG_EVERY_S seconds (with the count since), so a flood cannot fill the journal."""
-
-    LOG_EVERY_S = 10.0
+    kind every ratelog.EVERY_S seconds (with the count since), so a flood cannot fill the journal."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
         self.open = 0
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
+        self._log = RateLimitedLog(log)
 
     def note(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -self.LOG_EVERY_S) < self.LOG_EVERY_S:
-            self._quiet[kind] = self._quiet.get(kind, 0) + 1
-            return
-        more = self._quiet.pop(kind, 0)
-        self._last[kind] = now
-        log.warning("%s%s", message, f" (and {more} more like it)" if more else "")
+        self._log.note(logging.WARNING, kind, "%s", message)
 
 
 class _Reject(Exception):

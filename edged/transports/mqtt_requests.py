@@ -30,6 +30,7 @@ from edged.errors import (
     ModelNotReadyError,
     ShuttingDownError,
 )
+from edged.ratelog import RateLimitedLog
 from edged.transports import mqtt_codec as codec
 from edged.transports import mqtt_generate
 from edged.transports.mqtt_acks import Delivery, Verdict
@@ -70,6 +71,7 @@ class Requests:
         self.v5 = cfg.protocol == "5"
         self.max_body = max_body_bytes(service.registry.cfg)
         self.offload = Offload(loop, OFFLOAD_WORKERS)
+        self._log = RateLimitedLog(log)  # what a client's messages make edged say, bounded
         self.tasks: set[asyncio.Task[None]] = set()
         self.active = 0  # requests started and not ended: at most max_inflight
         # Messages beyond max_inflight that the broker sent anyway (mosquitto may exceed the
@@ -149,7 +151,8 @@ class Requests:
             # (MQTT 5 'retain as published'): never a request of the moment.
             if not size:
                 return "cleared"
-            log.warning("retained request on %s ignored", msg.topic, extra={"model": model, "request_id": ""})
+            ids = {"model": model, "request_id": ""}
+            self._log.note(logging.WARNING, "retained", "retained request on %s ignored", msg.topic, extra=ids)
             return "retained"
         if not size:
             return "cleared"  # how a client clears a retained message by mistake; nothing to answer
@@ -318,7 +321,7 @@ class Requests:
         # Label only configured models: a typo in a topic must not grow the metrics forever.
         label = model if model in self.service.registry.models else "_unknown"
         self.service.metrics.dropped.labels(label, reason).inc()
-        log.info("%s: request dropped (%s)", model or "-", reason, extra=extra)
+        self._log.note(logging.INFO, reason, "%s: request dropped (%s)", model or "-", reason, extra=extra)
 
     # --- stop ----------------------------------------------------------------------------------
 
