@@ -43,7 +43,7 @@ from edged.reload import Reloader
 from edged.service import Service
 from edged.states import ModelState
 from edged.transports.http import App
-from edged.transports.shm import SharedMemoryRegistry
+from edged.transports.shm import SharedMemoryRegistry, ShmLimits
 from edged.warmpath import warm_request_path
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class Daemon:
         self.server: uvicorn.Server | None = None
         self.service: Service | None = None
         self.registry: Registry | None = None
-        self.shm = SharedMemoryRegistry()
+        self.shm = SharedMemoryRegistry(ShmLimits.from_config(cfg.server))
         self.memory: MemoryInfo | None = None
         self.mqtt: Any = None  # edged.transports.mqtt.MqttTransport when [mqtt] enabled
         self.reloader: Reloader | None = None

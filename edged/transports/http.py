@@ -35,7 +35,7 @@ from edged.transports.http_body import accepted_encoding, compress, read_body
 from edged.transports.http_methods import error_headers
 from edged.transports.http_methods import expect as _expect
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
-from edged.transports.shm import SharedMemoryRegistry, ShmLimits
+from edged.transports.shm import SharedMemoryRegistry
 from edged.transports.shm_io import ShmRequest
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,6 @@ class App:
         self.max_body = max_body
         self.accepting = True
         server = service.registry.cfg.server
-        shm.limits = ShmLimits.from_config(server)
         self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
         self.generation = openai_api.GenerationRoutes(service, max_body)
         # Answers at least this large are compressed for clients that accept gzip or deflate.
@@ -249,13 +248,14 @@ class App:
             return await self._repository(method, parts[1:], scope, receive)
         if parts[0] == "systemsharedmemory":
             return await self._shm(method, parts[1:], scope, receive)
-        if parts[0] in triton_ext.PREFIXES and triton_ext.methods(parts):  # logging, CUDA shared memory
-            _expect(method, *triton_ext.methods(parts))
+        allowed = triton_ext.methods(parts)  # logging, CUDA shared memory
+        if allowed:
+            _expect(method, *allowed)
             if parts == ["logging"] and method == "POST":
                 self._check_admin(scope, "change the log settings")
             body = await self._read_small(scope, receive) if method == "POST" else b""
             verb = "GET" if method == "HEAD" else method  # HEAD answers what GET would, without the body
-            return 200, triton_ext.answer(self.service, verb, parts, body), _JSON
+            return 200, triton_ext.answer(verb, parts, body), _JSON
         if parts == ["edged", "status"]:
             _expect(method, "GET")
             return 200, orjson.dumps(svc.status()), _JSON

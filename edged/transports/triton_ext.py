@@ -22,15 +22,14 @@ from edged.tensors import v2_datatype
 log = logging.getLogger(__name__)
 
 # First path parts (after /v2) whose routes live here.
-PREFIXES = ("logging", "cudasharedmemory")
-
 # Triton's platform names for the backends it shares with edged; any other backend is named by
 # its backend field alone, as Triton does for backends without a platform.
 _PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
 
 
 def methods(parts: list[str]) -> tuple[str, ...]:
-    """The methods a route under PREFIXES answers ('()' when there is no such route)."""
+    """The methods a route of the logging or CUDA shared memory extension answers ('()' when
+    ``parts`` names none of them)."""
     if parts == ["logging"]:
         return ("GET", "POST")
     if parts[0] != "cudasharedmemory":
@@ -45,8 +44,8 @@ def methods(parts: list[str]) -> tuple[str, ...]:
     return ()
 
 
-def answer(service: Service, method: str, parts: list[str], body: bytes | memoryview) -> bytes:
-    """The body of a 200 answer for a route under PREFIXES, or an EdgedError."""
+def answer(method: str, parts: list[str], body: bytes | memoryview) -> bytes:
+    """The body of a 200 answer for a route ``methods`` knows, or an EdgedError."""
     if parts == ["logging"]:
         return orjson.dumps(update_log_settings(body) if method == "POST" else log_settings())
     return cuda_shared_memory(parts[1:])
