@@ -22,8 +22,6 @@ import asyncio
 import contextlib
 import http.client
 import json
-import math
-import mmap
 import os
 import secrets
 import socket
@@ -34,9 +32,9 @@ from typing import Any
 
 import numpy as np
 import orjson
-from numpy.typing import DTypeLike
 
 from edged import errors
+from edged.client_shm import FD_SUFFIX, MemfdRegion, ShmRegion, ShmTensor, memfd_supported
 from edged.paths import default_socket
 from edged.protocol import V2_TO_NUMPY, v2_datatype
 from edged.tensors import from_bytes, from_json_data, is_bytes, tensor_bytes
@@ -44,17 +42,7 @@ from edged.tensors import from_bytes, from_json_data, is_bytes, tensor_bytes
 _JSON = {"Content-Type": "application/json"}
 
 
-def _error_classes() -> dict[str, type[errors.EdgedError]]:
-    table: dict[str, type[errors.EdgedError]] = {}
-    stack: list[type[errors.EdgedError]] = [errors.EdgedError]
-    while stack:
-        cls = stack.pop()
-        table.setdefault(cls.code, cls)
-        stack.extend(cls.__subclasses__())
-    return table
-
-
-_ERRORS = _error_classes()
+_ERRORS = {code: wire.cls for code, wire in errors.wire_codes().items()}
 
 
 def raise_for(status: int, body: bytes) -> None:
@@ -141,90 +129,6 @@ def _wire_size(arr: np.ndarray) -> int:
     return int(arr.nbytes)
 
 
-class ShmTensor:
-    """An input already written into a registered region: only its name and place travel."""
-
-    def __init__(
-        self, region: str, arr_dtype: np.dtype[Any], shape: tuple[int, ...], nbytes: int, offset: int = 0
-    ) -> None:
-        self.region, self.dtype, self.shape, self.nbytes, self.offset = region, arr_dtype, shape, nbytes, offset
-
-    def meta(self, name: str) -> dict[str, Any]:
-        return {
-            "name": name,
-            "datatype": v2_datatype(self.dtype.name),
-            "shape": list(self.shape),
-            "parameters": {
-                "shared_memory_region": self.region,
-                "shared_memory_byte_size": self.nbytes,
-                "shared_memory_offset": self.offset,
-            },
-        }
-
-
-# POSIX ACL xattr (linux/posix_acl_xattr.h): version 2, then (tag, perm, id) entries by tag.
-_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
-_ACL_UNDEFINED = 0xFFFFFFFF
-
-
-class ShmRegion:
-    """A POSIX shared memory object this process created (``/dev/shm/<key>``), mapped once."""
-
-    def __init__(self, name: str, byte_size: int, mode: int = 0o600) -> None:
-        self.name = name
-        # Unique, never derived from the region name alone: a key left by a killed process, or
-        # one a second client of this process holds, must not collide with this one.
-        self.key = f"/edged-{os.getpid()}-{secrets.token_hex(6)}"
-        self.byte_size = byte_size
-        path = f"/dev/shm{self.key}"
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)
-        try:
-            os.ftruncate(fd, byte_size)
-            self._map = mmap.mmap(fd, byte_size)
-        finally:
-            os.close(fd)
-        self.array_view = np.frombuffer(self._map, dtype=np.uint8)
-
-    def grant(self, uid: int) -> bool:
-        """Let user ``uid`` (the daemon's) read and write this object, and nobody else: a POSIX
-        ACL entry, not a group mode (every member of a group could open the object directly).
-        False where the file system has no ACLs."""
-        entries = [(_ACL_USER_OBJ, 6, _ACL_UNDEFINED), (_ACL_USER, 6, uid), (_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED)]
-        entries += [(_ACL_MASK, 6, _ACL_UNDEFINED), (_ACL_OTHER, 0, _ACL_UNDEFINED)]
-        blob = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
-        try:
-            os.setxattr(f"/dev/shm{self.key}", "system.posix_acl_access", blob)
-        except OSError:
-            return False
-        return True
-
-    def put(self, arr: np.ndarray, offset: int = 0) -> ShmTensor:
-        """Write a tensor (a BYTES one in its length-prefixed form) at ``offset``."""
-        data = np.asarray(arr)
-        raw = np.frombuffer(tensor_bytes(data), dtype=np.uint8)
-        if offset + raw.nbytes > self.byte_size:
-            raise ValueError(f"{raw.nbytes} bytes do not fit region '{self.name}' ({self.byte_size})")
-        self.array_view[offset : offset + raw.nbytes] = raw
-        return ShmTensor(self.name, data.dtype, data.shape, raw.nbytes, offset)
-
-    def read(self, dtype: DTypeLike, shape: Sequence[int], offset: int = 0) -> np.ndarray:
-        dt = np.dtype(dtype)
-        n = math.prod(shape) * dt.itemsize
-        out: np.ndarray = self.array_view[offset : offset + n].view(dt).reshape(tuple(shape)).copy()
-        return out
-
-    def unlink(self) -> None:
-        """Remove the name from /dev/shm; the memory lives on while it is mapped or registered."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm{self.key}")
-
-    def close(self) -> None:
-        if hasattr(self, "array_view"):
-            del self.array_view
-            self._map.close()
-        self.unlink()
-
-
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -252,7 +156,7 @@ class _Regions:
         self.conn = conn
         # slot -> region: the name given to shm_region(), or "{model}.{input}" for infer_shm (whose
         # regions are registered under a unique name, region.name)
-        self.by_name: dict[str, ShmRegion] = {}
+        self.by_name: dict[str, ShmRegion | MemfdRegion] = {}
 
     def release(self) -> None:
         # At exit a hung daemon must not hold the program for the full request timeout.
@@ -271,10 +175,13 @@ class _Regions:
 class Client:
     """Blocking client over one keep-alive connection (not thread-safe: one per thread)."""
 
-    def __init__(self, socket_path: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, socket_path: str | None = None, timeout: float = 30.0, memfd: bool = True) -> None:
+        """``memfd=False`` registers POSIX shared memory objects even where the daemon takes
+        sealed memfds (which it maps, so they cost no copy)."""
         self.socket_path = socket_path or default_socket()
         self._conn = _UnixConnection(self.socket_path, timeout)
         self._shm = _Regions(self._conn)
+        self._memfd = memfd and memfd_supported()
         self._finalizer = weakref.finalize(self, self._shm.release)
 
     def request(
@@ -355,13 +262,14 @@ class Client:
     def shm_status(self) -> list[dict[str, Any]]:
         return list(self._json("GET", "/v2/systemsharedmemory/status"))
 
-    def shm_region(self, name: str, byte_size: int) -> ShmRegion:
+    def shm_region(self, name: str, byte_size: int) -> ShmRegion | MemfdRegion:
         """Create and register a region named ``name`` (or return the registered one if it is large
-        enough). Names are per process on the daemon's side; two clients of one process must
-        choose different names (``infer_shm`` does)."""
+        enough): a sealed memfd where the daemon has its descriptor socket, else a POSIX shared
+        memory object. Names are per process on the daemon's side; two clients of one process
+        must choose different names (``infer_shm`` does)."""
         return self._region(name, name, byte_size)
 
-    def _region(self, slot: str, name: str, byte_size: int) -> ShmRegion:
+    def _region(self, slot: str, name: str, byte_size: int) -> ShmRegion | MemfdRegion:
         regions = self._shm.by_name
         region = regions.get(slot)
         if region is not None and region.byte_size >= byte_size:
@@ -370,6 +278,27 @@ class Client:
             del regions[slot]
             self.unregister_shm(region.name)
             region.close()
+        region = self._memfd_region(name, byte_size) or self._posix_region(name, byte_size)
+        regions[slot] = region
+        return region
+
+    def _memfd_region(self, name: str, byte_size: int) -> MemfdRegion | None:
+        """None where the daemon takes no descriptors (an older one, or memfd_socket = false)."""
+        if not self._memfd:
+            return None
+        region = MemfdRegion(name, byte_size)
+        try:
+            region.register(self.socket_path + FD_SUFFIX, self._conn.timeout or 30.0)
+        except (FileNotFoundError, ConnectionRefusedError):
+            region.close()
+            self._memfd = False  # asked once per client
+            return None
+        except BaseException:
+            region.close()
+            raise
+        return region
+
+    def _posix_region(self, name: str, byte_size: int) -> ShmRegion:
         region = ShmRegion(name, byte_size)
         try:
             self._share(region)
@@ -380,7 +309,6 @@ class Client:
         # The daemon holds the object open now: without its name in /dev/shm, nothing is left
         # behind if this process is killed (the daemon releases the registration itself).
         region.unlink()
-        regions[slot] = region
         return region
 
     def _share(self, region: ShmRegion) -> None:

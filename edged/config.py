@@ -69,6 +69,9 @@ class ServerConfig(_Table, frozen=True):
     max_regions: PositiveInt = 1024
     max_regions_per_peer: PositiveInt = 256
     max_region_size: str = "256MiB"
+    # A second socket, <socket>.fd, where a client hands over a sealed memfd (SCM_RIGHTS) that the
+    # daemon maps and uses in place: no copy of a frame in or out (fd_socket.py).
+    memfd_socket: bool = True
     # "" = every client may load/unload models; else only members of this group (and root).
     admin_group: str = ""
     # Extra listeners: TCP addresses ("127.0.0.1:8000", "[::1]:8000") for the same API (a

@@ -42,6 +42,7 @@ from edged.registry import ModelRuntime, Registry
 from edged.reload import Reloader
 from edged.service import Service
 from edged.states import ModelState
+from edged.transports.fd_socket import FdSocket
 from edged.transports.http import App
 from edged.transports.shm import SharedMemoryRegistry, ShmLimits
 from edged.warmpath import warm_request_path
@@ -51,12 +52,12 @@ log = logging.getLogger(__name__)
 EX_CONFIG = 78  # sysexits.h: the unit's RestartPreventExitStatus= stops a restart loop on it
 
 
-def bind_socket(path: str, mode: int, group: str = "") -> socket.socket:
-    """Bind the Unix socket: replace a stale file from a crashed run, never steal a live one."""
+def bind_socket(path: str, mode: int, group: str = "", kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """Bind a Unix socket: replace a stale file from a crashed run, never steal a live one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     if p.exists() or p.is_symlink():
-        probe_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe_sock = socket.socket(socket.AF_UNIX, kind)
         try:
             probe_sock.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):
@@ -68,7 +69,7 @@ def bind_socket(path: str, mode: int, group: str = "") -> socket.socket:
             raise SocketInUseError(f"another edged is already serving on {path}; refusing to start")
         finally:
             probe_sock.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_UNIX, kind)
     old = os.umask(0o777 & ~mode)  # the file is never visible with looser permissions
     try:
         sock.bind(path)
@@ -104,6 +105,7 @@ class Daemon:
         self.service: Service | None = None
         self.registry: Registry | None = None
         self.shm = SharedMemoryRegistry(ShmLimits.from_config(cfg.server))
+        self.fd_socket: FdSocket | None = None
         self.memory: MemoryInfo | None = None
         self.mqtt: Any = None  # edged.transports.mqtt.MqttTransport when [mqtt] enabled
         self.reloader: Reloader | None = None
@@ -278,9 +280,14 @@ class Daemon:
         from edged.transports import listener
 
         listeners = listener.listeners_from(self.cfg, bind_socket)
-        self._owned_socket = next((x.owned_path for x in listeners if x.owned_path), None)
+        self._owned_socket = next((x.owned_path for x in listeners if x.owned_path and not x.memfd), None)
         self.app = app
-        self.server = await listener.start(app, self.cfg, listeners)
+        memfd = next((x for x in listeners if x.memfd), None)
+        if memfd is not None:
+            s = self.cfg.server
+            self.fd_socket = FdSocket(memfd.sock, self.shm, s.max_connections, s.keepalive_s, memfd.owned_path)
+            self.fd_socket.start(asyncio.get_running_loop())
+        self.server = await listener.start(app, self.cfg, [x for x in listeners if not x.memfd])
 
     def _summary(self) -> str:
         assert self.registry is not None
@@ -342,9 +349,10 @@ class Daemon:
             log.warning("second %s: exiting now", signal.Signals(sig).name)
             if self.registry is not None:
                 self.registry.runner.kill_all()
-            if self._owned_socket:
-                with contextlib.suppress(OSError):
-                    os.unlink(self._owned_socket)
+            for path in (self._owned_socket, self.fd_socket and self.fd_socket.owned_path):
+                if path:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
             os._exit(1)
         log.info("%s: stopping", signal.Signals(sig).name)
         self.stop_event.set()
@@ -376,6 +384,8 @@ class Daemon:
             for rt in self.registry.models.values():
                 if rt.backend is not None:
                     await self.registry.unload(rt, ModelState.UNLOADED, "daemon stopping")
+        if self.fd_socket is not None:
+            self.fd_socket.close()
         self.shm.unregister()
         if self._owned_socket:
             with contextlib.suppress(FileNotFoundError):

@@ -248,28 +248,34 @@ class ModelQueue:
             batch = self._take()
             if batch is None:
                 return
-            taken = perf_counter_ns()
-            for w in batch:
-                w.queue_ns = taken - w.enqueued_ns
-            now = time.monotonic()
-            live = []
-            for w in batch:
-                if now > w.deadline:
-                    self._resolve(w, None, DeadlineExceededError(f"model '{self.model}': deadline passed while queued"))
-                else:
-                    live.append(w)
-            if not live:
-                continue
-            state.busy_since = time.monotonic()
-            try:
-                with self._inline_lock if inst is self._inline_instance else contextlib.nullcontext():
-                    done, timing = self._run(inst, live)
-            finally:
-                state.busy_since = None
-                state.batches += 1
-                state.rows += sum(w.rows for w in live)
-            # Answered only once the worker is idle again: whoever sees the answer sees it idle.
-            self._resolve_all(done, timing)
+            self._serve(inst, state, batch)
+            # Not kept while idle: the last request's inputs may be a frame, or a view of a
+            # client's mapped region that its unregistration is waiting to unmap.
+            del batch
+
+    def _serve(self, inst: Instance, state: WorkerState, batch: list[_Work]) -> None:
+        taken = perf_counter_ns()
+        for w in batch:
+            w.queue_ns = taken - w.enqueued_ns
+        now = time.monotonic()
+        live = []
+        for w in batch:
+            if now > w.deadline:
+                self._resolve(w, None, DeadlineExceededError(f"model '{self.model}': deadline passed while queued"))
+            else:
+                live.append(w)
+        if not live:
+            return
+        state.busy_since = time.monotonic()
+        try:
+            with self._inline_lock if inst is self._inline_instance else contextlib.nullcontext():
+                done, timing = self._run(inst, live)
+        finally:
+            state.busy_since = None
+            state.batches += 1
+            state.rows += sum(w.rows for w in live)
+        # Answered only once the worker is idle again: whoever sees the answer sees it idle.
+        self._resolve_all(done, timing)
 
     def _run(self, inst: Instance, batch: list[_Work]) -> tuple[list[_Done], _Timing | None]:
         """The batch's results, and the time spent joining its inputs, running the backend and

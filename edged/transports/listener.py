@@ -29,6 +29,7 @@ import uvicorn
 from edged import systemd
 from edged.config import Config
 from edged.errors import ConfigError
+from edged.transports import fd_socket
 from edged.transports.connection import ConnectionLimits, EdgedProtocol, Gate, check_uvicorn
 from edged.transports.peer import Door
 
@@ -45,6 +46,7 @@ class Listener:
     sock: socket.socket
     door: Door
     owned_path: str | None = None
+    memfd: bool = False  # the descriptor socket (fd_socket.py), not served by uvicorn
 
 
 def parse_address(text: str, key: str) -> tuple[str, int]:
@@ -97,10 +99,16 @@ def _tcp(text: str, key: str, token: bytes | None, metrics_only: bool) -> Listen
 
 
 def _activated(fds: list[int], names: list[str], token: bytes | None) -> list[Listener]:
-    out = []
+    out: list[Listener] = []
     for i, fd in enumerate(fds):
         name = names[i] if i < len(names) else ""
         sock = socket.socket(fileno=fd)
+        if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_SEQPACKET and not any(x.memfd for x in out):
+            # ListenSequentialPacket= in edged.socket: the descriptor socket (one unit names all
+            # its sockets alike, so the type tells it apart).
+            sock.setblocking(False)
+            out.append(Listener(sock, Door(f"activated descriptor socket (fd {fd})"), memfd=True))
+            continue
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
             log.warning("socket activation passed fd %d (%s), not a stream socket edged can serve: closed", fd, name)
             sock.close()
@@ -123,7 +131,7 @@ def _activated(fds: list[int], names: list[str], token: bytes | None) -> list[Li
     return out
 
 
-def listeners_from(cfg: Config, bind_unix: Callable[[str, int, str], socket.socket]) -> list[Listener]:
+def listeners_from(cfg: Config, bind_unix: Callable[[str, int, str, int], socket.socket]) -> list[Listener]:
     """Every listener the config and socket activation ask for; ConfigError for a bad one."""
     s = cfg.server
     token = read_token(s.tcp_token_file) if s.tcp_token_file else None
@@ -135,8 +143,12 @@ def listeners_from(cfg: Config, bind_unix: Callable[[str, int, str], socket.sock
         if fds:
             out += _activated(fds, names, token)
         else:
-            path = s.socket
-            out.append(Listener(bind_unix(path, int(s.socket_mode, 8), s.socket_group), Door(path), path))
+            path, mode = s.socket, int(s.socket_mode, 8)
+            out.append(Listener(bind_unix(path, mode, s.socket_group, socket.SOCK_STREAM), Door(path), path))
+            if s.memfd_socket:
+                fds_path = fd_socket.path_for(path)
+                sock = bind_unix(fds_path, mode, s.socket_group, socket.SOCK_SEQPACKET)
+                out.append(Listener(sock, Door(fds_path), fds_path, memfd=True))
         out += [_tcp(addr, "tcp", token, False) for addr in s.tcp]
         if s.metrics:
             out.append(_tcp(s.metrics, "metrics", token, True))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import re
 import select
@@ -40,6 +41,7 @@ from edged.errors import (
     SharedMemoryNotFoundError,
     SharedMemoryTooLargeError,
 )
+from edged.transports.memfd import map_sealed, unmap
 from edged.transports.peer import Peer
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 _KEY_RE = re.compile(r"^/?[A-Za-z0-9_.@-]{1,200}$")
 _NAME_MAX = 256
+MEMFD_KEY = "memfd"  # what status shows as the key of a region registered by descriptor
 _POLL_S = 2.0  # without pidfds (seccomp, old kernels) exited owners are found by polling
 
 
@@ -72,6 +75,9 @@ class Region:
     pid: int
     users: int = 0  # requests copying from or to it right now
     released: bool = False
+    # A sealed memfd (memfd.py) is mapped instead: requests read and write it in place.
+    mapping: mmap.mmap | None = None
+    writable: bool = True
 
     def status(self, with_owner: bool = False) -> dict[str, object]:
         doc: dict[str, object] = {
@@ -85,9 +91,14 @@ class Region:
         return doc
 
     def close_if_idle(self) -> None:
-        if self.released and self.users == 0 and self.fd >= 0:
+        if not self.released or self.users:
+            return
+        if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.mapping is not None:
+            unmap(self.mapping)  # a view still alive somewhere unmaps it when it goes
+            self.mapping = None
 
 
 @dataclass(eq=False)
@@ -126,8 +137,29 @@ class SharedMemoryRegistry:
     # --- registration ---
 
     def register(self, peer: Peer | None, name: str, key: str, offset: int, byte_size: int) -> None:
-        peer = _local(peer)
+        """A POSIX shared memory object by its key (/dev/shm/<key>), copied in and out."""
         _check_args(name, key, offset, byte_size, self.limits.max_region_size)
+        self._add(
+            peer,
+            name,
+            lambda p: Region(name, key, offset, byte_size, self._open(p, key, offset, byte_size), p.uid, p.pid),
+        )
+
+    def register_fd(self, peer: Peer | None, name: str, fd: int, offset: int, byte_size: int) -> None:
+        """A sealed memfd the peer passed over the fd socket, mapped and used in place. Does not
+        close ``fd`` (the mapping keeps its own reference)."""
+        _check_args(name, MEMFD_KEY, offset, byte_size, self.limits.max_region_size)
+
+        def mapped(p: Peer) -> Region:
+            sealed = map_sealed(fd, offset, byte_size)
+            return Region(
+                name, MEMFD_KEY, offset, byte_size, -1, p.uid, p.pid, mapping=sealed.mapping, writable=sealed.writable
+            )
+
+        self._add(peer, name, mapped)
+
+    def _add(self, peer: Peer | None, name: str, make: Callable[[Peer], Region]) -> None:
+        peer = _local(peer)
         owner = self._owners.get((peer.uid, peer.pid))
         if owner is not None and owner.exited():
             self._reap(owner)  # its pid now names a new process: the old regions are not its
@@ -135,17 +167,20 @@ class SharedMemoryRegistry:
         if owner is not None and name in owner.regions:
             raise SharedMemoryError(f"shared memory region '{name}' is already registered")
         self._check_limits(peer.uid)
-        fd = self._open(peer, key, offset, byte_size)
+        region = make(peer)
         try:
             if owner is None:
                 owner = self._watch(peer)
         except BaseException:
-            os.close(fd)
+            region.released = True
+            region.close_if_idle()
             raise
-        owner.regions[name] = Region(name, key, offset, byte_size, fd, peer.uid, peer.pid)
+        owner.regions[name] = region
         self._count += 1
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
-        log.debug("registered shared memory region %s (%s, %d bytes) for pid %d", name, key, byte_size, peer.pid)
+        log.debug(
+            "registered shared memory region %s (%s, %d bytes) for pid %d", name, region.key, region.byte_size, peer.pid
+        )
 
     def _check_limits(self, uid: int) -> None:
         lim = self.limits

@@ -1,5 +1,7 @@
 """Copies between client shared memory and daemon buffers, for one request.
 
+A sealed memfd region (memfd.py) needs no copy: its mapped bytes are handed out as they are.
+
 The daemon never reads or writes client pages through a mapping (see shm.py): the kernel copies
 with preadv/pwrite on the descriptor kept since registration, so a shrunk object is a short read
 or a failed size check for that request, never SIGBUS. Small copies run on the loop, large ones
@@ -60,15 +62,28 @@ class ShmRequest:
         return region
 
     def input(self, name: str, offset: int, size: int) -> memoryview:
-        """Resolver for decode_infer: a daemon-owned buffer that ``fill`` loads."""
+        """Resolver for decode_infer: the mapped bytes of a sealed memfd, else a daemon-owned
+        buffer that ``fill`` loads."""
         region = self._take(name, offset, size)
+        if region.mapping is not None:
+            start = region.offset + offset
+            # Read-only: nothing in the daemon may write a client's input back into its memory.
+            return memoryview(region.mapping)[start : start + size].toreadonly()
         buf = np.empty(size, np.uint8)
         self.reads.append((region, region.offset + offset, buf))
         return buf.data
 
     def output(self, name: str, offset: int, size: int) -> memoryview:
-        """Resolver for encode_infer: a daemon-owned buffer that ``flush`` writes out."""
+        """Resolver for encode_infer: the mapped bytes of a sealed memfd (written in place), else
+        a daemon-owned buffer that ``flush`` writes out."""
         region = self._take(name, offset, size)
+        if region.mapping is not None:
+            if not region.writable:
+                raise SharedMemoryError(
+                    f"shared memory region '{name}' is sealed against writing: it can hold inputs only"
+                )
+            start = region.offset + offset
+            return memoryview(region.mapping)[start : start + size]
         buf = np.empty(size, np.uint8)
         self.writes.append((region, region.offset + offset, buf))
         return buf.data
