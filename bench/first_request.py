@@ -50,8 +50,9 @@ class ProbedEdged(EdgedServer):
         stages_file: Path | None,
         options: dict[str, dict[str, Any]] | None = None,
         spinning: bool = False,
+        shm: str = "memfd",
     ) -> None:
-        super().__init__(work, specs, options=options)
+        super().__init__(work, specs, options=options, shm=shm)
         self.stages_file = stages_file
         self.spinning = spinning
 
@@ -69,15 +70,18 @@ class ProbedEdged(EdgedServer):
 
 def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages: Path | None) -> EdgedServer:
     """``default``: edged as configured by the benchmark; ``spinning``: ONNX Runtime's pool left
-    spinning after each run; ``threads=N``: the frame models with N intra-op threads."""
+    spinning after each run; ``threads=N``: the frame models with N intra-op threads; ``posix``:
+    frames through POSIX shared memory objects (copied with preadv) instead of sealed memfds."""
     if variant == "default":
         return ProbedEdged(work, specs, stages)
+    if variant == "posix":
+        return ProbedEdged(work, specs, stages, shm="posix")
     if variant == "spinning":
         return ProbedEdged(work, specs, stages, spinning=True)
     if variant.startswith("threads="):
         n = int(variant.split("=", 1)[1])
         return ProbedEdged(work, specs, stages, options={m: {"threads": n} for m, s in specs.items() if s.frame})
-    raise SystemExit(f"unknown variant {variant!r}: default, spinning or threads=N")
+    raise SystemExit(f"unknown variant {variant!r}: default, posix, spinning or threads=N")
 
 
 def _proc(pid: int) -> tuple[int, int]:

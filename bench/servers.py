@@ -26,6 +26,7 @@ import numpy as np
 from bench.models import ModelSpec
 from bench.wire import Address, Conn, connect, decode_raw, decode_v2, http_bytes, raw_request, roundtrip, v2_request
 from edged.client import Client, ShmRegion, ShmTensor
+from edged.client_shm import FD_SUFFIX, MemfdRegion
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -217,13 +218,17 @@ class EdgedServer(Server):
         options: dict[str, dict[str, Any]] | None = None,
         label: str = "edged",
         server: dict[str, Any] | None = None,
+        shm: str = "memfd",
     ) -> None:
         self.name = label
         self.server_options = server or {}  # extra keys of the [server] table
+        # How frames reach the daemon: "memfd" (a sealed memfd it maps, as edged's client does
+        # where it can) or "posix" (a /dev/shm object it copies with preadv, as Triton's clients).
+        self.shm = shm
         super().__init__(work, specs)
         self.options = options or {}  # per model: extra keys of its [models.NAME] table
         self.cache = self.dir / "cache"
-        self.regions: list[ShmRegion] = []
+        self.regions: list[ShmRegion | MemfdRegion] = []
         self.notify: socket.socket | None = None
 
     @property
@@ -353,10 +358,16 @@ class EdgedServer(Server):
         return decode_v2(head, body)[spec.outputs[0]]
 
     def frame_conn(self, spec: ModelSpec, x: np.ndarray, index: int) -> Conn:
-        region = ShmRegion(f"{self.name}.{spec.name}-{len(self.regions)}", x.nbytes)
+        name = f"{self.name}.{spec.name}-{len(self.regions)}"
+        region: ShmRegion | MemfdRegion
+        if self.shm == "memfd":
+            region = MemfdRegion(name, x.nbytes)
+            region.register(self.addr + FD_SUFFIX, 30.0)
+        else:
+            region = ShmRegion(name, x.nbytes)
+            with Client(self.addr) as c:
+                c.register_shm(region.name, region.key, x.nbytes)
         self.regions.append(region)
-        with Client(self.addr) as c:
-            c.register_shm(region.name, region.key, x.nbytes)
         tensor = region.put(x)
         return Conn(
             self.addr,
@@ -372,7 +383,7 @@ class EdgedServer(Server):
         self.regions.clear()
 
 
-def _copier(region: ShmRegion, src: np.ndarray) -> Callable[[], None]:
+def _copier(region: ShmRegion | MemfdRegion, src: np.ndarray) -> Callable[[], None]:
     n = src.nbytes
 
     def copy() -> None:  # the producer writing its frame into the region (no view outlives it)

@@ -30,7 +30,8 @@ import orjson
 from edged.errors import BadRequestError, EdgedError
 from edged.ratelog import RateLimitedLog
 from edged.transports.peer import Peer, close_peer, peer_of
-from edged.transports.shm import SharedMemoryRegistry
+from edged.transports.shm import Region, SharedMemoryRegistry
+from edged.transports.shm_io import populate_region
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +150,32 @@ class FdSocket:
             if not msg and not fds:  # the client closed its end
                 self._drop(conn)
                 return
-            answer = self._answer(conn.peer, msg, flags, fds)
+            answer, region = self._answer(conn.peer, msg, flags, fds)
         finally:
             for fd in fds:  # registered regions hold a mapping of their own
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        if region is None:
+            self._send(conn, answer)
+            return
+        # Answered once its pages are faulted in: the client's first frame then costs no faults.
+        # No other message of this connection is read meanwhile, so answers keep their order.
+        assert self._loop is not None
+        self._loop.remove_reader(conn.sock.fileno())
+        populate_region(region, lambda error: self._populated(conn, answer, error))
+
+    def _populated(self, conn: _Conn, answer: bytes, error: BaseException | None) -> None:
+        if error is not None:  # the region works without it; its first request pays the faults
+            self._refusals.note(
+                logging.WARNING, "populate", "descriptor socket: faulting a region in failed: %s", error
+            )
+        if self._conns.get(conn.sock.fileno()) is not conn:
+            return  # dropped meanwhile (idle timeout, daemon stop)
+        assert self._loop is not None
+        self._loop.add_reader(conn.sock.fileno(), self._readable, conn)
+        self._send(conn, answer)
+
+    def _send(self, conn: _Conn, answer: bytes) -> None:
         try:
             conn.sock.send(answer)
         except OSError:  # not reading its answers (EAGAIN), or gone: it gets no more
@@ -161,16 +183,16 @@ class FdSocket:
             return
         self._touch(conn)
 
-    def _answer(self, peer: Peer | None, msg: bytes, flags: int, fds: list[int]) -> bytes:
+    def _answer(self, peer: Peer | None, msg: bytes, flags: int, fds: list[int]) -> tuple[bytes, Region | None]:
         try:
             name, offset, byte_size = _parse(msg, flags, fds)
-            self.registry.register_fd(peer, name, fds[0], offset, byte_size)
+            region = self.registry.register_fd(peer, name, fds[0], offset, byte_size)
         except EdgedError as e:
-            return orjson.dumps(e.to_dict())
+            return orjson.dumps(e.to_dict()), None
         except Exception:  # a bug must cost this message, not the daemon
             log.exception("descriptor socket: registering a region failed")
-            return orjson.dumps(EdgedError("registering the region failed inside edged; see its log").to_dict())
-        return orjson.dumps({"registered": name})
+            return orjson.dumps(EdgedError("registering the region failed inside edged; see its log").to_dict()), None
+        return orjson.dumps({"registered": name}), region
 
 
 def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

@@ -58,10 +58,16 @@ class ShmLimits:
     max_regions: int = 1024
     max_regions_per_peer: int = 256
     max_region_size: int = 256 * 1024 * 1024
+    max_region_bytes: int = 2 * 1024 * 1024 * 1024
 
     @classmethod
     def from_config(cls, server: ServerConfig) -> ShmLimits:
-        return cls(server.max_regions, server.max_regions_per_peer, parse_size(server.max_region_size))
+        return cls(
+            server.max_regions,
+            server.max_regions_per_peer,
+            parse_size(server.max_region_size),
+            parse_size(server.max_region_bytes),
+        )
 
 
 @dataclass(eq=False)
@@ -130,6 +136,7 @@ class SharedMemoryRegistry:
         self._dir = shm_dir
         self._owners: dict[tuple[int, int], _Owner] = {}
         self._count = 0
+        self._bytes = 0
         self._per_uid: dict[int, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poller: asyncio.TimerHandle | None = None
@@ -142,10 +149,11 @@ class SharedMemoryRegistry:
         self._add(
             peer,
             name,
+            byte_size,
             lambda p: Region(name, key, offset, byte_size, self._open(p, key, offset, byte_size), p.uid, p.pid),
         )
 
-    def register_fd(self, peer: Peer | None, name: str, fd: int, offset: int, byte_size: int) -> None:
+    def register_fd(self, peer: Peer | None, name: str, fd: int, offset: int, byte_size: int) -> Region:
         """A sealed memfd the peer passed over the fd socket, mapped and used in place. Does not
         close ``fd`` (the mapping keeps its own reference)."""
         _check_args(name, MEMFD_KEY, offset, byte_size, self.limits.max_region_size)
@@ -156,9 +164,9 @@ class SharedMemoryRegistry:
                 name, MEMFD_KEY, offset, byte_size, -1, p.uid, p.pid, mapping=sealed.mapping, writable=sealed.writable
             )
 
-        self._add(peer, name, mapped)
+        return self._add(peer, name, byte_size, mapped)
 
-    def _add(self, peer: Peer | None, name: str, make: Callable[[Peer], Region]) -> None:
+    def _add(self, peer: Peer | None, name: str, nbytes: int, make: Callable[[Peer], Region]) -> Region:
         peer = _local(peer)
         owner = self._owners.get((peer.uid, peer.pid))
         if owner is not None and owner.exited():
@@ -166,7 +174,7 @@ class SharedMemoryRegistry:
             owner = None
         if owner is not None and name in owner.regions:
             raise SharedMemoryError(f"shared memory region '{name}' is already registered")
-        self._check_limits(peer.uid)
+        self._check_limits(peer.uid, nbytes)
         region = make(peer)
         try:
             if owner is None:
@@ -177,13 +185,20 @@ class SharedMemoryRegistry:
             raise
         owner.regions[name] = region
         self._count += 1
+        self._bytes += region.byte_size
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
         log.debug(
             "registered shared memory region %s (%s, %d bytes) for pid %d", name, region.key, region.byte_size, peer.pid
         )
+        return region
 
-    def _check_limits(self, uid: int) -> None:
+    def _check_limits(self, uid: int, nbytes: int) -> None:
         lim = self.limits
+        if self._bytes + nbytes > lim.max_region_bytes:
+            raise SharedMemoryLimitError(
+                f"registered regions hold {self._bytes} bytes; {nbytes} more would pass the limit "
+                f"(server.max_region_bytes) of {lim.max_region_bytes}; unregister regions first"
+            )
         if self._count >= lim.max_regions:
             raise SharedMemoryLimitError(
                 f"{self._count} shared memory regions are registered, the limit (server.max_regions) "
@@ -266,6 +281,7 @@ class SharedMemoryRegistry:
         region.released = True
         region.close_if_idle()
         self._count -= 1
+        self._bytes -= region.byte_size
         self._per_uid[owner.uid] -= 1
         if not self._per_uid[owner.uid]:
             del self._per_uid[owner.uid]

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from edged.errors import SharedMemoryError, SharedMemoryTruncatedError
+from edged.transports.memfd import populate
 from edged.transports.peer import Peer
 from edged.transports.shm import Region
 
@@ -158,6 +159,23 @@ def _write_all(region: Region, pos: int, buf: np.ndarray) -> None:
             done += os.pwrite(region.fd, view[done:], pos + done)
         except OSError as e:
             raise SharedMemoryError(f"shared memory region '{region.name}' cannot be written: {e.strerror}") from None
+
+
+def populate_region(region: Region, then: Callable[[BaseException | None], None]) -> None:
+    """Fault a mapped region's pages in on a copier thread (the daemon's first touch of a client's
+    frame costs about a fault per 64 KiB), then call ``then`` on the loop with the error, if
+    any. The region is held meanwhile, as by a request, so it is never unmapped under the thread."""
+    assert region.mapping is not None
+    region.users += 1
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(_copiers, populate, region.mapping, region.offset, region.byte_size, region.writable)
+
+    def finished(f: asyncio.Future[None]) -> None:
+        region.users -= 1
+        region.close_if_idle()
+        then(None if f.cancelled() else f.exception())
+
+    fut.add_done_callback(finished)
 
 
 async def warm_copies(nbytes: int) -> None:

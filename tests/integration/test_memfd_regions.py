@@ -19,6 +19,7 @@ import onnxruntime as ort
 import orjson
 import pytest
 
+from edged import errors
 from edged.client import Client, MemfdRegion, ShmRegion
 from tests.helpers import DaemonProcess, wait_for
 
@@ -303,3 +304,30 @@ def test_connections_beyond_the_limit_are_refused_and_the_others_still_served(
     finally:
         for s in held:
             s.close()
+
+
+def test_regions_of_both_kinds_count_against_the_total_bytes_limit(
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path
+) -> None:
+    d = daemon_factory(
+        {"tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"}},
+        extra={"server": {"max_region_bytes": "64KiB"}},
+    ).start()
+    with d.client() as c, Client(str(d.socket), memfd=False) as posix:
+        c.shm_region("a", 32 * 1024)
+        posix.shm_region("b", 16 * 1024)
+        with pytest.raises(errors.SharedMemoryLimitError, match="server.max_region_bytes"):
+            c.shm_region("c", 32 * 1024)
+        c.unregister_shm("a")
+        c.shm_region("c", 32 * 1024)  # what an unregistration gives back is usable again
+
+
+def test_a_region_is_faulted_in_before_its_registration_is_answered(tiny: DaemonProcess) -> None:
+    size = 4 << 20
+    with tiny.client() as c:
+        c.shm_region("frame", size)
+        assert tiny.proc is not None
+        smaps = Path(f"/proc/{tiny.proc.pid}/smaps").read_text().split("\n")
+        at = next(i for i, line in enumerate(smaps) if "memfd:edged-frame" in line)
+        rss_kib = next(int(line.split()[1]) for line in smaps[at:] if line.startswith("Rss:"))
+        assert rss_kib >= size // 1024, f"{rss_kib} KiB resident of {size // 1024}"

@@ -1,0 +1,115 @@
+"""edged/transports/memfd.py: which descriptors may be mapped, and faulting a mapping in."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edged.errors import SharedMemoryError
+from edged.transports.memfd import map_sealed, populate, unmap
+
+SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+@pytest.fixture
+def fds() -> Iterator[list[int]]:
+    opened: list[int] = []
+    yield opened
+    for fd in opened:
+        os.close(fd)
+
+
+def memfd(fds: list[int], size: int, seals: int = SEALED) -> int:
+    fd = os.memfd_create("edged-unit", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fds.append(fd)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def resident_kib(mapping_start: int) -> int:
+    """Rss of this process's mapping that starts at ``mapping_start``, from /proc/self/smaps."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{mapping_start:x}":
+            for follow in lines[i + 1 :]:
+                if follow.startswith("Rss:"):
+                    return int(follow.split()[1])
+    raise AssertionError("mapping not found")
+
+
+def test_a_sealed_memfd_maps_writable_and_its_bytes_are_the_clients(fds: list[int]) -> None:
+    fd = memfd(fds, 8192, seals=0)
+    os.pwrite(fd, b"frame", 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALED)
+    sealed = map_sealed(fd, 4096, 4096)
+    assert sealed.writable and sealed.size == 8192
+    assert sealed.mapping[4096:4101] == b"frame"
+    sealed.mapping[0:2] = b"ok"
+    assert os.pread(fd, 2, 0) == b"ok"
+    assert unmap(sealed.mapping)
+
+
+def test_a_write_sealed_memfd_maps_read_only(fds: list[int]) -> None:
+    fd = memfd(fds, 4096, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    sealed = map_sealed(fd, 0, 4096)
+    assert not sealed.writable
+    with pytest.raises(TypeError):
+        sealed.mapping[0:1] = b"x"
+    unmap(sealed.mapping)
+
+
+@pytest.mark.parametrize(
+    ("seals", "needle"),
+    [(0, "F_SEAL_SHRINK"), (fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL, "F_SEAL_SHRINK")],
+)
+def test_a_memfd_that_can_shrink_is_refused(fds: list[int], seals: int, needle: str) -> None:
+    with pytest.raises(SharedMemoryError, match=needle):
+        map_sealed(memfd(fds, 4096, seals), 0, 4096)
+
+
+def test_other_descriptors_are_refused(fds: list[int], tmp_path: Path) -> None:
+    r, w = os.pipe()
+    fds += [r, w]
+    with pytest.raises(SharedMemoryError, match="not a memfd"):
+        map_sealed(r, 0, 1)
+    f = tmp_path / "file"
+    f.write_bytes(bytes(4096))
+    fd = os.open(f, os.O_RDWR)
+    fds.append(fd)
+    with pytest.raises(SharedMemoryError, match="that can be sealed"):
+        map_sealed(fd, 0, 4096)
+
+
+def test_a_range_past_the_end_is_refused(fds: list[int]) -> None:
+    with pytest.raises(SharedMemoryError, match="exceeds the memfd's 4096 bytes"):
+        map_sealed(memfd(fds, 4096), 1, 4096)
+
+
+def test_unmap_waits_for_the_last_view(fds: list[int]) -> None:
+    sealed = map_sealed(memfd(fds, 4096), 0, 4096)
+    view = memoryview(sealed.mapping)
+    assert not unmap(sealed.mapping)  # a request still reads it: left to the last view
+    view.release()
+    assert unmap(sealed.mapping)
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_populate_makes_the_range_resident(fds: list[int], writable: bool) -> None:
+    size = 64 * mmap.PAGESIZE
+    fd = memfd(fds, size)
+    sealed = map_sealed(fd, 0, size)
+    anchor = ctypes.c_char.from_buffer(sealed.mapping)
+    address = ctypes.addressof(anchor)
+    del anchor
+    assert resident_kib(address) == 0
+    populate(sealed.mapping, mmap.PAGESIZE + 1, size - mmap.PAGESIZE - 1, writable)
+    assert resident_kib(address) >= (size - mmap.PAGESIZE) // 1024
+    unmap(sealed.mapping)
