@@ -143,26 +143,28 @@ def echo_limit(work: Path, x: np.ndarray, rounds: int, per: int) -> dict[str, fl
         proc.wait(10)
 
 
-Variant = tuple[str, "list[int] | None", int, dict[str, str]]
+Variant = tuple[str, "list[int] | None", int, dict[str, str], bool]
 SPIN_OFF = {"BENCH_ORT_SPIN": "0"}
 NATIVE = {"BENCH_ORT_THREADS": "native"}
 
 
 def variants(ncpu: int) -> list[Variant]:
-    """(label, daemon CPUs or None for all, conv net intra-op threads (0 = edged's rule), trial env)."""
+    """(label, daemon CPUs or None for all, conv net intra-op threads (0 = edged's rule), trial env,
+    frames through a sealed memfd (True, edged's client's default) or a copied POSIX object)."""
     rest = list(range(1, ncpu))
     out: list[Variant] = [
-        ("edged: cores/instances threads", None, 0, {}),
-        ("edged, spin off", None, 0, SPIN_OFF),
-        ("ORT's own count, a pinned thread per core", None, 0, NATIVE),
-        ("1 thread", None, 1, {}),
-        ("edged, run on the loop (no hand-off)", None, -1, {}),
+        ("edged: cores/instances threads", None, 0, {}, True),
+        ("edged, POSIX shm (copied in and out)", None, 0, {}, False),
+        ("edged, spin off", None, 0, SPIN_OFF, True),
+        ("ORT's own count, a pinned thread per core", None, 0, NATIVE, True),
+        ("1 thread", None, 1, {}, True),
+        ("edged, run on the loop (no hand-off)", None, -1, {}, True),
     ]
     if ncpu >= 4:
-        out += [("4 threads", None, 4, {})]
+        out += [("4 threads", None, 4, {}, True)]
         out += [
-            (f"edged on cpus 1-{ncpu - 1}", rest, 0, {}),
-            (f"ORT's own on cpus 1-{ncpu - 1}", rest, 0, NATIVE),
+            (f"edged on cpus 1-{ncpu - 1}", rest, 0, {}, True),
+            (f"ORT's own on cpus 1-{ncpu - 1}", rest, 0, NATIVE, True),
         ]
     return out
 
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per", type=int, default=300, help="tiny requests per block")
     ap.add_argument("--frames", type=int, default=30, help="frames per block")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "placement.json")
+    ap.add_argument("--only", default="", help="comma-separated variant numbers (0 = edged's defaults) to run")
     args = ap.parse_args(argv)
     ncpu = os.cpu_count() or 1
     data = REPO / "data"
@@ -194,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         tiny_sess = ort.InferenceSession(str(models["tiny"]), providers=["CPUExecutionProvider"])
         default_conv = ort.InferenceSession(str(models["conv640"]), providers=["CPUExecutionProvider"])
         rows = []
-        for i, (label, cpus, threads, trial) in enumerate(variants(ncpu)):
+        only = {int(n) for n in args.only.split(",") if n}
+        for i, (label, cpus, threads, trial, memfd) in enumerate(variants(ncpu)):
+            if only and i not in only:
+                continue
             d = start_daemon(work, f"d{i}", models, cpus, threads, trial)
             try:
                 lean = LeanClient(str(d.socket), http_request("tiny", {"x": x}))
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     {"floor": lambda: tiny_sess.run(None, {"x": x}), "edged": lean.roundtrip}, args.rounds, args.per
                 )
                 lean.close()
-                with Client(str(d.socket)) as c:
+                with Client(str(d.socket), memfd=memfd) as c:
                     region = c.shm_region("conv640.x", frame.nbytes)
                     lean_shm = LeanClient(str(d.socket), http_request("conv640", {"x": region.put(frame)}))
                     f = alternate(

@@ -201,7 +201,7 @@ def markdown(r: dict[str, Any], pngs: Sequence[str], img_prefix: str = "") -> st
 SETUP = {
     "edged": "`edged serve`, one instance per model, intra-op threads as listed, no batching (defaults); "
     "requests over its Unix socket with the binary tensor extension; frames through a registered "
-    "POSIX shared memory region; ready = sd_notify `READY=1` (after warm-up)",
+    "sealed memfd region (mapped by the daemon, no copy); ready = sd_notify `READY=1` (after warm-up)",
     "fastapi": "uvicorn (uvloop, httptools) on a Unix socket, an `async def` endpoint taking the tensor's raw "
     "bytes, the ONNX Runtime session created on the first request (lazy); ready = `GET /health`",
     "pytriton": "nvidia-pytriton 0.7 (Triton's server binary; the callable runs an ONNX Runtime session in "

@@ -2,8 +2,9 @@
 readiness, measure the whole process tree, stop by PID.
 
 Each server knows how to encode a request for a model and how to set up a connection for a frame:
-edged and PyTriton through a POSIX shared memory region per connection (registered once, the
-frame copied in before each request), the hand-written FastAPI server with the frame's raw bytes.
+edged through a sealed memfd region per connection (handed over once; the daemon maps it), PyTriton
+through a POSIX shared memory region per connection (registered once), the frame copied in before
+each request in both; the hand-written FastAPI server with the frame's raw bytes.
 """
 
 from __future__ import annotations
