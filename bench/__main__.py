@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "overhead": ("bench.overhead", "where a request's time goes outside the model, with trial fixes"),
     "spinning": ("bench.spinning", "ONNX Runtime's spinning intra-op threads on and off"),
+    "session": (
+        "bench.session_probe",
+        "edged's ONNX Runtime session (build artefact, spinning stop) against a default one",
+    ),
     "shm-copy": ("bench.shm_copy", "the safe kernel copy of a shared-memory frame against the old mapping"),
 }
 
