@@ -6,7 +6,9 @@ In process, no daemon, no socket: the same model and input run through sessions 
   * ``edged``: as edged serves it: the model optimised once at build time (its artefact, made with
     one intra-op thread) and loaded with optimisation off, ``session.force_spinning_stop`` on;
   * ``edged-artefact``: edged's artefact, spinning left on (what the artefact alone costs);
-  * ``default+stop``: the floor's session with ``session.force_spinning_stop`` (what the stop costs),
+  * ``default+stop``: the floor's session with ``session.force_spinning_stop`` (what the stop costs);
+  * ``edged-thread``: edged's session run by a worker thread, handed each run through a queue
+    and waited for (what edged's scheduler does, without the daemon around it),
 
 in blocks alternated round-robin, with a pause between blocks so that no pool's spinning runs
 into the next block. Prints the median of per-block medians and the ratio to ``default``.
@@ -17,10 +19,13 @@ into the next block. Prints the median of per-block medians and the ratio to ``d
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import queue
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +61,25 @@ def artefact(model: Path, dest: Path) -> Path:
     return dest
 
 
+def on_a_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run by a daemon thread of its own; the caller hands each call over and waits."""
+    todo: queue.SimpleQueue[concurrent.futures.Future[Any]] = queue.SimpleQueue()
+
+    def worker() -> None:
+        while True:
+            fut = todo.get()
+            fut.set_result(fn())
+
+    threading.Thread(target=worker, daemon=True).start()
+
+    def call() -> Any:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        todo.put(fut)
+        return fut.result()
+
+    return call
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ocr_det", choices=["ocr_det", "conv640"])
@@ -84,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[name] = lambda s=sess: s.run(None, {"x": x})
             for _ in range(3):
                 runs[name]()
+        runs["edged-thread"] = on_a_thread(runs["edged"])
         blocks: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(args.rounds):
             order = list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]
