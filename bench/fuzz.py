@@ -1,7 +1,8 @@
 """Fuzz a live daemon with mutated infer requests (issue 10): JSON bodies, the binary tensor
 extension, shared memory parameters and header values, from valid requests mutated at the
 document and at the byte level, with a few hostile floods among them; some bodies compressed
-(gzip, deflate, and encodings edged does not read) and some BYTES tensors (issue 12).
+(gzip, deflate, and encodings edged does not read) and some BYTES tensors (issue 12). Beside
+them, a tenth as many cases on the descriptor socket (bench/fuzz_fd.py).
 
     .venv/bin/python -m bench.fuzz [--cases 100000] [--workers 4] [--seed 0] [--out bench-results/fuzz.json]
 
@@ -27,12 +28,14 @@ import threading
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
+from bench import fuzz_fd
 from bench.wire import connect, http_bytes
 from edged.client import Client, ShmRegion
 
@@ -367,8 +370,14 @@ def run(cases: int, workers: int, seed: int) -> dict[str, Any]:
             c.register_shm(REGION, region.key, REGION_BYTES)
         assert prober.stdout is not None and prober.stdout.readline() == "ready\n"
         rss_before = _rss(daemon.proc.pid)
+        fds_before = fuzz_fd.open_fds(daemon.proc.pid)
+        fd_out = fuzz_fd.FdResults()
+        fd_args = (str(daemon.socket) + ".fd", str(daemon.socket), seed, max(1, cases // 10), fd_out)
+        fd_thread = threading.Thread(target=fuzz_fd.fd_worker, args=fd_args)
         started = time.monotonic()
+        fd_thread.start()
         out = _run_workers(str(daemon.socket), cases, workers, seed)
+        fd_thread.join()
         elapsed = time.monotonic() - started
         alive = daemon.proc.poll() is None
         rss_after = _rss(daemon.proc.pid) if alive else 0
@@ -377,6 +386,7 @@ def run(cases: int, workers: int, seed: int) -> dict[str, Any]:
         probes, worst, stalls, p99, failed = prober.stdout.readline().split()
         with Client(str(daemon.socket)) as c:
             after_ok = c.live() and c.ready()
+        fds_after = _settled(lambda: fuzz_fd.open_fds(daemon.proc.pid) if alive else 0, fds_before)
     finally:
         prober.kill()
         region.close()
@@ -399,11 +409,23 @@ def run(cases: int, workers: int, seed: int) -> dict[str, Any]:
         "health_p99_ms": round(float(p99) * 1000, 2),
         "loop_stalls_over_1s": int(stalls),
         "health_checks_failed": int(failed),
+        "descriptor_socket": fuzz_fd.summary(fd_out, fds_before, fds_after),
         "rss_before_mb": round(rss_before / 2**20, 1),
         "rss_after_mb": round(rss_after / 2**20, 1),
         "workers": workers,
         "seed": seed,
     }
+
+
+def _settled(count: Callable[[], int], target: int, timeout: float = 10.0) -> int:
+    """The count once it is back to ``target`` (the daemon closes connections as it reads their
+    end), or its value at the deadline."""
+    deadline = time.monotonic() + timeout
+    n = count()
+    while n > target and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the daemon's descriptor table, bounded by the deadline
+        n = count()
+    return n
 
 
 def _two_inputs(path: Path) -> None:
@@ -433,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     ok = not result["daemon_crashed"] and not result["server_errors_5xx"] and not result["loop_stalls_over_1s"]
+    fds = result["descriptor_socket"]
+    ok = ok and fds["daemon_fds_after"] <= fds["daemon_fds_before"] and "internal" not in fds["by_code"]
     sys.exit(0 if ok and not result["valid_requests_failed"] else 1)
 
 

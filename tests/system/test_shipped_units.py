@@ -72,17 +72,18 @@ def ask(ns: SystemdNamespace) -> dict[str, Any]:
 def test_socket_activation_starts_the_hardened_service(shipped: SystemdNamespace) -> None:
     ns = shipped
     ns.systemctl("start", "edged.socket", check=True)
-    sock = ns.root_path(SOCKET).lstat()
-    assert stat.S_ISSOCK(sock.st_mode)
-    assert stat.S_IMODE(sock.st_mode) == 0o660
-    assert sock.st_gid == group_id(ns, "edged")
+    for path in (SOCKET, SOCKET + ".fd"):  # the API and the descriptor socket (memfd regions)
+        sock = ns.root_path(path).lstat()
+        assert stat.S_ISSOCK(sock.st_mode), path
+        assert stat.S_IMODE(sock.st_mode) == 0o660, path
+        assert sock.st_gid == group_id(ns, "edged"), path
     rundir = ns.root_path("/run/edged").stat()
     assert stat.S_IMODE(rundir.st_mode) == 0o750 and rundir.st_gid == group_id(ns, "edged")
     assert ns.state("edged.service") == "inactive"
 
     got = ask(ns)  # the connection waits in the backlog while systemd starts the service
     ns.wait_state("edged.service", "active")
-    assert got["fds"] == [3]
+    assert got["fds"] == [3, 4]
     assert got["env"]["LISTEN_FDS"] is None  # consumed, so a build child never inherits it
     assert got["watchdog"] == 20.0
     assert got["uid"] != 0 and got["gid"] == group_id(ns, "edged")
@@ -143,5 +144,5 @@ def test_reload_and_stop_keep_the_socket(shipped: SystemdNamespace) -> None:
     assert ns.show("edged.service", "Result")["Result"] == "success"
     assert ns.root_path(SOCKET).exists()
     assert ns.state("edged.socket") == "active"
-    assert ask(ns)["fds"] == [3]
+    assert ask(ns)["fds"] == [3, 4]
     ns.wait_state("edged.service", "active")
