@@ -24,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from edged import early_signals, systemd
+from edged import early_signals, heap, systemd
 from edged.background import BackgroundBuilds
 from edged.boot import Boot
 from edged.build.runner import BuildRunner
@@ -202,6 +202,7 @@ class Daemon:
         finally:
             self.service.warming = False
         self.service.status_line = self._summary()
+        heap.settle()
         self.service.ready.set()
         systemd.ready(self.service.status_line)
         if self._wedge is not None:
@@ -395,6 +396,7 @@ class Daemon:
 
 def serve(cfg: Config) -> int:
     early_signals.hold()  # idempotent: `edged serve` already called it first thing
+    heap.keep_large_buffers()
     isolate_library_files(cfg.cache.dir)
     systemd.setup_logging(cfg.server.log_level)
     daemon = Daemon(cfg)
