@@ -1,37 +1,116 @@
 """Probe: where a request's time goes outside the model, with trial fixes side by side.
 
-Three daemons serve the same model, interleaved with the in-process floor, at concurrency 1 and 4:
-  * ``edged``: as configured by default;
+Daemons serving the same model, interleaved with the in-process floor, at concurrency 1 and 4
+(``--lanes`` picks them; default ``edged,inline,worker``):
+  * ``edged``: this tree, as configured by default (whether the model runs on the event loop is
+    the warm-up's decision; the daemon's choice is printed at the end);
+  * ``edged-inline``: ``[server] inline_threshold_us`` high enough that the model runs on the
+    event loop: no hand-off to a worker thread and back;
+  * ``edged-worker``: ``inline_threshold_us = 0``: every request goes to the model's worker
+    thread (two thread hops per request);
   * ``edged-onewrite``: uvicorn's httptools protocol writes a response's head and body with two
     ``transport.write`` calls (two ``write`` syscalls, seen with strace on the daemon);
     bench/trials/onewrite/sitecustomize.py coalesces them, without touching edged's code;
-  * ``edged-inline``: ``[server] inline_threshold_us`` high enough that the model runs on the
-    event loop: no hand-off to a worker thread and back (for the frame models; the tiny model
-    runs inline already).
+  * ``fastapi``: the hand-written FastAPI/uvicorn server of the peer benchmark (bench/peer_fastapi.py),
+    the figure issue 13's throughput target is a ratio to;
+  * ``echo``: a bare ASGI app on the same uvicorn stack (uvloop, httptools, a Unix socket) that
+    reads the request and answers a fixed 100-byte body: the transport's own cost, the limit under
+    edged's figure (not checked against the model's answer; it runs no model);
+  * ``edged-base`` (with ``--base COMMIT``): edged's package as of that commit (``git archive``
+    into the work folder, first on the daemon's PYTHONPATH), default config: a before/after of a
+    change to edged's code in one interleaved run.
 
-    scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8]
+    scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--lanes edged,worker] [--base HEAD~1]
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
+import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from bench.measure import FLOOR, Budget, Lane, Runner, floor_runner, interleave, server_runner
 from bench.models import ModelSpec, prepare, session, write_specs
-from bench.servers import EdgedServer, check
-from bench.wire import closed_loop
+from bench.servers import EdgedServer, FastAPIServer, Server, check, get_status
+from bench.wire import closed_loop, connect, http_bytes, roundtrip, v2_request
 
 REPO = Path(__file__).resolve().parent.parent
+LANES = ("edged", "inline", "worker", "onewrite", "fastapi", "echo")
+_ECHO_BODY = b"e" * 100
+_ECHO_HEAD = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", b"100")],
+}
+
+
+async def echo_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+    """The echo lane's server (run by uvicorn as ``bench.overhead:echo_app``)."""
+    if scope["type"] != "http":
+        return
+    message = await receive()
+    while message.get("more_body"):
+        message = await receive()
+    await send(_ECHO_HEAD)
+    await send({"type": "http.response.body", "body": _ECHO_BODY})
+
+
+class EchoServer(Server):
+    name = "echo"
+
+    @property
+    def addr(self) -> str:
+        return str(self.dir / "echo.sock")
+
+    def command(self) -> list[str]:
+        server = ["--uds", self.addr, "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
+        return [self.python, "-m", "uvicorn", "bench.overhead:echo_app", *server, "--log-level", "warning"]
+
+    def start(self) -> None:
+        Path(self.addr).unlink(missing_ok=True)
+        super().start()
+
+    def is_ready(self) -> bool:
+        with connect(self.addr, timeout=1.0) as sock:
+            roundtrip(sock, http_bytes("/", b"", {}))
+        return True
+
+    def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
+        return v2_request(spec.name, spec.input, x, spec.outputs)
 
 
 class OneWriteEdged(EdgedServer):
     def extra_env(self) -> dict[str, str]:
         return dict(super().extra_env(), PYTHONPATH=f"{REPO / 'bench' / 'trials' / 'onewrite'}:{REPO}")
+
+
+class BaseEdged(EdgedServer):
+    """edged's package from another commit, found before this tree's on the daemon's path."""
+
+    def __init__(self, work: Path, specs: dict[str, ModelSpec], commit: str) -> None:
+        self.tree = work / "base-tree"
+        export(commit, self.tree)
+        super().__init__(work, specs, label="edged-base")
+
+    def extra_env(self) -> dict[str, str]:
+        return dict(super().extra_env(), PYTHONPATH=f"{self.tree}:{REPO}")
+
+
+def export(commit: str, dest: Path) -> None:
+    """edged/ as of ``commit`` into ``dest`` (the benchmark and its helpers stay this tree's)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = dest / "edged.tar"
+    subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), commit, "edged"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    archive.unlink()
 
 
 def _no_copy(server: EdgedServer, spec: ModelSpec, x: np.ndarray, conc: int) -> Runner:
@@ -45,24 +124,88 @@ def _no_copy(server: EdgedServer, spec: ModelSpec, x: np.ndarray, conc: int) -> 
     return run
 
 
+def servers_for(
+    work: Path, spec: ModelSpec, lanes: list[str], base: str | None, beside: dict[str, ModelSpec] | None = None
+) -> list[Server]:
+    one = {spec.name: spec, **(beside or {})}
+    make: dict[str, Callable[[], Server]] = {
+        "edged": lambda: EdgedServer(work, one, label="edged"),
+        "inline": lambda: EdgedServer(work, one, label="edged-inline", server={"inline_threshold_us": 10_000_000}),
+        "worker": lambda: EdgedServer(work, one, label="edged-worker", server={"inline_threshold_us": 0}),
+        "onewrite": lambda: OneWriteEdged(work, one, label="edged-onewrite"),
+        "fastapi": lambda: FastAPIServer(work, one),
+        "echo": lambda: EchoServer(work, one),
+    }
+    servers = [make[name]() for name in lanes]
+    if base is not None:
+        servers.append(BaseEdged(work, one, base))
+    return servers
+
+
+def _placement(server: Server, model: str) -> str:
+    """Where the daemon runs the model, as its status says (inline: on the event loop)."""
+    if not isinstance(server, EdgedServer):
+        return f"{server.name:16} (not edged)"
+    doc: dict[str, Any] = get_status(server.addr)["models"][model]
+    return f"{server.name:16} inline={doc.get('inline')} infer_us={doc.get('infer_us')}"
+
+
+def starts(
+    work: Path, spec: ModelSpec, lanes: list[str], base: str | None, n: int, beside: dict[str, ModelSpec]
+) -> None:
+    """Each daemon started ``n`` times, alternated: its inline decision and measured run cost
+    (``beside``: other models the daemons serve too, warmed in the same start)."""
+    try:
+        servers = [s for s in servers_for(work, spec, lanes, base, beside) if isinstance(s, EdgedServer)]
+        seen: dict[str, list[str]] = {s.name: [] for s in servers}
+        for _ in range(n):
+            for s in servers:
+                s.start()
+                try:
+                    s.wait_ready()
+                    doc = get_status(s.addr)["models"][spec.name]
+                    seen[s.name].append(f"{'inline' if doc.get('inline') else 'worker'}/{doc.get('infer_us')}")
+                finally:
+                    s.stop()
+        for name, decisions in seen.items():
+            inline = sum(d.startswith("inline") for d in decisions)
+            print(f"{spec.name} {name:16} inline in {inline}/{n} starts: {', '.join(decisions)}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--lanes", default="edged,inline,worker", help=f"comma-separated, of {', '.join(LANES)}")
+    ap.add_argument("--base", default=None, help="a commit: add a daemon running edged's package as of it")
+    ap.add_argument("--concurrency", default="1,4", help="comma-separated")
+    ap.add_argument(
+        "--starts",
+        type=int,
+        default=0,
+        help="only start each daemon this many times, alternated, "
+        "and print where it runs the model (the warm-up's inline decision)",
+    )
+    ap.add_argument("--beside", default="", help="with --starts: other models the daemons serve too")
     args = ap.parse_args(argv)
+    lanes = [n for n in args.lanes.split(",") if n]
+    unknown = set(lanes) - set(LANES)
+    if unknown:
+        ap.error(f"unknown lanes {sorted(unknown)}; pick from {', '.join(LANES)}")
+    concs = [int(c) for c in args.concurrency.split(",")]
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     spec = specs[args.model]
     work = Path(tempfile.mkdtemp(prefix="edged-probe-"))
-    servers = [
-        EdgedServer(work, {spec.name: spec}, label="edged"),
-        OneWriteEdged(work, {spec.name: spec}, label="edged-onewrite"),
-    ]
-    if spec.frame:
-        servers.append(
-            EdgedServer(work, {spec.name: spec}, label="edged-inline", server={"inline_threshold_us": 10_000_000})
-        )
+    servers: list[Server] = []
     budget = Budget(3000, 0.3) if not spec.frame else Budget(300, 0.5)
+    if args.starts:
+        beside = {m: specs[m] for m in args.beside.split(",") if m and m != spec.name}
+        starts(work, spec, lanes, args.base, args.starts, beside)
+        return
     try:
+        servers = servers_for(work, spec, lanes, args.base)
         write_specs(work / "specs.json", specs)
         for s in servers:
             s.start()
@@ -70,15 +213,17 @@ def main(argv: list[str] | None = None) -> None:
         x = spec.sample()
         sess = session(spec)
         want = sess.run([spec.outputs[0]], {spec.input: x})[0]
-        lanes = {(FLOOR, c): Lane(floor_runner(sess, spec, x, c), budget) for c in (1, 4)}
+        runs = {(FLOOR, c): Lane(floor_runner(sess, spec, x, c), budget) for c in concs}
         for s in servers:
-            check(s, spec, x, want)
-            for c in (1, 4):
-                lanes[(s.name, c)] = Lane(server_runner(s, spec, x, c), budget)
-        if spec.frame:  # the producer writes its frame into the region in place: no copy per request
-            for c in (1, 4):
-                lanes[("edged, frame in place", c)] = Lane(_no_copy(servers[0], spec, x, c), budget)
-        for name, by_conc in interleave(lanes, args.rounds).items():
+            if not isinstance(s, EchoServer):  # the echo runs no model
+                check(s, spec, x, want)
+            for c in concs:
+                runs[(s.name, c)] = Lane(server_runner(s, spec, x, c), budget)
+        first = next((s for s in servers if isinstance(s, EdgedServer)), None)
+        if spec.frame and first is not None:  # the producer writes its frame in the region in place: no copy
+            for c in concs:
+                runs[("edged, frame in place", c)] = Lane(_no_copy(first, spec, x, c), budget)
+        for name, by_conc in interleave(runs, args.rounds).items():
             for c, series in by_conc.items():
                 d = series.summary()
                 print(
@@ -86,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s",
                     flush=True,
                 )
+        for s in servers:
+            print(_placement(s, spec.name), flush=True)
     finally:
         for s in servers:
             s.close_frames()

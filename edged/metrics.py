@@ -262,10 +262,12 @@ class Metrics:
         st.buckets[bisect.bisect_left(BUCKETS, seconds)] += 1
         st.seconds_sum += seconds
 
-    def reject(self, model: str, transport: str, code: str) -> None:
+    def reject(self, model: str, transport: str, code: str, known: bool | None = None) -> None:
         """A request that failed before it reached the model (unknown model, unreadable body):
-        counted like any other outcome, under ``_unknown`` when the model does not exist."""
-        if self._source is not None and model not in self._source():
+        counted like any other outcome, under ``_unknown`` when the model does not exist.
+        ``known``: whether it does, when the caller knows (else the watched source is asked,
+        which builds the daemon's whole model table)."""
+        if self._source is not None and not (known if known is not None else model in self._source()):
             model = UNKNOWN
         self.observe(model, transport, code, 0.0)
 

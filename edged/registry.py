@@ -10,14 +10,13 @@ event loop keeps answering health checks while the daemon boots.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from edged import backends
 from edged.backends.base import Backend, Instance, LoadOptions, TensorSpec
@@ -31,7 +30,7 @@ from edged.memory import PlanItem, choose_evictions, rss_bytes
 from edged.metrics import Metrics
 from edged.scheduler import ModelQueue
 from edged.states import ModelState
-from edged.warmup import inline_max_elements, warm_inputs
+from edged.warmup import inline_max_elements, warm_cost_us, warm_inputs
 
 log = logging.getLogger(__name__)
 
@@ -281,10 +280,8 @@ class Registry:
             rt.entry = await asyncio.to_thread(self._remember_footprint, rt.entry, rt.footprint)
         self.set_state(rt, ModelState.WARMING)
         rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances)
-        inline = rt.infer_us is not None and rt.infer_us < self.cfg.server.inline_threshold_us and rt.cfg.instances == 1
-        inline = (
-            inline and rt.cfg.llm is None and not rt.cfg.path.lower().endswith(".gguf")
-        )  # generation: never on the loop
+        threshold = self.cfg.server.inline_threshold_us
+        inline = _may_run_inline(rt) and rt.infer_us is not None and rt.infer_us < threshold
         queue = ModelQueue(
             rt.name,
             instances,
@@ -332,18 +329,15 @@ class Registry:
         return backend, instances, rss_bytes() - before
 
     def _warm_blocking(self, rt: ModelRuntime, instances: list[Instance]) -> float | None:
-        """Run the warm-up inputs through every instance; return the median run time in us."""
+        """Run the warm-up inputs through every instance; return one run's cost in us (see
+        edged.warmup.warm_cost_us: a low quartile of enough runs, not a noisy median of three)."""
         assert rt.backend is not None
         if rt.cfg.warmup.iterations == 0:
             return None
         inputs = warm_inputs(rt.backend.inputs, rt.cfg)
-        times = []
-        for inst in instances:
-            for _ in range(rt.cfg.warmup.iterations):
-                t0 = time.perf_counter()
-                inst.infer(inputs)
-                times.append((time.perf_counter() - t0) * 1e6)
-        return float(np.median(times))
+        runs = [functools.partial(inst.infer, inputs) for inst in instances]
+        threshold = float(self.cfg.server.inline_threshold_us) if _may_run_inline(rt) else None
+        return warm_cost_us(runs, rt.cfg.warmup.iterations, threshold)
 
     async def unload(
         self, rt: ModelRuntime, state: ModelState = ModelState.UNLOADED, reason: str = "", notify: bool = True
@@ -398,3 +392,9 @@ class Registry:
 
 def _batchable(backend: Backend) -> bool:
     return bool(backend.inputs) and all(s.shape and s.shape[0] < 0 for s in backend.inputs)
+
+
+def _may_run_inline(rt: ModelRuntime) -> bool:
+    """Whether a model cheap enough may run on the event loop: one instance (the loop runs the
+    first), and never a generator (a language model streams for seconds)."""
+    return rt.cfg.instances == 1 and rt.cfg.llm is None and not rt.cfg.path.lower().endswith(".gguf")

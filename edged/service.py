@@ -10,12 +10,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from edged import __version__
-from edged.config import parse_size
+from edged.backends.base import Backend
+from edged.config import Config, ModelConfig, parse_size
 from edged.errors import (
     BadRequestError,
     EdgedError,
@@ -37,11 +39,29 @@ from edged.protocol import (
 )
 from edged.registry import ModelRuntime, Registry
 from edged.states import READY, ModelState
-from edged.stats import Statistics
+from edged.stats import ModelStatistics, Statistics
 from edged.tensors import is_bytes
 from edged.validate import InputRules
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _ModelPlan:
+    """What every request to one model is checked against, built once per load and config (a
+    reload, a swap or a lazy model's load changes one of the three it was built from)."""
+
+    cfg: Config
+    model_cfg: ModelConfig
+    backend: Backend | None
+    limits: Limits  # what a request may name, before its tensors are decoded
+    outputs: frozenset[str]  # the model's output names (empty: not loaded)
+    rules: InputRules | None  # its inputs' names, datatypes and shapes (None: not loaded)
+    timeout_s: float
+
+    def current(self, cfg: Config, rt: ModelRuntime) -> bool:
+        return self.cfg is cfg and self.model_cfg is rt.cfg and self.backend is rt.backend
+
 
 EXTENSIONS = [
     "binary_tensor_data",
@@ -70,10 +90,9 @@ class Service:
         self.status_line = "starting"
         # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
         self.unready: Callable[[], str] = lambda: ""
-        self._limits: dict[str, tuple[Any, tuple[int, int], Limits]] = {}
+        self._plans: dict[str, _ModelPlan] = {}
         # Triton's statistics extension: one record per configured model (edged/stats.py).
         self.stats = Statistics(lambda: self.registry.models)
-        self._rules: dict[str, tuple[Any, Any, InputRules]] = {}
 
     # --- health and metadata ---
 
@@ -120,15 +139,14 @@ class Service:
         whatever the body holds), then the body, bounded by the model's own tensor counts and
         decoded off the loop when large, then the requested outputs against the model's."""
         rt = self.model(name)
-        limits = self._limits_for(rt)
+        plan = self._plan_for(rt)
         if len(body) <= OFFLOAD_BYTES:
-            req = decode_infer(body, header_length, shm, limits)  # the hot path: no hand-off
+            req = decode_infer(body, header_length, shm, plan.limits)  # the hot path: no hand-off
         else:
-            req = await decode_infer_async(body, header_length, shm, limits)
-        if req.outputs is not None and rt.outputs:
-            known = {s.name for s in rt.outputs}
+            req = await decode_infer_async(body, header_length, shm, plan.limits)
+        if req.outputs is not None and plan.outputs:
             for out in req.outputs:
-                if out.name not in known:
+                if out.name not in plan.outputs:
                     raise BadRequestError(f"requested output '{out.name}' is not an output of '{name}'")
         return req
 
@@ -142,12 +160,11 @@ class Service:
     ) -> dict[str, np.ndarray]:
         """``received_ns``: when the transport took the request (perf_counter_ns), so its
         decoding counts in the statistics; 0 when there was nothing to decode."""
-        started = time.perf_counter()
-        entered = time.perf_counter_ns()
+        entered = time.perf_counter_ns()  # one clock for the statistics and the metrics
         stats = self.stats.counted(name)
         rt = self.registry.models.get(name)
         if rt is None:
-            self.metrics.reject(name, transport, ModelNotFoundError.code)
+            self.metrics.reject(name, transport, ModelNotFoundError.code, known=False)
             raise ModelNotFoundError(f"unknown model '{name}'")
         try:
             # Until READY=1 every request waits for readiness, even one for a model already warm
@@ -155,14 +172,13 @@ class Service:
             queue = rt.queue if rt.state is READY and (self.ready.is_set() or self.warming) else None
             if queue is None:
                 rt, queue = await self._await_model(rt)
-            self._rules_for(rt).check(inputs)  # the one check of this request's tensors
-            timeout = (rt.cfg.timeout_ms or self.registry.cfg.server.request_timeout_ms) / 1000
+            plan = self._plan_for(rt)
+            assert plan.rules is not None  # READY with a queue: loaded
+            plan.rules.check(inputs)  # the one check of this request's tensors
             rt.last_used = time.monotonic()
-            out = await queue.submit(inputs, timeout, request_id, stats)
+            out = await queue.submit(inputs, plan.timeout_s, request_id, stats)
         except EdgedError as e:
-            if stats is not None:
-                stats.failed(received_ns or entered, time.perf_counter_ns())
-            self.metrics.observe(name, transport, e.code, time.perf_counter() - started)
+            self._failed(name, transport, e.code, stats, received_ns or entered, entered)
             log.debug(
                 "%s: request %s failed: %s",
                 name,
@@ -172,44 +188,30 @@ class Service:
             )
             raise
         except Exception:
-            if stats is not None:
-                stats.failed(received_ns or entered, time.perf_counter_ns())
-            self.metrics.observe(name, transport, EdgedError.code, time.perf_counter() - started)
+            self._failed(name, transport, EdgedError.code, stats, received_ns or entered, entered)
             raise
+        now = time.perf_counter_ns()
         if stats is not None:
-            stats.succeeded(received_ns or entered, entered, time.perf_counter_ns())
-        self.metrics.observe(name, transport, "ok", time.perf_counter() - started)
+            stats.succeeded(received_ns or entered, entered, now)
+        self.metrics.observe(name, transport, "ok", (now - entered) / 1e9)
         return out
 
-    def _limits_for(self, rt: ModelRuntime) -> Limits:
-        """What a request to this model may name, remembered until the config or the model's
-        tensors change (a reload, a lazy model's first load)."""
-        cfg = self.registry.cfg
-        key = (len(rt.inputs), len(rt.outputs))
-        cached = self._limits.get(rt.name)
-        if cached is not None and cached[0] is cfg and cached[1] == key:
-            return cached[2]
-        max_json = parse_size(cfg.server.max_json)
-        if rt.inputs and rt.outputs:
-            strings = frozenset(s.name for s in rt.inputs if is_bytes(s.np_dtype))
-            limits = Limits(key[0], key[1], rt.name, max_json, strings)
-        else:  # not loaded yet: its counts are unknown
-            limits = Limits(MAX_TENSORS, MAX_TENSORS, rt.name, max_json)
-        self._limits[rt.name] = (cfg, key, limits)
-        return limits
+    def _failed(
+        self, name: str, transport: str, code: str, stats: ModelStatistics | None, since_ns: int, entered_ns: int
+    ) -> None:
+        now = time.perf_counter_ns()
+        if stats is not None:
+            stats.failed(since_ns, now)
+        self.metrics.observe(name, transport, code, (now - entered_ns) / 1e9)
 
-    def _rules_for(self, rt: ModelRuntime) -> InputRules:
-        """The backend's input rules narrowed by the model's config (profiles, max_batch),
-        built once per load and config (edged/validate.py owns the rules)."""
-        backend = rt.backend
-        assert backend is not None  # READY with a queue: loaded
-        cached = self._rules.get(rt.name)
-        if cached is not None and cached[0] is rt.cfg and cached[1] is backend:
-            return cached[2]
-        bounds = {n: (tuple(p.min), tuple(p.max)) for n, p in rt.cfg.profiles.items()}
-        rules = backend.input_rules.narrowed(rt.name, bounds, rt.cfg.max_batch)
-        self._rules[rt.name] = (rt.cfg, backend, rules)
-        return rules
+    def _plan_for(self, rt: ModelRuntime) -> _ModelPlan:
+        """The model's request plan, remembered until the config or its backend changes."""
+        cfg = self.registry.cfg
+        plan = self._plans.get(rt.name)
+        if plan is not None and plan.current(cfg, rt):
+            return plan
+        plan = self._plans[rt.name] = _make_plan(cfg, rt)
+        return plan
 
     async def _await_model(self, rt: ModelRuntime) -> tuple[ModelRuntime, Any]:
         if self.stopping:
@@ -293,6 +295,23 @@ class Service:
                 for name, rt in reg.models.items()
             },
         }
+
+
+def _make_plan(cfg: Config, rt: ModelRuntime) -> _ModelPlan:
+    max_json = parse_size(cfg.server.max_json)
+    inputs, outputs = rt.inputs, rt.outputs
+    if inputs and outputs:
+        strings = frozenset(s.name for s in inputs if is_bytes(s.np_dtype))
+        limits = Limits(len(inputs), len(outputs), rt.name, max_json, strings)
+    else:  # not loaded yet: its counts are unknown
+        limits = Limits(MAX_TENSORS, MAX_TENSORS, rt.name, max_json)
+    rules = None
+    if rt.backend is not None:
+        # The backend's input rules narrowed by the model's config (edged/validate.py owns them).
+        bounds = {n: (tuple(p.min), tuple(p.max)) for n, p in rt.cfg.profiles.items()}
+        rules = rt.backend.input_rules.narrowed(rt.name, bounds, rt.cfg.max_batch)
+    timeout_s = (rt.cfg.timeout_ms or cfg.server.request_timeout_ms) / 1000
+    return _ModelPlan(cfg, rt.cfg, rt.backend, limits, frozenset(s.name for s in outputs), rules, timeout_s)
 
 
 def _tensor_meta(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:

@@ -141,7 +141,7 @@ class ModelStatistics:
         batches = dict(self.batches)  # the loop may add a batch size meanwhile (a copy is atomic)
         # The request path keeps the monotonic clock (one call fewer per request); the wall
         # clock's offset from it turns that into Triton's milliseconds since the epoch.
-        last = (time.time_ns() - time.perf_counter_ns() + self.last_ns) // 1_000_000 if self.last_ns else 0
+        last = (_wall_offset_ns() + self.last_ns) // 1_000_000 if self.last_ns else 0
         return {
             "name": name,
             "version": VERSION,
@@ -169,6 +169,19 @@ class ModelStatistics:
                 for size, (n, input_ns, infer_ns, output_ns) in sorted(batches.items())
             ],
         }
+
+
+# The wall clock's offset from perf_counter_ns, taken again at most this often: read afresh for
+# every report, two reads of the same record could differ by a millisecond of rounding.
+_OFFSET_EVERY_NS = 60 * 1_000_000_000
+_offset: list[int] = []  # [offset, when it was taken (perf_counter_ns)]
+
+
+def _wall_offset_ns() -> int:
+    now = time.perf_counter_ns()
+    if not _offset or now - _offset[1] > _OFFSET_EVERY_NS:
+        _offset[:] = [time.time_ns() - time.perf_counter_ns(), now]
+    return _offset[0]
 
 
 class Statistics:

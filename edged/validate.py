@@ -41,6 +41,25 @@ class InputRule:
     dtype: np.dtype[Any]
     shape: tuple[int, ...]  # -1: a dynamic dimension
     bounds: Bounds | None = None
+    # The fast test of a shape, set once here (frozen): the shape itself when it is fully static,
+    # the dims after the first when only the first (the batch) is dynamic, else None.
+    _static: tuple[int, ...] | None = field(init=False, repr=False, compare=False, default=None)
+    _tail: tuple[int, ...] | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        shape = self.shape
+        if self.bounds is None and all(d >= 0 for d in shape):
+            object.__setattr__(self, "_static", shape)
+        elif self.bounds is None and shape and shape[0] < 0 and all(d >= 0 for d in shape[1:]):
+            object.__setattr__(self, "_tail", shape[1:])
+
+    def fits(self, got: tuple[int, ...]) -> bool:
+        """``shape_error(got) == ''``, without building anything for the common shapes."""
+        if self._static is not None:
+            return got == self._static
+        if self._tail is not None:
+            return len(got) == len(self.shape) and got[1:] == self._tail
+        return not self.shape_error(got)
 
     def shape_error(self, got: tuple[int, ...]) -> str:
         """Why ``got`` does not fit, or '' when it does."""
@@ -69,22 +88,22 @@ class InputRules:
 
     def check(self, inputs: Mapping[str, np.ndarray]) -> None:
         """Names, datatypes and shapes, with an error that says what was expected."""
-        if len(inputs) != len(self.rules) or any(n not in self.names for n in inputs):
+        if len(inputs) != len(self.rules) or not self.names.issuperset(inputs):
             want = ", ".join(r.name for r in self.rules)
             whose = f"model '{self.model}' takes" if self.model else "expected"
             raise InvalidInputError(f"{whose} inputs [{want}], got [{', '.join(inputs)}]")
         for rule in self.rules:
             arr = inputs[rule.name]
-            if arr.dtype != rule.dtype:
+            dtype, shape = arr.dtype, arr.shape
+            if dtype is not rule.dtype and dtype != rule.dtype:  # numpy's dtypes are mostly singletons
                 raise InvalidInputError(
                     f"input '{rule.name}': expected datatype {v2_datatype(rule.dtype.name)}, "
-                    f"got {v2_datatype(arr.dtype.name)}"
+                    f"got {v2_datatype(dtype.name)}"
                 )
-            why = rule.shape_error(arr.shape)
-            if why:
-                raise InvalidInputError(f"input '{rule.name}': {why}")
-            if self.max_batch > 1 and arr.shape and arr.shape[0] > self.max_batch:
-                raise InvalidInputError(f"input '{rule.name}': batch {arr.shape[0]} > max_batch {self.max_batch}")
+            if not rule.fits(shape):
+                raise InvalidInputError(f"input '{rule.name}': {rule.shape_error(shape)}")
+            if self.max_batch > 1 and shape and shape[0] > self.max_batch:
+                raise InvalidInputError(f"input '{rule.name}': batch {shape[0]} > max_batch {self.max_batch}")
 
     def narrowed(self, model: str, bounds: Mapping[str, Bounds], max_batch: int) -> InputRules:
         """These rules for one configured model: its profiles intersected with the backend's

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -76,3 +78,67 @@ def inline_max_elements(specs: tuple[TensorSpec, ...], model: ModelConfig, infer
     model's larger request) to what fits in INLINE_BUDGET_US given the measured run time."""
     warm = sum(math.prod(concrete_shape(s, model)) for s in specs)
     return max(warm, int(warm * INLINE_BUDGET_US / max(infer_us, 1.0)))
+
+
+# --- one run's cost: what decides whether a model runs on the event loop ----------------------
+
+# Samples the cost of an inline candidate is read from: a model whose warm-up runs came near the
+# threshold (within _CANDIDATE times it: three warm-up runs on a busy host can all be slow) gets
+# more timed runs after its warm-up, up to this many samples in all.
+INLINE_SAMPLES = 16
+_CANDIDATE = 4.0
+# Those extra runs stop once they have taken this long in all (normally they take well under a
+# millisecond), so a model that only looked cheap cannot hold the start up; a single run the host
+# delayed by a scheduler slice or two does not reach it.
+_EXTRA_RUNS_BUDGET_US = 100_000.0
+
+
+def run_cost_us(samples_us: Sequence[float]) -> float:
+    """One run's cost from timed runs: their lower quartile. What a shared host adds to a run
+    (preemption, caches another process evicted, another model warming beside it) only ever adds
+    time, so a low percentile reads the model's own cost, where the median of three warm-up
+    runs flipped across server.inline_threshold_us between starts of the same daemon. A
+    quartile still needs a quarter of the runs to be that fast: a model that really costs more
+    is not made to look cheap by one fast run."""
+    return float(np.percentile(samples_us, 25))
+
+
+def _timed_us(run: Callable[[], object], clock: Callable[[], float]) -> float:
+    t0 = clock()
+    run()
+    return (clock() - t0) * 1e6
+
+
+def warm_cost_us(
+    runs: Sequence[Callable[[], object]],
+    iterations: int,
+    inline_threshold_us: float | None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float | None:
+    """Warm each instance (``runs``: one callable per instance, running the warm-up inputs)
+    ``iterations`` times and return one run's cost in microseconds; None without warm-up runs.
+    Each instance's first run pays for what warm-up is for (allocations, kernel caches, thread
+    pools): it is left out of the cost. ``inline_threshold_us``: set when the model may run on
+    the loop (one instance, not a generator); if its runs came near it, instance 0 runs again
+    until there are INLINE_SAMPLES samples, so that the decision rests on enough runs."""
+    if iterations <= 0 or not runs:
+        return None
+    samples: list[float] = []
+    fastest = math.inf
+    for run in runs:
+        times = [_timed_us(run, clock) for _ in range(iterations)]
+        fastest = min(fastest, *times)
+        samples += times[1:] or times
+    if inline_threshold_us is None or fastest >= _CANDIDATE * inline_threshold_us:
+        return run_cost_us(samples)
+    extra, added = 0.0, 0
+    while len(samples) < INLINE_SAMPLES:
+        if extra >= _EXTRA_RUNS_BUDGET_US:
+            # Out of budget before enough samples: these runs averaged several milliseconds (the
+            # budget over fewer than INLINE_SAMPLES runs): not cheap, whatever the quartile says.
+            return max(run_cost_us(samples), extra / added)
+        took = _timed_us(runs[0], clock)
+        samples.append(took)
+        extra += took
+        added += 1
+    return run_cost_us(samples)

@@ -31,7 +31,7 @@ from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_
 from edged.service import Service
 from edged.states import ModelState
 from edged.transports import openai_api, triton_ext
-from edged.transports.http_body import accepted_encoding, compress, read_body
+from edged.transports.http_body import accepted_encoding, body_headers, compress, read_body
 from edged.transports.http_methods import error_headers
 from edged.transports.http_methods import expect as _expect
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
@@ -101,6 +101,8 @@ class App:
     ) -> tuple[Body, list[tuple[bytes, bytes]]]:
         """``body`` compressed when the client accepts it and it is at least server.compress_min_size
         (the uncompressed size: Inference-Header-Content-Length keeps counting uncompressed bytes)."""
+        if isinstance(body, bytes) and len(body) < self.compress_min:
+            return body, headers  # the common small answer: nothing to add up
         parts: list[Part] = body if isinstance(body, list) else [body]
         size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
         if size < self.compress_min:
@@ -126,9 +128,6 @@ class App:
         )
         for i, part in enumerate(parts):
             await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(parts)})
-
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | memoryview:
-        return await read_body(scope, receive, self.max_body)
 
     async def _read_small(self, scope: Scope, receive: Receive) -> bytes | memoryview:
         """The body of a control route (settings, registrations): a few hundred bytes, parsed on
@@ -187,7 +186,7 @@ class App:
             try:
                 req, received = await self._infer_request(name, scope, receive, shm)
             except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
-                self.service.metrics.reject(name, "http", e.code)
+                self.service.metrics.reject(name, "http", e.code, known=name in self.service.registry.models)
                 raise
             outputs = await self.service.infer(name, req.inputs, req.id, received_ns=received)
             ran = time.perf_counter_ns()
@@ -219,12 +218,12 @@ class App:
         if not self.accepting:
             raise ShuttingDownError("edged is shutting down")
         self.service.model(name)  # an unknown model is a 404 whatever the body holds
-        body = await self._read_body(scope, receive)
+        headers = body_headers(scope)  # one pass over the headers for everything the route reads
+        body = await read_body(scope, receive, self.max_body, headers)
         received = time.perf_counter_ns()
         header_len = None
-        for key, value in scope["headers"]:
-            if key == b"inference-header-content-length":
-                header_len = parse_header_length(value, "Inference-Header-Content-Length")
+        for value in headers.header_lengths:
+            header_len = parse_header_length(value, "Inference-Header-Content-Length")
         req = await self.service.decode_infer(name, body, header_len, shm.input)
         if shm.reads:
             await shm.fill()  # inputs are copied out of client memory before the model sees them

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,18 +54,47 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def read_body(scope: Scope, receive: Receive, max_body: int) -> bytes | memoryview:
+class BodyHeaders(NamedTuple):
+    """What reading a body (and the infer route) takes from the request's headers, found in one
+    pass over them: the first Content-Length, and every Content-Encoding and
+    Inference-Header-Content-Length, in order (empty tuples when there are none)."""
+
+    length: bytes | None
+    encodings: tuple[bytes, ...]
+    header_lengths: tuple[bytes, ...]
+
+
+def body_headers(scope: Scope) -> BodyHeaders:
+    length: bytes | None = None
+    encodings: tuple[bytes, ...] = ()
+    header_lengths: tuple[bytes, ...] = ()
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            if length is None:
+                length = bytes(value)
+        elif key == b"content-encoding":
+            encodings += (value,)
+        elif key == b"inference-header-content-length":
+            header_lengths += (value,)
+    return BodyHeaders(length, encodings, header_lengths)
+
+
+async def read_body(
+    scope: Scope, receive: Receive, max_body: int, headers: BodyHeaders | None = None
+) -> bytes | memoryview:
     """The request body, inflated when it is gzip or deflate, at most ``max_body`` bytes either way.
-    An encoding edged does not read is refused (415) before the body is read."""
-    wbits = _request_wbits(scope)
-    body = await _read_raw(scope, receive, max_body)
+    An encoding edged does not read is refused (415) before the body is read. ``headers``: the
+    request's, when the caller already walked them (``body_headers``)."""
+    if headers is None:
+        headers = body_headers(scope)
+    wbits = _request_wbits(headers.encodings)
+    body = await _read_raw(headers.length, receive, max_body)
     if wbits is None:
         return body
     return await inflate(body, wbits, max_body)
 
 
-def _request_wbits(scope: Scope) -> int | None:
-    values = [v for k, v in scope["headers"] if k == b"content-encoding"]
+def _request_wbits(values: Sequence[bytes]) -> int | None:
     if not values:
         return None
     tokens = [t.strip().lower() for v in values for t in v.decode("latin-1").split(",") if t.strip()]
@@ -82,9 +111,9 @@ def _request_wbits(scope: Scope) -> int | None:
     return wbits
 
 
-async def _read_raw(scope: Scope, receive: Receive, max_body: int) -> bytes | memoryview:
+async def _read_raw(raw: bytes | None, receive: Receive, max_body: int) -> bytes | memoryview:
+    """The body as sent; ``raw``: its Content-Length header, if any."""
     length = None
-    raw = header(scope, b"content-length")
     if raw is not None:
         length = parse_header_length(raw, "Content-Length")
         if length > max_body:

@@ -127,3 +127,32 @@ def test_compress_parts(encoding: str, size: int) -> None:
     parts: list[bytes | memoryview] = [raw[:10], memoryview(raw)[10 : size // 2], raw[size // 2 :]]
     packed = b"".join(asyncio.run(compress(parts, size, encoding)))
     assert (gzip.decompress(packed) if encoding == "gzip" else zlib.decompress(packed)) == raw
+
+
+def test_one_pass_over_the_headers_finds_what_the_body_and_the_infer_route_read() -> None:
+    head = {
+        "headers": [
+            (b"host", b"localhost"),
+            (b"content-length", b"12"),
+            (b"content-encoding", b"gzip"),
+            (b"inference-header-content-length", b"5"),
+            (b"content-length", b"99"),  # only the first counts, as before
+            (b"inference-header-content-length", b"7"),
+            (b"content-encoding", b"identity"),
+        ]
+    }
+    got = http_body.body_headers(head)
+    assert got.length == b"12"
+    assert got.encodings == (b"gzip", b"identity")
+    assert got.header_lengths == (b"5", b"7")
+    assert http_body.body_headers({"headers": []}) == (None, (), ())
+
+
+def test_read_body_takes_headers_already_walked() -> None:
+    raw = data(300)
+    packed = gzip.compress(raw)
+    head = scope(content_encoding="gzip", content_length=str(len(packed)))
+    walked = http_body.body_headers(head)
+    assert bytes(asyncio.run(read_body(head, fake_receive([packed]), 1 << 20, walked))) == raw
+    with pytest.raises(PayloadTooLargeError, match="exceeds the limit"):
+        asyncio.run(read_body(head, fake_receive([packed]), len(packed) - 1, walked))

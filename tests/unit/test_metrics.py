@@ -135,6 +135,22 @@ def test_rejections_count_and_unknown_models_share_one_label() -> None:
     assert samples(m)[("edged_request_seconds_count", (("model", "tiny"),))] == 0
 
 
+def test_a_caller_that_knows_whether_the_model_exists_spares_the_model_table() -> None:
+    calls = []
+
+    def source() -> dict[str, int]:
+        calls.append(1)
+        return {"tiny": 0}
+
+    m = Metrics()
+    m.watch(source, ("http",))
+    m.reject("tiny", "http", "bad_request", known=True)
+    m.reject("tpyo", "http", "model_not_found", known=False)
+    assert not calls, "the source was read on a rejection whose caller knew the answer"
+    assert requests(m, "tiny", "http", "bad_request") == 1
+    assert requests(m, UNKNOWN, "http", "model_not_found") == 1
+
+
 def test_a_model_the_reload_removes_leaves_the_output() -> None:
     depths = {"a": 0, "b": 0}
     m = watched(depths)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from edged.backends.base import TensorSpec
 from edged.errors import InvalidInputError
-from edged.validate import InputRules, rules_of
+from edged.validate import InputRule, InputRules, rules_of
 
 SPECS = (TensorSpec("images", "float32", (-1, 3, -1, -1)), TensorSpec("text", "object", (-1,)))
 RULES = rules_of(SPECS, {"images": ((1, 3, 32, 32), (8, 3, 640, 640))})
@@ -60,3 +62,22 @@ def test_a_bound_of_another_rank_is_not_applied() -> None:
     rules = RULES.narrowed("m", {"text": ((1, 1), (2, 2))}, max_batch=1)
     rules.check(inputs(n=5))  # the config's profile does not describe this input: ignored here
     assert InputRules(()).names == frozenset()
+
+
+_dims = st.integers(min_value=-1, max_value=4)
+
+
+@given(
+    shape=st.lists(_dims, min_size=0, max_size=4),
+    got=st.lists(st.integers(min_value=0, max_value=4), min_size=0, max_size=5),
+    bounded=st.booleans(),
+)
+def test_the_fast_shape_test_agrees_with_the_full_one(shape: list[int], got: list[int], bounded: bool) -> None:
+    lo, hi = tuple(1 for _ in shape), tuple(3 for _ in shape)
+    rule = InputRule("x", np.dtype(np.float32), tuple(shape), (lo, hi) if bounded else None)
+    assert rule.fits(tuple(got)) == (rule.shape_error(tuple(got)) == "")
+
+
+def test_narrowing_keeps_the_fast_test_right() -> None:
+    rules = rules_of([TensorSpec("x", "float32", (-1, 16))]).narrowed("m", {"x": ((1, 16), (4, 16))}, 1)
+    assert rules.rules[0].fits((4, 16)) and not rules.rules[0].fits((5, 16))
