@@ -106,6 +106,7 @@ class Daemon:
         self.registry: Registry | None = None
         self.shm = SharedMemoryRegistry(ShmLimits.from_config(cfg.server))
         self.fd_socket: FdSocket | None = None
+        self._api_sockets: list[str] = []
         self.memory: MemoryInfo | None = None
         self.mqtt: Any = None  # edged.transports.mqtt.MqttTransport when [mqtt] enabled
         self.reloader: Reloader | None = None
@@ -198,7 +199,7 @@ class Daemon:
         self.service.plan = await boot.boot()
         self.service.warming = True
         try:
-            await warm_request_path(app, self.registry)
+            await warm_request_path(app, self.registry, self._api_sockets)
         finally:
             self.service.warming = False
         self.service.status_line = self._summary()
@@ -289,6 +290,12 @@ class Daemon:
             self.fd_socket = FdSocket(memfd.sock, self.shm, s.max_connections, s.keepalive_s, memfd.owned_path)
             self.fd_socket.start(asyncio.get_running_loop())
         self.server = await listener.start(app, self.cfg, [x for x in listeners if not x.memfd])
+        # Unix sockets of the API, for the warm-up of the connection path (warmpath.py).
+        self._api_sockets = [
+            str(x.sock.getsockname())
+            for x in listeners
+            if x.sock.family == socket.AF_UNIX and not x.memfd and not x.door.metrics_only and x.sock.getsockname()
+        ]
 
     def _summary(self) -> str:
         assert self.registry is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeGuard
@@ -27,6 +28,7 @@ from edged.errors import (
     ShuttingDownError,
     UnauthorizedError,
 )
+from edged.metrics import uncounted
 from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length, resolve_pending_async
 from edged.service import Service
 from edged.states import ModelState
@@ -66,6 +68,13 @@ class App:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are not served
+        if self.service.warming and _own(scope.get(PEER_KEY)):
+            with uncounted():  # the daemon's warm-up through its own socket is not traffic
+                await self._serve(scope, receive, send)
+            return
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             door: Door | None = scope.get(DOOR_KEY)
             if door is not None:
@@ -346,3 +355,8 @@ def _group_id(name: str) -> int:
         return grp.getgrnam(name).gr_gid
     except KeyError:
         raise ConfigError(f"server.admin_group: no group named '{name}' on this system") from None
+
+
+def _own(peer: Peer | None) -> bool:
+    """A connection from the daemon itself (its warm-up of the socket path)."""
+    return peer is not None and peer.pid == os.getpid()
