@@ -133,6 +133,9 @@ async def _warm_sockets(paths: list[str], model: str, body: tuple[bytes, int | N
 
 async def warm_request_path(app: App, registry: Registry, sockets: list[str] | None = None) -> None:
     largest = 0  # the largest input a model takes: the size of the shared-memory copy to warm
+    # The connection path is the same for every model: it is warmed with the cheapest one, so
+    # that a start with a 100 ms detector does not run it again for this.
+    cheapest: tuple[float, str, tuple[bytes, int | None]] | None = None
     for rt in registry.models.values():
         if rt.state != ModelState.READY or rt.backend is None:
             continue
@@ -147,9 +150,13 @@ async def warm_request_path(app: App, registry: Registry, sockets: list[str] | N
                 status = await _call(app, rt.name, body, header_len)
                 if status != 200:
                     log.warning("%s: warm-up request answered %d", rt.name, status, extra={"model": rt.name})
-        await _warm_sockets(sockets or [], rt.name, bodies[1])
+        cost = rt.infer_us if rt.infer_us is not None else float("inf")
+        if cheapest is None or cost < cheapest[0]:
+            cheapest = (cost, rt.name, bodies[1])
         if len(bodies[1][0]) <= PLANNING_BODY_MAX:
             await _warm_planning(app, rt.name, inputs, [o.name for o in rt.backend.outputs])
+    if cheapest is not None:
+        await _warm_sockets(sockets or [], cheapest[1], cheapest[2])
     # Frames arrive through shared memory: the copy path (its threads, preadv, pwrite) is not on
     # the path of the requests above, which carry their tensors in the body.
     try:
