@@ -286,13 +286,22 @@ class Client:
         """None where the daemon takes no descriptors (an older one, or memfd_socket = false)."""
         if not self._memfd:
             return None
-        region = MemfdRegion(name, byte_size)
+        try:
+            region = MemfdRegion(name, byte_size)
+        except OSError:  # memfd_create or sealing refused here (seccomp, an old kernel, a tmpfs quota)
+            self._memfd = False
+            return None
         try:
             region.register(self.socket_path + FD_SUFFIX, self._conn.timeout or 30.0)
         except (FileNotFoundError, ConnectionRefusedError):
             region.close()
             self._memfd = False  # asked once per client
             return None
+        except TimeoutError:
+            region.close()
+            with contextlib.suppress(Exception):  # the daemon may have registered it after all
+                self.unregister_shm(name)
+            raise
         except BaseException:
             region.close()
             raise

@@ -142,6 +142,9 @@ class MemfdRegion(_Mapped):
         self._fd = os.memfd_create(f"edged-{name}"[:240], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, byte_size)
+            # Allocated here, so charged to this process: the daemon faults in (and so takes
+            # the charge for) nothing it has to allocate itself, and skips that for holes.
+            os.posix_fallocate(self._fd, 0, byte_size)
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
             self._map = mmap.mmap(self._fd, byte_size)
         except BaseException:

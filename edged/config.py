@@ -72,6 +72,7 @@ class ServerConfig(_Table, frozen=True):
     # All registered regions together: memory the daemon may touch on clients' behalf (a mapped
     # memfd's pages are faulted in, and charged, by the daemon).
     max_region_bytes: str = "2GiB"
+    max_region_bytes_per_peer: str = "1GiB"
     # A second socket, <socket>.fd, where a client hands over a sealed memfd (SCM_RIGHTS) that the
     # daemon maps and uses in place: no copy of a frame in or out (fd_socket.py).
     memfd_socket: bool = True
@@ -395,6 +396,7 @@ def _check_sizes(cfg: Config, src: str) -> None:
         "server.max_header_size": cfg.server.max_header_size,
         "server.max_region_size": cfg.server.max_region_size,
         "server.max_region_bytes": cfg.server.max_region_bytes,
+        "server.max_region_bytes_per_peer": cfg.server.max_region_bytes_per_peer,
         "server.max_json": cfg.server.max_json,
         "server.compress_min_size": cfg.server.compress_min_size,
         "memory.reserve": cfg.memory.reserve,

@@ -287,7 +287,7 @@ class Daemon:
         memfd = next((x for x in listeners if x.memfd), None)
         if memfd is not None:
             s = self.cfg.server
-            self.fd_socket = FdSocket(memfd.sock, self.shm, s.max_connections, s.keepalive_s, memfd.owned_path)
+            self.fd_socket = FdSocket(memfd.sock, self.shm, s.max_connections, memfd.owned_path)
             self.fd_socket.start(asyncio.get_running_loop())
         self.server = await listener.start(app, self.cfg, [x for x in listeners if not x.memfd])
         # Unix sockets of the API, for the warm-up of the connection path (warmpath.py).
@@ -375,6 +375,9 @@ class Daemon:
             self.service.stopping = True
         if self.server is not None:
             self.app.accepting = False
+        if self.fd_socket is not None:  # no new regions while draining
+            self.fd_socket.close()
+            self.fd_socket = None
         if self.registry is not None:
             self.registry.runner.kill_all()
         if self.background is not None:
@@ -392,8 +395,6 @@ class Daemon:
             for rt in self.registry.models.values():
                 if rt.backend is not None:
                     await self.registry.unload(rt, ModelState.UNLOADED, "daemon stopping")
-        if self.fd_socket is not None:
-            self.fd_socket.close()
         self.shm.unregister()
         if self._owned_socket:
             with contextlib.suppress(FileNotFoundError):

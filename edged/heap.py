@@ -20,37 +20,49 @@ Both apply to glibc and CPython only; elsewhere they do nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
+import platform
 
 log = logging.getLogger(__name__)
 
 # mallopt(3) parameters (malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX: 32 MiB on 64-bit, 16 MiB on 32-bit (a larger value is refused).
+MMAP_THRESHOLD = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
 TRIM_THRESHOLD = 16 * 1024 * 1024
 
 
 def keep_large_buffers() -> bool:
     """Fix glibc's mmap and trim thresholds (see the module's docstring); False where not glibc."""
-    name = ctypes.util.find_library("c")
+    if platform.libc_ver()[0] != "glibc":
+        return False
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library: no ldconfig lookup
     except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # mallopt answers 1 on success, 0 for a value it refuses.
-    done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    if not done:
-        log.warning("glibc refused the malloc thresholds; the first large request may pay page faults")
-    return done
+    # mallopt answers 1 on success, 0 for a value it refuses; each is set whatever the other did.
+    refused = [name for name, param, value in _SETTINGS if mallopt(param, value) != 1]
+    if refused:
+        log.warning("glibc refused %s; a first large request may pay page faults", ", ".join(refused))
+    return not refused
+
+
+_SETTINGS = (
+    ("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+    ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+)
 
 
 def settle() -> None:
     """Collect and freeze what the start-up left (before READY=1)."""
     gc.collect()
     gc.freeze()
+
+
+def thaw() -> None:
+    """Give the frozen start-up objects back to the collector: a model unloaded or replaced may
+    be held in a reference cycle among them (its backend, its sessions), which only the
+    collector frees."""
+    gc.unfreeze()

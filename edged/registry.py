@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edged import backends
+from edged import backends, heap
 from edged.backends.base import Backend, Instance, LoadOptions, TensorSpec
 from edged.build.figures import describe, precision_text
 from edged.build.job import BuildJob, job_key, make_job
@@ -350,6 +350,7 @@ class Registry:
             await asyncio.to_thread(queue.join, self.cfg.lifecycle.drain_timeout_s)
         if backend is not None:
             await asyncio.to_thread(backend.unload)
+            heap.thaw()  # a backend held in a cycle among the frozen start-up objects: freed now
 
     def keys_in_use(self) -> set[str]:
         return {rt.entry.key for rt in self.models.values() if rt.entry is not None and rt.entry.key}

@@ -10,14 +10,15 @@ activation). SOCK_SEQPACKET keeps each message and its descriptor together:
 
 The region then belongs to the sending process (SO_PEERCRED) exactly like one registered over
 HTTP: the same process names it in requests, unregisters it over HTTP, and loses it when it
-exits. Every client is untrusted: a message is at most 4 KiB, every descriptor received is
-closed (a message with several is refused whole), the connections are capped and idle ones
-closed, and a client that does not read its answers is disconnected rather than waited on.
+exits. Every client is untrusted: a message is at most 4 KiB; every descriptor received is
+closed, those that are not shmem on a thread (fd_message.py), and a connection with too many of
+them still to close is not read until they are; a message with several is refused whole; the
+connections are capped in total and per user, idle ones closed after IDLE_S; a client that does
+not read its answers is disconnected rather than waited on.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import logging
@@ -27,20 +28,23 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from edged.errors import BadRequestError, EdgedError
+from edged.errors import EdgedError
 from edged.ratelog import RateLimitedLog
+from edged.transports.fd_message import ANCILLARY, MAX_MESSAGE, Received, close_all, descriptors, parse
 from edged.transports.peer import Peer, close_peer, peer_of
 from edged.transports.shm import Region, SharedMemoryRegistry
 from edged.transports.shm_io import populate_region
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 4096
-# Room for more descriptors than allowed, so that extra ones arrive (and are closed) instead of
-# being cut off silently: the answer can then say what was wrong.
-_FD_ROOM = 16
-_ANCILLARY = socket.CMSG_SPACE(_FD_ROOM * array.array("i").itemsize)
 SUFFIX = ".fd"
+# A client connects, registers and goes: an idle connection is closed after this long.
+IDLE_S = 10.0
+# Connections one user may hold open, so that one user cannot take every slot from the others.
+MAX_PER_UID = 16
+# Descriptors of one connection still waiting for the closer thread before it is read again.
+MAX_PENDING_CLOSES = 64
+ACCEPT_RETRY_S = 1.0  # after EMFILE and the like: the listening socket stays readable
 
 
 def path_for(api_socket: str) -> str:
@@ -53,23 +57,21 @@ class _Conn:
     sock: socket.socket
     peer: Peer | None
     idle: asyncio.TimerHandle | None = field(default=None)
+    pending_closes: int = 0
+    populating: bool = False
+    paused: bool = False  # not read: populating, or too many descriptors to close
 
 
 class FdSocket:
     def __init__(
-        self,
-        sock: socket.socket,
-        registry: SharedMemoryRegistry,
-        max_connections: int,
-        idle_s: float,
-        owned_path: str | None = None,
+        self, sock: socket.socket, registry: SharedMemoryRegistry, max_connections: int, owned_path: str | None = None
     ) -> None:
         self.sock = sock
         self.registry = registry
         self.max_connections = max_connections
-        self.idle_s = idle_s
         self.owned_path = owned_path
         self._conns: dict[int, _Conn] = {}
+        self._per_uid: dict[int, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refusals = RateLimitedLog(log)
 
@@ -95,28 +97,41 @@ class FdSocket:
         return len(self._conns)
 
     def _accept(self) -> None:
+        assert self._loop is not None
         try:
             sock, _ = self.sock.accept()
-        except OSError:  # EAGAIN (another wake-up took it), EMFILE, ECONNABORTED
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
-        if len(self._conns) >= self.max_connections:
-            self._refusals.note(
-                logging.WARNING,
-                "limit",
-                "descriptor socket: %d connections open, the limit (server.max_connections); refused one",
-                len(self._conns),
-            )
-            sock.close()
+        except OSError as e:  # EMFILE, ENFILE, ENOBUFS: the socket stays readable; do not spin on it
+            self._refusals.note(logging.WARNING, "accept", "descriptor socket: accept failed: %s", e)
+            self._loop.remove_reader(self.sock.fileno())
+            self._loop.call_later(ACCEPT_RETRY_S, self._loop.add_reader, self.sock.fileno(), self._accept)
             return
-        sock.setblocking(False)
         try:
             peer = peer_of(sock)
         except OSError:
             sock.close()
             return
+        uid = peer.uid if peer is not None else -1
+        if len(self._conns) >= self.max_connections or self._per_uid.get(uid, 0) >= MAX_PER_UID:
+            self._refusals.note(
+                logging.WARNING,
+                "limit",
+                "descriptor socket: %d connections open (%d of uid %d), the limit is %d (server.max_connections) "
+                "and %d per user; refused one",
+                len(self._conns),
+                self._per_uid.get(uid, 0),
+                uid,
+                self.max_connections,
+                MAX_PER_UID,
+            )
+            sock.close()
+            close_peer(peer)
+            return
+        sock.setblocking(False)
         conn = _Conn(sock, peer)
         self._conns[sock.fileno()] = conn
-        assert self._loop is not None
+        self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
         self._loop.add_reader(sock.fileno(), self._readable, conn)
         self._touch(conn)
 
@@ -124,55 +139,99 @@ class FdSocket:
         if conn.idle is not None:
             conn.idle.cancel()
         assert self._loop is not None
-        conn.idle = self._loop.call_later(self.idle_s, self._drop, conn)
+        conn.idle = self._loop.call_later(IDLE_S, self._drop, conn)
+
+    def _live(self, conn: _Conn) -> bool:
+        return self._conns.get(conn.sock.fileno()) is conn
 
     def _drop(self, conn: _Conn) -> None:
-        if self._conns.pop(conn.sock.fileno(), None) is None:
+        if not self._live(conn):
             return
+        del self._conns[conn.sock.fileno()]
+        uid = conn.peer.uid if conn.peer is not None else -1
+        self._per_uid[uid] -= 1
+        if not self._per_uid[uid]:
+            del self._per_uid[uid]
         if conn.idle is not None:
             conn.idle.cancel()
-        if self._loop is not None:
+        if self._loop is not None and not conn.paused:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(conn.sock.fileno())
         conn.sock.close()
         close_peer(conn.peer)
 
+    def _pause(self, conn: _Conn) -> None:
+        assert self._loop is not None
+        if not conn.paused:
+            conn.paused = True
+            self._loop.remove_reader(conn.sock.fileno())
+            if conn.idle is not None:  # waiting on the daemon is not idling
+                conn.idle.cancel()
+                conn.idle = None
+
+    def _resume(self, conn: _Conn) -> None:
+        assert self._loop is not None
+        if conn.paused and self._live(conn):
+            conn.paused = False
+            self._loop.add_reader(conn.sock.fileno(), self._readable, conn)
+            self._touch(conn)
+
     def _readable(self, conn: _Conn) -> None:
         try:
-            msg, ancillary, flags, _ = conn.sock.recvmsg(MAX_MESSAGE, _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
+            msg, ancillary, flags, _ = conn.sock.recvmsg(MAX_MESSAGE, ANCILLARY, socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._drop(conn)
             return
-        fds = _descriptors(ancillary)
+        received = descriptors(ancillary)
         try:
-            if not msg and not fds:  # the client closed its end
+            if not msg and not received.count:  # the client closed its end
                 self._drop(conn)
                 return
-            answer, region = self._answer(conn.peer, msg, flags, fds)
+            answer, region = self._answer(conn.peer, msg, flags, received)
         finally:
-            for fd in fds:  # registered regions hold a mapping of their own
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self._close(conn, received)  # registered regions hold a mapping of their own
         if region is None:
             self._send(conn, answer)
             return
         # Answered once its pages are faulted in: the client's first frame then costs no faults.
         # No other message of this connection is read meanwhile, so answers keep their order.
-        assert self._loop is not None
-        self._loop.remove_reader(conn.sock.fileno())
-        populate_region(region, lambda error: self._populated(conn, answer, error))
+        conn.populating = True
+        self._pause(conn)
+        populate_region(region, lambda error: self._populated(conn, region, answer, error))
 
-    def _populated(self, conn: _Conn, answer: bytes, error: BaseException | None) -> None:
+    def _close(self, conn: _Conn, received: Received) -> None:
+        if not received.others:
+            close_all(received, lambda n: None)
+            return
+        assert self._loop is not None
+        loop = self._loop
+        conn.pending_closes += len(received.others)
+
+        def done(n: int) -> None:  # on the closer thread
+            loop.call_soon_threadsafe(self._closed, conn, n)
+
+        close_all(received, done)
+        if conn.pending_closes > MAX_PENDING_CLOSES:
+            self._pause(conn)
+
+    def _closed(self, conn: _Conn, n: int) -> None:
+        conn.pending_closes -= n
+        if conn.pending_closes == 0 and not conn.populating:
+            self._resume(conn)
+
+    def _populated(self, conn: _Conn, region: Region, answer: bytes, error: BaseException | None) -> None:
+        conn.populating = False
         if error is not None:  # the region works without it; its first request pays the faults
             self._refusals.note(
                 logging.WARNING, "populate", "descriptor socket: faulting a region in failed: %s", error
             )
-        if self._conns.get(conn.sock.fileno()) is not conn:
-            return  # dropped meanwhile (idle timeout, daemon stop)
-        assert self._loop is not None
-        self._loop.add_reader(conn.sock.fileno(), self._readable, conn)
+        if not self._live(conn):  # gone before its answer: nobody knows the region is there
+            self.registry.unregister_for(conn.peer, region.name)
+            return
+        if conn.pending_closes <= MAX_PENDING_CLOSES:
+            self._resume(conn)
         self._send(conn, answer)
 
     def _send(self, conn: _Conn, answer: bytes) -> None:
@@ -181,48 +240,16 @@ class FdSocket:
         except OSError:  # not reading its answers (EAGAIN), or gone: it gets no more
             self._drop(conn)
             return
-        self._touch(conn)
+        if not conn.paused:
+            self._touch(conn)
 
-    def _answer(self, peer: Peer | None, msg: bytes, flags: int, fds: list[int]) -> tuple[bytes, Region | None]:
+    def _answer(self, peer: Peer | None, msg: bytes, flags: int, received: Received) -> tuple[bytes, Region | None]:
         try:
-            name, offset, byte_size = _parse(msg, flags, fds)
-            region = self.registry.register_fd(peer, name, fds[0], offset, byte_size)
+            name, offset, byte_size, fd, seals = parse(msg, flags, received)
+            region = self.registry.register_fd(peer, name, fd, seals, offset, byte_size)
         except EdgedError as e:
             return orjson.dumps(e.to_dict()), None
         except Exception:  # a bug must cost this message, not the daemon
             log.exception("descriptor socket: registering a region failed")
             return orjson.dumps(EdgedError("registering the region failed inside edged; see its log").to_dict()), None
         return orjson.dumps({"registered": name}), region
-
-
-def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
-    fds = array.array("i")
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    return list(fds)
-
-
-def _parse(msg: bytes, flags: int, fds: list[int]) -> tuple[str, int, int]:
-    if flags & socket.MSG_TRUNC:
-        raise BadRequestError(f"a registration message is at most {MAX_MESSAGE} bytes")
-    if flags & socket.MSG_CTRUNC or len(fds) != 1:
-        raise BadRequestError(
-            f"a registration message carries exactly one descriptor (SCM_RIGHTS), this one carried "
-            f"{'more than ' + str(len(fds)) if flags & socket.MSG_CTRUNC else len(fds)}"
-        )
-    try:
-        doc = orjson.loads(msg)
-    except orjson.JSONDecodeError as e:
-        raise BadRequestError(f"a registration message is a JSON object: {e}") from None
-    if not isinstance(doc, dict):
-        raise BadRequestError("a registration message is a JSON object with 'name' and 'byte_size'")
-    name, size, offset = doc.get("name"), doc.get("byte_size"), doc.get("offset", 0)
-    if not isinstance(name, str):
-        raise BadRequestError("'name' must be a string")
-    if not isinstance(size, int) or not isinstance(offset, int) or isinstance(size, bool) or isinstance(offset, bool):
-        raise BadRequestError("'byte_size' and 'offset' must be integers")
-    unknown = set(doc) - {"name", "byte_size", "offset"}
-    if unknown:
-        raise BadRequestError(f"unknown keys in a registration message: {sorted(unknown)}")
-    return name, offset, size

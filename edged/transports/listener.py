@@ -98,7 +98,7 @@ def _tcp(text: str, key: str, token: bytes | None, metrics_only: bool) -> Listen
     return Listener(sock, Door(f"tcp {text} ({what}{auth})", metrics_only, token if exposed else None))
 
 
-def _activated(fds: list[int], names: list[str], token: bytes | None) -> list[Listener]:
+def _activated(fds: list[int], names: list[str], token: bytes | None, memfd: bool) -> list[Listener]:
     out: list[Listener] = []
     for i, fd in enumerate(fds):
         name = names[i] if i < len(names) else ""
@@ -106,6 +106,10 @@ def _activated(fds: list[int], names: list[str], token: bytes | None) -> list[Li
         if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_SEQPACKET and not any(x.memfd for x in out):
             # ListenSequentialPacket= in edged.socket: the descriptor socket (one unit names all
             # its sockets alike, so the type tells it apart).
+            if not memfd:
+                log.info("activated descriptor socket (fd %d) closed: server.memfd_socket is false", fd)
+                sock.close()
+                continue
             sock.setblocking(False)
             out.append(Listener(sock, Door(f"activated descriptor socket (fd {fd})"), memfd=True))
             continue
@@ -141,7 +145,7 @@ def listeners_from(cfg: Config, bind_unix: Callable[[str, int, str, int], socket
     out: list[Listener] = []
     try:
         if fds:
-            out += _activated(fds, names, token)
+            out += _activated(fds, names, token, s.memfd_socket)
         else:
             path, mode = s.socket, int(s.socket_mode, 8)
             out.append(Listener(bind_unix(path, mode, s.socket_group, socket.SOCK_STREAM), Door(path), path))

@@ -41,7 +41,7 @@ from edged.errors import (
     SharedMemoryNotFoundError,
     SharedMemoryTooLargeError,
 )
-from edged.transports.memfd import map_sealed, unmap
+from edged.transports.memfd import map_sealed, unmap_later
 from edged.transports.peer import Peer
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class ShmLimits:
     max_regions_per_peer: int = 256
     max_region_size: int = 256 * 1024 * 1024
     max_region_bytes: int = 2 * 1024 * 1024 * 1024
+    max_region_bytes_per_peer: int = 1024 * 1024 * 1024
 
     @classmethod
     def from_config(cls, server: ServerConfig) -> ShmLimits:
@@ -67,6 +68,7 @@ class ShmLimits:
             server.max_regions_per_peer,
             parse_size(server.max_region_size),
             parse_size(server.max_region_bytes),
+            parse_size(server.max_region_bytes_per_peer),
         )
 
 
@@ -84,6 +86,7 @@ class Region:
     # A sealed memfd (memfd.py) is mapped instead: requests read and write it in place.
     mapping: mmap.mmap | None = None
     writable: bool = True
+    allocated: bool = False  # every page of it allocated by the client (populating charges it nothing)
 
     def status(self, with_owner: bool = False) -> dict[str, object]:
         doc: dict[str, object] = {
@@ -103,7 +106,7 @@ class Region:
             os.close(self.fd)
             self.fd = -1
         if self.mapping is not None:
-            unmap(self.mapping)  # a view still alive somewhere unmaps it when it goes
+            unmap_later(self.mapping)  # off the loop: the last unmap frees the pages
             self.mapping = None
 
 
@@ -137,6 +140,7 @@ class SharedMemoryRegistry:
         self._owners: dict[tuple[int, int], _Owner] = {}
         self._count = 0
         self._bytes = 0
+        self._bytes_per_uid: dict[int, int] = {}
         self._per_uid: dict[int, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poller: asyncio.TimerHandle | None = None
@@ -153,15 +157,24 @@ class SharedMemoryRegistry:
             lambda p: Region(name, key, offset, byte_size, self._open(p, key, offset, byte_size), p.uid, p.pid),
         )
 
-    def register_fd(self, peer: Peer | None, name: str, fd: int, offset: int, byte_size: int) -> Region:
-        """A sealed memfd the peer passed over the fd socket, mapped and used in place. Does not
-        close ``fd`` (the mapping keeps its own reference)."""
+    def register_fd(self, peer: Peer | None, name: str, fd: int, seals: int, offset: int, byte_size: int) -> Region:
+        """A sealed memfd the peer passed over the fd socket (``seals`` from memfd.sealable),
+        mapped and used in place. Does not close ``fd`` (the mapping keeps its own reference)."""
         _check_args(name, MEMFD_KEY, offset, byte_size, self.limits.max_region_size)
 
         def mapped(p: Peer) -> Region:
-            sealed = map_sealed(fd, offset, byte_size)
+            s = map_sealed(fd, seals, offset, byte_size)
             return Region(
-                name, MEMFD_KEY, offset, byte_size, -1, p.uid, p.pid, mapping=sealed.mapping, writable=sealed.writable
+                name,
+                MEMFD_KEY,
+                offset,
+                byte_size,
+                -1,
+                p.uid,
+                p.pid,
+                mapping=s.mapping,
+                writable=s.writable,
+                allocated=s.allocated,
             )
 
         return self._add(peer, name, byte_size, mapped)
@@ -186,6 +199,7 @@ class SharedMemoryRegistry:
         owner.regions[name] = region
         self._count += 1
         self._bytes += region.byte_size
+        self._bytes_per_uid[peer.uid] = self._bytes_per_uid.get(peer.uid, 0) + region.byte_size
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
         log.debug(
             "registered shared memory region %s (%s, %d bytes) for pid %d", name, region.key, region.byte_size, peer.pid
@@ -198,6 +212,12 @@ class SharedMemoryRegistry:
             raise SharedMemoryLimitError(
                 f"registered regions hold {self._bytes} bytes; {nbytes} more would pass the limit "
                 f"(server.max_region_bytes) of {lim.max_region_bytes}; unregister regions first"
+            )
+        mine = self._bytes_per_uid.get(uid, 0)
+        if mine + nbytes > lim.max_region_bytes_per_peer:
+            raise SharedMemoryLimitError(
+                f"uid {uid} has regions of {mine} bytes registered; {nbytes} more would pass the limit "
+                f"(server.max_region_bytes_per_peer) of {lim.max_region_bytes_per_peer}; unregister regions first"
             )
         if self._count >= lim.max_regions:
             raise SharedMemoryLimitError(
@@ -282,6 +302,9 @@ class SharedMemoryRegistry:
         region.close_if_idle()
         self._count -= 1
         self._bytes -= region.byte_size
+        self._bytes_per_uid[owner.uid] -= region.byte_size
+        if not self._bytes_per_uid[owner.uid]:
+            del self._bytes_per_uid[owner.uid]
         self._per_uid[owner.uid] -= 1
         if not self._per_uid[owner.uid]:
             del self._per_uid[owner.uid]

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from edged.errors import SharedMemoryError, SharedMemoryTruncatedError
-from edged.transports.memfd import populate
+from edged.transports.memfd import submit_populate
 from edged.transports.peer import Peer
 from edged.transports.shm import Region
 
@@ -162,13 +162,17 @@ def _write_all(region: Region, pos: int, buf: np.ndarray) -> None:
 
 
 def populate_region(region: Region, then: Callable[[BaseException | None], None]) -> None:
-    """Fault a mapped region's pages in on a copier thread (the daemon's first touch of a client's
-    frame costs about a fault per 64 KiB), then call ``then`` on the loop with the error, if
-    any. The region is held meanwhile, as by a request, so it is never unmapped under the thread."""
+    """Fault a mapped region's pages in on the populating thread (the daemon's first touch of a
+    client's frame costs about a fault per 64 KiB), then call ``then`` on the loop with the error,
+    if any. Only a region whose pages the client has allocated (memfd.Sealed.allocated): faulting
+    in holes would allocate them, charged to the daemon. The region is held meanwhile, as by a
+    request, so it is never unmapped under the thread."""
     assert region.mapping is not None
+    if not region.allocated:
+        then(None)
+        return
     region.users += 1
-    loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(_copiers, populate, region.mapping, region.offset, region.byte_size, region.writable)
+    fut = asyncio.wrap_future(submit_populate(region.mapping, region.offset, region.byte_size, region.writable))
 
     def finished(f: asyncio.Future[None]) -> None:
         region.users -= 1

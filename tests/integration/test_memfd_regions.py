@@ -10,6 +10,8 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -200,11 +202,12 @@ def test_a_region_past_the_memfds_end_or_over_the_size_limit_is_refused(
 
 def test_every_descriptor_of_a_refused_message_is_closed(tiny: DaemonProcess) -> None:
     before = daemon_fds(tiny)
-    fds = [memfd(64) for _ in range(3)]
+    fds = [memfd(64) for _ in range(10)] + [pipe_read_end() for _ in range(10)]
     try:
-        for sent in (fds[:2], fds):  # two, then three: refused whole
+        # two, three, then twenty (more than the daemon has room for: MSG_CTRUNC): refused whole
+        for sent in (fds[:2], fds[:3], fds):
             answer = send(tiny, register_msg("r", 64), sent)
-            assert answer["code"] == "bad_request" and "exactly one descriptor" in answer["error"]
+            assert answer["code"] == "bad_request" and "exactly one descriptor" in answer["error"], answer
     finally:
         for fd in fds:
             os.close(fd)
@@ -331,3 +334,60 @@ def test_a_region_is_faulted_in_before_its_registration_is_answered(tiny: Daemon
         at = next(i for i, line in enumerate(smaps) if "memfd:edged-frame" in line)
         rss_kib = next(int(line.split()[1]) for line in smaps[at:] if line.startswith("Rss:"))
         assert rss_kib >= size // 1024, f"{rss_kib} KiB resident of {size // 1024}"
+
+
+def loop_latencies(d: DaemonProcess, seconds: float) -> list[float]:
+    """/v2/health/live back to back for ``seconds``: how long the event loop took to answer."""
+    out: list[float] = []
+    with d.client(timeout=30) as c:
+        c.live()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            assert c.live()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def test_faulting_a_large_region_in_does_not_stall_the_loop(tiny: DaemonProcess) -> None:
+    size = 256 << 20
+    fd = memfd(size, seals=0)
+    os.posix_fallocate(fd, 0, size)  # allocated by the client: the daemon faults it all in
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALED)
+    latencies: list[float] = []
+    prober = threading.Thread(target=lambda: latencies.extend(loop_latencies(tiny, 2.0)))
+    prober.start()
+    try:
+        time.sleep(0.2)  # let the prober take its first samples; not synchronisation of the daemon
+        assert send(tiny, register_msg("big", size), [fd]) == {"registered": "big"}
+    finally:
+        prober.join()
+        os.close(fd)
+    assert "memfd:edged-test" in daemon_maps(tiny)
+    assert max(latencies) < 0.1, f"the event loop took {max(latencies) * 1000:.0f} ms during the populate"
+
+
+def test_one_user_cannot_hold_every_connection(tiny: DaemonProcess) -> None:
+    from edged.transports.fd_socket import MAX_PER_UID
+
+    held = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(MAX_PER_UID)]
+    try:
+        for s in held:
+            s.connect(fd_path(tiny))
+        # Each held one is registered by the daemon before the next is refused: wait on the answer
+        # of the last one, which the daemon gives only to a connection it accepted.
+        fd = memfd(64)
+        try:
+            held[-1].settimeout(10)
+            held[-1].sendmsg([register_msg("r", 64)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            assert orjson.loads(held[-1].recv(4096)) == {"registered": "r"}
+        finally:
+            os.close(fd)
+        extra = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        extra.settimeout(10)
+        extra.connect(fd_path(tiny))
+        assert extra.recv(4096) == b""  # closed by the daemon: over the per-user limit
+        extra.close()
+    finally:
+        for s in held:
+            s.close()

@@ -91,6 +91,22 @@ def test_per_peer_limit(key: str) -> None:
     asyncio.run(main())
 
 
+def test_region_bytes_are_bounded_in_total_and_per_user(key: str) -> None:
+    async def main() -> None:
+        limits = ShmLimits(max_region_bytes=1024, max_region_bytes_per_peer=512)
+        reg = SharedMemoryRegistry(limits)
+        peer = me()
+        reg.register(peer, "a", key, 0, 256)
+        reg.register(peer, "b", key, 0, 256)
+        with pytest.raises(SharedMemoryLimitError, match="max_region_bytes_per_peer"):
+            reg.register(peer, "c", key, 0, 1)
+        reg.unregister_for(peer, "a")  # what an unregistration gives back is usable again
+        reg.register(peer, "c", key, 0, 256)
+        reg.unregister()
+
+    asyncio.run(main())
+
+
 class GatedExecutor(ThreadPoolExecutor):
     """A real thread pool whose jobs wait for ``gate``: the copy is provably still running."""
 
