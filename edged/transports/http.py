@@ -236,7 +236,8 @@ class App:
         req = await self.service.decode_infer(name, body, header_len, shm.input)
         if shm.reads:
             await shm.fill()  # inputs are copied out of client memory before the model sees them
-            await resolve_pending_async(req)  # BYTES inputs are read once their bytes are copied
+        if req.pending:  # BYTES inputs are read once their bytes are copied (or, mapped, at once)
+            await resolve_pending_async(req)
         return req, received
 
     async def _other(
