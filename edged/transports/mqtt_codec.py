@@ -202,15 +202,26 @@ def wire_error(exc: BaseException) -> EdgedError:
     return EdgedError(f"internal error: {type(exc).__name__}: {exc}")
 
 
+def read_properties(inc: Incoming) -> Unreadable | None:
+    """Apply the MQTT 5 property block, once (then it is dropped): None, or the error with no
+    reply path (none is known without the properties)."""
+    raw, inc.props_raw = inc.props_raw, b""
+    if not raw:
+        return None
+    try:
+        inc.apply(parse(raw))
+    except Exception as e:
+        return Unreadable(wire_error(e))
+    return None
+
+
 def read_request(inc: Incoming, max_body: int, refuse: EdgedError | None = None) -> Decoded | Unreadable:
     """Properties, then payload: a request ready to run, or the error and where to send it.
     Pure and linear in the message's size, so it may run in a worker thread. ``refuse``: an
     error decided before reading (an unknown model), answered like an unreadable body."""
-    try:
-        if inc.props_raw:
-            inc.apply(parse(inc.props_raw))
-    except Exception as e:  # no reply path is known without the properties
-        return Unreadable(wire_error(e))
+    bad = read_properties(inc)
+    if bad is not None:
+        return bad
     err = refuse
     if err is None and len(inc.payload) > max_body:
         err = PayloadTooLargeError(f"payload of {len(inc.payload)} bytes exceeds the limit of {max_body}")

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # Decoding walks the whole message (about 1 ms per 100-300 KB of JSON on a small board): above
 # this size it runs in a worker thread, below it the hand-off would cost more than the work.
 OFFLOAD_BYTES = 32 * 1024
+PROPS_ON_LOOP = 4 * 1024  # property blocks up to this are parsed on the loop (tens of microseconds)
 OFFLOAD_WORKERS = 2
 # Messages held beyond max_inflight, as a multiple of it, before more are dropped ('overloaded').
 WAITING_FACTOR = 16
@@ -186,8 +187,11 @@ class Requests:
         elif self.closing:
             refuse = ShuttingDownError("edged is shutting down")
         received = time.perf_counter_ns()  # the statistics' compute_input starts here (edged/stats.py)
+        # A small property block is read here, so that where to answer is known even when reading
+        # a large payload outlives the request's deadline (it was a race before).
+        bad = codec.read_properties(inc) if len(inc.props_raw) <= PROPS_ON_LOOP else None
         try:
-            read = await self._run(inc.size, lambda: codec.read_request(inc, self.max_body, refuse))
+            read = bad or await self._run(inc.size, lambda: codec.read_request(inc, self.max_body, refuse))
         except DeadlineExceededError as e:  # where to answer is known if the properties were read
             read = codec.Unreadable(e, inc.response_topic, inc.user.get("id", ""))
         extra["request_id"] = codec.request_id(inc)
@@ -215,10 +219,16 @@ class Requests:
         self, inc: codec.Incoming, model: str, read: codec.Decoded
     ) -> codec.Decoded | codec.Unreadable:
         """The socket's decoder (``Service.decode_infer``: the model's limits, the requested
-        outputs, large bodies off the loop), so a fault gets the same code on both transports."""
+        outputs, large bodies off the loop), so a fault gets the same code on both transports.
+        Bounded by the request's timeout, counted from the message's arrival, as its reading is."""
         assert read.body is not None
+        timeout = self.service.registry.cfg.server.request_timeout_ms / 1000
+        left = max(0.0, inc.received + timeout - time.monotonic())
         try:
-            read.request = await self.service.decode_infer(model, read.body, read.header_length)
+            read.request = await asyncio.wait_for(self.service.decode_infer(model, read.body, read.header_length), left)
+        except asyncio.TimeoutError:  # the decoding thread finishes on its own
+            e = DeadlineExceededError(f"reading the message took over {timeout:g} s")
+            return codec.Unreadable(e, read.reply_to, inc.user.get("id", ""))
         except Exception as e:  # every failure answers (a bug too, as 'internal')
             if not isinstance(e, EdgedError):
                 log.exception("%s: decoding failed", model, extra={"model": model, "request_id": ""})
