@@ -20,6 +20,7 @@ from edged.errors import (
     SharedMemoryNotFoundError,
     SharedMemoryTruncatedError,
 )
+from edged.transports import shm_io
 from edged.transports.peer import Peer
 from edged.transports.shm import SharedMemoryRegistry, ShmLimits
 from edged.transports.shm_io import INLINE_COPY_BYTES, ShmRequest
@@ -122,10 +123,15 @@ class GatedExecutor(ThreadPoolExecutor):
         return super().submit(gated)
 
 
-def test_cancelled_copy_keeps_the_descriptor_until_the_thread_is_done(key: str) -> None:
+def test_cancelled_copy_keeps_the_descriptor_until_the_thread_is_done(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = GatedExecutor()
+    # The copies run on shm_io's own pool (not the loop's default executor): gate that one, or
+    # the copy may finish before the assertions below and the test checks nothing (it flaked).
+    monkeypatch.setattr(shm_io, "_copiers", pool)
+
     async def main() -> None:
-        pool = GatedExecutor()
-        asyncio.get_running_loop().set_default_executor(pool)
         reg = SharedMemoryRegistry()
         peer = me()
         reg.register(peer, "in", key, 0, 4 << 20)
