@@ -261,7 +261,7 @@ class App:
         if allowed:
             _expect(method, *allowed)
             if parts == ["logging"] and method == "POST":
-                self._check_admin(scope, "change the log settings")
+                await self._check_admin(scope, "change the log settings")
             body = await self._read_small(scope, receive) if method == "POST" else b""
             verb = "GET" if method == "HEAD" else method  # HEAD answers what GET would, without the body
             return 200, triton_ext.answer(verb, parts, body), _JSON
@@ -278,7 +278,7 @@ class App:
         if parts == ["index"]:
             return 200, orjson.dumps(self.service.repository_index()), _JSON
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
-            self._check_admin(scope, f"{parts[2]} models")
+            await self._check_admin(scope, f"{parts[2]} models")
             if parts[2] == "load":
                 await self.service.load(parts[1])
             else:
@@ -286,11 +286,16 @@ class App:
             return 200, b"{}", _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
-    def _check_admin(self, scope: Scope, what: str) -> None:
-        if self.admin_gid is None:
+    async def _check_admin(self, scope: Scope, what: str) -> None:
+        gid = self.admin_gid
+        if gid is None:
             return
         peer: Peer | None = scope.get(PEER_KEY)
-        if peer is None or not in_group(peer, self.admin_gid):
+        if peer is not None and (peer.uid == 0 or peer.gid == gid):
+            return
+        # Supplementary groups come from the user and group databases, which NSS may answer
+        # over the network (LDAP, sssd): looked up off the event loop.
+        if peer is None or not await asyncio.to_thread(in_group, peer, gid):
             raise ForbiddenError(f"only root and members of server.admin_group may {what}")
 
     async def _shm(
