@@ -255,7 +255,7 @@ class Requests:
                 try:
                     inputs = {dec.input_name or await self._single_input(model): dec.raw_tensor}
                 except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
-                    self.service.metrics.reject(model, "mqtt", e.code)
+                    self.service.metrics.reject(model, "mqtt", e.code, known=model in self.service.registry.models)
                     raise
             results = await self.service.infer(
                 model, inputs, extra["request_id"], transport="mqtt", received_ns=received
@@ -303,7 +303,7 @@ class Requests:
     def _unreadable(
         self, link: Link, inc: codec.Incoming, model: str, bad: codec.Unreadable, extra: dict[str, str]
     ) -> None:
-        self.service.metrics.reject(model, "mqtt", bad.error.code)
+        self.service.metrics.reject(model, "mqtt", bad.error.code, known=model in self.service.registry.models)
         if not bad.reply_to:
             log.warning(
                 "%s: unreadable request without a reply topic dropped: %s", model, bad.error.message, extra=extra
