@@ -27,7 +27,8 @@ import numpy as np
 from bench.models import ModelSpec
 from bench.wire import Address, Conn, connect, decode_raw, decode_v2, http_bytes, raw_request, roundtrip, v2_request
 from edged.client import Client, ShmRegion, ShmTensor
-from edged.client_shm import FD_SUFFIX, MemfdRegion
+from edged.client_shm import MemfdRegion
+from edged.paths import fd_socket_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -363,7 +364,7 @@ class EdgedServer(Server):
         region: ShmRegion | MemfdRegion
         if self.shm == "memfd":
             region = MemfdRegion(name, x.nbytes)
-            region.register(self.addr + FD_SUFFIX, 30.0)
+            region.register(fd_socket_for(self.addr), 30.0)
         else:
             region = ShmRegion(name, x.nbytes)
             with Client(self.addr) as c:

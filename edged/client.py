@@ -34,8 +34,8 @@ import numpy as np
 import orjson
 
 from edged import errors
-from edged.client_shm import FD_SUFFIX, MemfdRegion, ShmRegion, ShmTensor, memfd_supported
-from edged.paths import default_socket
+from edged.client_shm import MemfdRegion, ShmRegion, ShmTensor, memfd_supported
+from edged.paths import default_socket, fd_socket_for
 from edged.protocol import V2_TO_NUMPY, v2_datatype
 from edged.tensors import from_bytes, from_json_data, is_bytes, tensor_bytes
 
@@ -292,7 +292,7 @@ class Client:
             self._memfd = False
             return None
         try:
-            region.register(self.socket_path + FD_SUFFIX, self._conn.timeout or 30.0)
+            region.register(fd_socket_for(self.socket_path), self._conn.timeout or 30.0)
         except (FileNotFoundError, ConnectionRefusedError):
             region.close()
             self._memfd = False  # asked once per client

@@ -31,7 +31,6 @@ from edged.tensors import tensor_bytes
 
 # Sealed against shrinking (what lets the daemon map it), growing, and further seal changes.
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
-FD_SUFFIX = ".fd"  # the descriptor socket's path is the API socket's plus this
 
 
 class ShmTensor:

@@ -40,6 +40,12 @@ def resolve_socket(flag: str | None = None, config: ConfigLookup | None = None) 
     return SocketPath(DEFAULT_SOCKET, "the default")
 
 
+def fd_socket_for(api_socket: str) -> str:
+    """The descriptor socket (sealed memfd regions) next to an API socket: where the daemon binds
+    it and where clients look for it."""
+    return api_socket + ".fd"
+
+
 def default_socket(config_socket: str | None = None) -> str:
     """The socket a client uses when given none: ``$EDGED_SOCKET``, the config's, the default."""
     config = None if config_socket is None else (lambda: (config_socket, "the config"))

@@ -11,8 +11,8 @@ activation). SOCK_SEQPACKET keeps each message and its descriptor together:
 The region then belongs to the sending process (SO_PEERCRED) exactly like one registered over
 HTTP: the same process names it in requests, unregisters it over HTTP, and loses it when it
 exits. Every client is untrusted: a message is at most 4 KiB; every descriptor received is
-closed, those that are not shmem on a thread (fd_message.py), and a connection with too many of
-them still to close is not read until they are; a message with several is refused whole; the
+closed, those that are not shmem on a thread (fd_message.py), and the connections of a user with
+too many of them still to close are not read until they are; a message with several is refused whole; the
 connections are capped in total and per user, idle ones closed after IDLE_S; a client that does
 not read its answers is disconnected rather than waited on.
 """
@@ -37,19 +37,15 @@ from edged.transports.shm_io import populate_region
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".fd"
 # A client connects, registers and goes: an idle connection is closed after this long.
 IDLE_S = 10.0
 # Connections one user may hold open, so that one user cannot take every slot from the others.
 MAX_PER_UID = 16
-# Descriptors of one connection still waiting for the closer thread before it is read again.
+# Descriptors of one user still waiting for the closer thread before its connections are read
+# again (a close can hang on a FUSE file): what one user can leave open in the daemon is bounded
+# by this plus one message (16) per connection it may hold.
 MAX_PENDING_CLOSES = 64
 ACCEPT_RETRY_S = 1.0  # after EMFILE and the like: the listening socket stays readable
-
-
-def path_for(api_socket: str) -> str:
-    """Where the descriptor socket lives when the daemon binds it itself (and where clients look)."""
-    return api_socket + SUFFIX
 
 
 @dataclass(eq=False)
@@ -57,7 +53,6 @@ class _Conn:
     sock: socket.socket
     peer: Peer | None
     idle: asyncio.TimerHandle | None = field(default=None)
-    pending_closes: int = 0
     populating: bool = False
     paused: bool = False  # not read: populating, or too many descriptors to close
 
@@ -72,6 +67,8 @@ class FdSocket:
         self.owned_path = owned_path
         self._conns: dict[int, _Conn] = {}
         self._per_uid: dict[int, int] = {}
+        self._closing_uid: dict[int, int] = {}  # descriptors waiting for the closer, per user
+        self._waiting: dict[int, set[_Conn]] = {}  # connections not read until their user's are closed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refusals = RateLimitedLog(log)
 
@@ -148,7 +145,8 @@ class FdSocket:
         if not self._live(conn):
             return
         del self._conns[conn.sock.fileno()]
-        uid = conn.peer.uid if conn.peer is not None else -1
+        uid = _uid(conn)
+        self._waiting.get(uid, set()).discard(conn)
         self._per_uid[uid] -= 1
         if not self._per_uid[uid]:
             del self._per_uid[uid]
@@ -207,19 +205,26 @@ class FdSocket:
             return
         assert self._loop is not None
         loop = self._loop
-        conn.pending_closes += len(received.others)
+        uid = _uid(conn)
+        self._closing_uid[uid] = self._closing_uid.get(uid, 0) + len(received.others)
 
         def done(n: int) -> None:  # on the closer thread
-            loop.call_soon_threadsafe(self._closed, conn, n)
+            loop.call_soon_threadsafe(self._closed, uid, n)
 
         close_all(received, done)
-        if conn.pending_closes > MAX_PENDING_CLOSES:
+        if self._closing_uid[uid] > MAX_PENDING_CLOSES:
+            self._waiting.setdefault(uid, set()).add(conn)
             self._pause(conn)
 
-    def _closed(self, conn: _Conn, n: int) -> None:
-        conn.pending_closes -= n
-        if conn.pending_closes == 0 and not conn.populating:
-            self._resume(conn)
+    def _closed(self, uid: int, n: int) -> None:
+        self._closing_uid[uid] -= n
+        if self._closing_uid[uid] > MAX_PENDING_CLOSES:
+            return
+        if not self._closing_uid[uid]:
+            del self._closing_uid[uid]
+        for conn in self._waiting.pop(uid, ()):
+            if not conn.populating:
+                self._resume(conn)
 
     def _populated(self, conn: _Conn, region: Region, answer: bytes, error: BaseException | None) -> None:
         conn.populating = False
@@ -230,7 +235,7 @@ class FdSocket:
         if not self._live(conn):  # gone before its answer: nobody knows the region is there
             self.registry.unregister_for(conn.peer, region.name)
             return
-        if conn.pending_closes <= MAX_PENDING_CLOSES:
+        if conn not in self._waiting.get(_uid(conn), ()):
             self._resume(conn)
         self._send(conn, answer)
 
@@ -253,3 +258,7 @@ class FdSocket:
             log.exception("descriptor socket: registering a region failed")
             return orjson.dumps(EdgedError("registering the region failed inside edged; see its log").to_dict()), None
         return orjson.dumps({"registered": name}), region
+
+
+def _uid(conn: _Conn) -> int:
+    return conn.peer.uid if conn.peer is not None else -1

@@ -29,7 +29,7 @@ import uvicorn
 from edged import systemd
 from edged.config import Config
 from edged.errors import ConfigError
-from edged.transports import fd_socket
+from edged.paths import fd_socket_for
 from edged.transports.connection import ConnectionLimits, EdgedProtocol, Gate, check_uvicorn
 from edged.transports.peer import Door
 
@@ -150,7 +150,7 @@ def listeners_from(cfg: Config, bind_unix: Callable[[str, int, str, int], socket
             path, mode = s.socket, int(s.socket_mode, 8)
             out.append(Listener(bind_unix(path, mode, s.socket_group, socket.SOCK_STREAM), Door(path), path))
             if s.memfd_socket:
-                fds_path = fd_socket.path_for(path)
+                fds_path = fd_socket_for(path)
                 sock = bind_unix(fds_path, mode, s.socket_group, socket.SOCK_SEQPACKET)
                 out.append(Listener(sock, Door(fds_path), fds_path, memfd=True))
         out += [_tcp(addr, "tcp", token, False) for addr in s.tcp]

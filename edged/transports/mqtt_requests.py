@@ -224,8 +224,11 @@ class Requests:
         assert read.body is not None
         timeout = self.service.registry.cfg.server.request_timeout_ms / 1000
         left = max(0.0, inc.received + timeout - time.monotonic())
+        decoding = self.service.decode_infer(model, read.body, read.header_length)
         try:
-            read.request = await asyncio.wait_for(self.service.decode_infer(model, read.body, read.header_length), left)
+            # A small body decodes at once on the loop: no task and timer for it (as in _run).
+            small = len(read.body) <= OFFLOAD_BYTES
+            read.request = await decoding if small else await asyncio.wait_for(decoding, left)
         except asyncio.TimeoutError:  # the decoding thread finishes on its own
             e = DeadlineExceededError(f"reading the message took over {timeout:g} s")
             return codec.Unreadable(e, read.reply_to, inc.user.get("id", ""))

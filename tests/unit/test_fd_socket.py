@@ -19,6 +19,20 @@ from edged.transports.fd_socket import FdSocket
 from edged.transports.shm import SharedMemoryRegistry
 
 
+def serving(loop: asyncio.AbstractEventLoop, tmp_path: Path) -> tuple[FdSocket, socket.socket]:
+    """A descriptor socket served on ``loop``, and a client connected to it (the connection waits
+    in the backlog until the loop runs and accepts it)."""
+    path = str(tmp_path / "edged.sock.fd")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(8)
+    fds = FdSocket(listener, SharedMemoryRegistry(), 8)
+    fds.start(loop)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.connect(path)
+    return fds, client
+
+
 def lingering_socket() -> tuple[int, socket.socket]:
     """A connected TCP socket with unsent data and SO_LINGER 2 s: its last close blocks 2 s.
     Returns its descriptor and the listening peer (kept open, never read)."""
@@ -46,14 +60,7 @@ async def _lateness_while(loop: asyncio.AbstractEventLoop, seconds: float) -> fl
 def test_a_descriptor_whose_close_blocks_is_closed_off_the_loop(tmp_path: Path) -> None:
     async def main() -> tuple[dict[str, str], float]:
         loop = asyncio.get_running_loop()
-        path = str(tmp_path / "edged.sock.fd")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(path)
-        listener.listen(8)
-        fds = FdSocket(listener, SharedMemoryRegistry(), 8)
-        fds.start(loop)
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        client.connect(path)  # completes in the backlog, before the loop accepts it
+        fds, client = serving(loop, tmp_path)
         fd, server = lingering_socket()
         try:
             msg = orjson.dumps({"name": "r", "byte_size": 64})
@@ -79,14 +86,7 @@ def test_a_connection_with_many_descriptors_still_to_close_is_answered(tmp_path:
 
     async def main() -> list[dict[str, str]]:
         loop = asyncio.get_running_loop()
-        path = str(tmp_path / "edged.sock.fd")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(path)
-        listener.listen(8)
-        fds = FdSocket(listener, SharedMemoryRegistry(), 8)
-        fds.start(loop)
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        client.connect(path)
+        fds, client = serving(loop, tmp_path)
         client.setblocking(False)
         answers = []
         try:
