@@ -9,13 +9,13 @@ ratio is first / after-gap. Each request also records the client's part (the pro
 the region, connect, send to last byte) and the daemon's minor page faults and thread count around
 it (from /proc), so a cold first request shows what it paid for. ``--variants`` alternates
 daemons start by start (the current one, ONNX Runtime's pool left spinning after a run, other intra-op thread
-counts for the frame models) and
+counts for the frame models, frames through POSIX shared memory or in the request body) and
 reports each. ``--stages`` runs the daemon under bench.stage_probe (timers around each stage of
 the request path: decode, copy in, hand-off and run, encode, copy out, each with its thread's page
 faults) and prints them for the first and the after-gap request.
 
     scripts/bench.sh first-request [--starts 7] [--stages] [--models tiny,conv640,ocr_det]
-                                   [--variants default,spinning,threads=15]
+                                   [--variants default,posix,body,spinning,threads=15]
 """
 
 from __future__ import annotations
@@ -71,11 +71,12 @@ class ProbedEdged(EdgedServer):
 def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages: Path | None) -> EdgedServer:
     """``default``: edged as configured by the benchmark; ``spinning``: ONNX Runtime's pool left
     spinning after each run; ``threads=N``: the frame models with N intra-op threads; ``posix``:
-    frames through POSIX shared memory objects (copied with preadv) instead of sealed memfds."""
+    frames through POSIX shared memory objects (copied with preadv) instead of sealed memfds;
+    ``body``: frames in the request's body, as a client without shared memory sends them."""
     if variant == "default":
         return ProbedEdged(work, specs, stages)
-    if variant == "posix":
-        return ProbedEdged(work, specs, stages, shm="posix")
+    if variant in ("posix", "body"):
+        return ProbedEdged(work, specs, stages, shm=variant)
     if variant == "spinning":
         return ProbedEdged(work, specs, stages, spinning=True)
     if variant.startswith("threads="):
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--variants",
         default="default",
-        help="comma-separated, alternated start by start: default, spinning, threads=N",
+        help="comma-separated, alternated start by start: default, posix, body, spinning, threads=N",
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "first_request.json")
     args = ap.parse_args(argv)

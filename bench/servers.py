@@ -360,6 +360,8 @@ class EdgedServer(Server):
         return decode_v2(head, body)[spec.outputs[0]]
 
     def frame_conn(self, spec: ModelSpec, x: np.ndarray, index: int) -> Conn:
+        if self.shm == "body":  # the frame in the request's body, as a client without shared memory sends it
+            return Conn(self.addr, self.request(spec, x))
         name = f"{self.name}.{spec.name}-{len(self.regions)}"
         region: ShmRegion | MemfdRegion
         if self.shm == "memfd":

@@ -198,12 +198,13 @@ class Daemon:
         boot = Boot(self.registry, self.background, loop)
         self.service.plan = await boot.boot()
         self.service.warming = True
+        largest_body = 0
         try:
-            await warm_request_path(app, self.registry, self._api_sockets)
+            largest_body = await warm_request_path(app, self.registry, self._api_sockets)
         finally:
             self.service.warming = False
         self.service.status_line = self._summary()
-        heap.settle()
+        heap.settle(largest_body)
         self.service.ready.set()
         systemd.ready(self.service.status_line)
         if self._wedge is not None:

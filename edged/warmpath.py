@@ -131,7 +131,10 @@ async def _warm_sockets(paths: list[str], model: str, body: tuple[bytes, int | N
             log.warning("%s: the socket path %s was not warmed: %s", model, path, e, extra={"model": model})
 
 
-async def warm_request_path(app: App, registry: Registry, sockets: list[str] | None = None) -> None:
+async def warm_request_path(app: App, registry: Registry, sockets: list[str] | None = None) -> int:
+    """Warm every ready model's request path; returns the largest request body sent (bytes), for
+    heap.settle to keep faulted in."""
+    largest_body = 0
     largest = 0  # the largest input a model takes: the size of the shared-memory copy to warm
     # The connection path is the same for every model: it is warmed with the cheapest one, so
     # that a start with a 100 ms detector does not run it again for this.
@@ -145,6 +148,7 @@ async def warm_request_path(app: App, registry: Registry, sockets: list[str] | N
         inputs = warm_inputs(rt.backend.inputs, rt.cfg)
         largest = max([largest, *(a.nbytes for a in inputs.values())])
         bodies = _bodies(inputs, [o.name for o in rt.backend.outputs])
+        largest_body = max([largest_body, *(len(b) for b, _ in bodies)])
         for _ in range(ROUNDS):
             for body, header_len in bodies:
                 status = await _call(app, rt.name, body, header_len)
@@ -164,3 +168,4 @@ async def warm_request_path(app: App, registry: Registry, sockets: list[str] | N
             await warm_copies(largest)
     except (OSError, EdgedError) as e:  # a warm-up that cannot run costs a first frame, not the start
         log.warning("the shared memory copy path was not warmed: %s", e)
+    return largest_body

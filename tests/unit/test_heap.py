@@ -13,9 +13,9 @@ from edged import heap
 # A 3 MB buffer made, touched and freed (the warm-up's), then made and touched again (the first
 # request's): the faults of the second.
 PROBE = """
-import resource, sys
+import ctypes, resource, sys
 from edged import heap
-if sys.argv[1] == "tuned":
+if sys.argv[1] != "untuned":
     assert heap.keep_large_buffers()
 def touched():
     b = bytearray(3 << 20)
@@ -23,6 +23,11 @@ def touched():
     return b
 first = touched()  # the warm-up's buffer
 del first
+if sys.argv[1] in ("trimmed", "prefaulted"):
+    # What the collection before READY=1 can do: free enough at once that glibc trims the heap.
+    assert ctypes.CDLL(None).malloc_trim(0) == 1
+if sys.argv[1] == "prefaulted":
+    assert heap.prefault((3 << 20) + heap.PREFAULT_SLACK) > 0
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 again = touched()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -41,6 +46,19 @@ def test_a_frame_sized_buffer_made_again_costs_no_page_faults() -> None:
     # raised its threshold: the second comes from a heap that has to grow, page by page.
     assert untuned > 500, f"the probe sees no faults even untuned ({untuned}): it measures nothing"
     assert tuned < 50, f"{tuned} faults making a 3 MB buffer again"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+def test_a_heap_trimmed_after_the_warm_up_is_faulted_in_again_by_prefault() -> None:
+    trimmed, prefaulted = faults("trimmed"), faults("prefaulted")
+    assert trimmed > 500, f"a trimmed heap costs no faults ({trimmed}): the probe measures nothing"
+    assert prefaulted < 50, f"{prefaulted} faults making a 3 MB buffer after prefault"
+
+
+def test_prefault_is_bounded_by_the_trim_threshold() -> None:
+    # More than the trim threshold would be given back to the kernel as soon as it is freed.
+    assert heap.prefault(64 << 20) in (0, heap.TRIM_THRESHOLD - 4096)
+    assert heap.prefault(0) == 0
 
 
 def test_settle_freezes_what_the_start_up_left() -> None:
