@@ -36,8 +36,8 @@ import orjson
 from edged import errors
 from edged.client_shm import MemfdRegion, ShmRegion, ShmTensor, memfd_supported
 from edged.paths import default_socket, fd_socket_for
-from edged.protocol import V2_TO_NUMPY, v2_datatype
-from edged.tensors import from_bytes, from_json_data, is_bytes, tensor_bytes
+from edged.protocol import V2_TO_NUMPY
+from edged.tensors import datatype_of, from_bytes, from_json_data, is_bytes, tensor_bytes
 
 _JSON = {"Content-Type": "application/json"}
 
@@ -74,7 +74,7 @@ def encode_request(
         metas.append(
             {
                 "name": name,
-                "datatype": v2_datatype(arr.dtype.name),
+                "datatype": datatype_of(arr.dtype),
                 "shape": list(arr.shape),
                 "parameters": {"binary_data_size": len(raw) if isinstance(raw, bytes) else raw.nbytes},
             }

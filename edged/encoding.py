@@ -22,10 +22,10 @@ from edged.tensors import (
     InferRequest,
     OutputRequest,
     ShmResolver,
+    datatype_of,
     is_bytes,
     json_strings,
     tensor_bytes,
-    v2_datatype,
     wire_nbytes,
 )
 
@@ -101,7 +101,7 @@ def _encode_small(
     chunks: list[bytes] = []
     for out in _wanted(req, results):
         arr = _output(model, out, results)
-        entry: dict[str, Any] = {"name": out.name, "datatype": v2_datatype(arr.dtype.name), "shape": list(arr.shape)}
+        entry: dict[str, Any] = {"name": out.name, "datatype": datatype_of(arr.dtype), "shape": list(arr.shape)}
         if out.shm_region is not None and shm is not None:
             entry["parameters"] = _to_shm(out, arr, shm)
         elif out.binary:
@@ -140,7 +140,7 @@ def encode_infer_parts(
     chunks: list[Part] = []
     for i, out in enumerate(wanted):
         arr = _output(model, out, results)
-        entry: dict[str, Any] = {"name": out.name, "datatype": v2_datatype(arr.dtype.name), "shape": list(arr.shape)}
+        entry: dict[str, Any] = {"name": out.name, "datatype": datatype_of(arr.dtype), "shape": list(arr.shape)}
         values: list[Part] = []
         if out.shm_region is not None and shm is not None:
             entry["parameters"] = _to_shm(out, arr, shm)

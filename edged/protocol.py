@@ -11,7 +11,6 @@ service runs once per request.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 import threading
@@ -371,7 +370,7 @@ def finish_decode(parsed: ParsedBody, shm: ShmResolver | None = None) -> InferRe
         raise BadRequestError(f"{len(binary) - offset} bytes of binary data belong to no input")
     if parsed.key is not None:
         PLANS.put(parsed.key, plan)
-    req.outputs = [dataclasses.replace(o) for o in plan.outputs] if plan.outputs is not None else None
+    req.outputs = [o.copy() for o in plan.outputs] if plan.outputs is not None else None
     if shm is None and req.outputs:  # as for inputs: never an answer silently inline instead
         for o in req.outputs:
             if o.shm_region is not None:

@@ -54,6 +54,11 @@ class OutputRequest:
     shm_offset: int = 0
     shm_size: int = 0
 
+    def copy(self) -> OutputRequest:
+        """A request's own copy of a planned output (a plan is shared by every request with the
+        same header); four times faster than dataclasses.replace."""
+        return OutputRequest(self.name, self.binary, self.shm_region, self.shm_offset, self.shm_size)
+
 
 @dataclass
 class InferRequest:
@@ -88,6 +93,21 @@ def v2_datatype(dtype: str) -> str:
     if dtype.startswith(("bytes", "str")):  # numpy's fixed-width S and U arrays: strings too
         return "BYTES"
     return NUMPY_TO_V2.get(dtype, dtype.upper())
+
+
+_DATATYPES: dict[np.dtype[Any], str] = {}
+_DATATYPES_MAX = 64  # the dtypes of a config's models' outputs: a handful
+
+
+def datatype_of(dtype: np.dtype[Any]) -> str:
+    """``v2_datatype(dtype.name)``, remembered per dtype: numpy's ``dtype.name`` is computed in
+    Python on each read (3% of the event loop's time at c=1 for the tiny model)."""
+    found = _DATATYPES.get(dtype)
+    if found is None:
+        found = v2_datatype(dtype.name)
+        if len(_DATATYPES) < _DATATYPES_MAX:
+            _DATATYPES[dtype] = found
+    return found
 
 
 def is_bytes(dtype: np.dtype[Any]) -> bool:

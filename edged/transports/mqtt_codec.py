@@ -18,7 +18,8 @@ from paho.mqtt.properties import Properties
 
 from edged import tensors
 from edged.errors import BadRequestError, EdgedError, PayloadTooLargeError
-from edged.protocol import NUMPY_TO_V2, V2_TO_NUMPY, InferRequest, encode_infer, load_json, v2_datatype
+from edged.protocol import NUMPY_TO_V2, V2_TO_NUMPY, InferRequest, encode_infer, load_json
+from edged.tensors import datatype_of
 from edged.transports.mqtt_props import PublishProps, parse
 
 JSON = "application/json"
@@ -280,7 +281,7 @@ def raw_reply(model: str, results: dict[str, np.ndarray], wanted: str | None) ->
         OCTET,
         [
             ("name", name),
-            ("dtype", v2_datatype(arr.dtype.name)),
+            ("dtype", datatype_of(arr.dtype)),
             ("shape", ",".join(str(d) for d in arr.shape)),
         ],
     )
