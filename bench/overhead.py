@@ -20,7 +20,12 @@ Daemons serving the same model, interleaved with the in-process floor, at concur
     into the work folder, first on the daemon's PYTHONPATH), default config: a before/after of a
     change to edged's code in one interleaved run.
 
-    scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--lanes edged,worker] [--base HEAD~1]
+For a frame model, the first edged lane is also measured with the frame already in its sealed
+memfd region (``frame in place``: the producer writes it there, no copy inside the timing), and
+with the answer written into the same region too (``answer in place``: only JSON headers cross
+the socket; the answer is checked against ONNX Runtime's once per connection, untimed).
+
+    scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--lanes edged,worker] [--base HEAD~1|FOLDER]
 """
 
 from __future__ import annotations
@@ -104,8 +109,13 @@ class BaseEdged(EdgedServer):
 
 
 def export(commit: str, dest: Path) -> None:
-    """edged/ as of ``commit`` into ``dest`` (the benchmark and its helpers stay this tree's)."""
+    """edged/ as of ``commit`` into ``dest`` (the benchmark and its helpers stay this tree's).
+    ``commit`` may also be a folder holding an edged/ package (a machine without the git
+    history: export it here with ``git archive COMMIT edged | tar -x -C data/base``)."""
     dest.mkdir(parents=True, exist_ok=True)
+    if (Path(commit) / "edged" / "__init__.py").is_file():
+        shutil.copytree(Path(commit) / "edged", dest / "edged", ignore=shutil.ignore_patterns("__pycache__"))
+        return
     archive = dest / "edged.tar"
     subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), commit, "edged"], check=True)
     with tarfile.open(archive) as tar:
@@ -174,6 +184,24 @@ def starts(
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _in_place(server: EdgedServer, spec: ModelSpec, x: np.ndarray, want: np.ndarray, conc: int) -> Runner:
+    """The frame already in the region and the answer written there too: the socket carries two
+    JSON headers. Each connection's answer is checked against ONNX Runtime's once, untimed."""
+    conns = []
+    for _ in range(conc):
+        conn, answer = server.in_place_conn(spec, x, want)
+        with connect(conn.addr) as s:
+            roundtrip(s, conn.request)
+        if not np.allclose(answer(), want, rtol=1e-4, atol=1e-5):
+            raise AssertionError(f"{server.name}/{spec.name}: wrong answer in the region")
+        conns.append(conn)
+
+    def run(max_requests: int, max_seconds: float) -> tuple[list[float], float]:
+        return closed_loop(conns, max_requests, max_seconds)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=8)
@@ -223,11 +251,12 @@ def main(argv: list[str] | None = None) -> None:
         if spec.frame and first is not None:  # the producer writes its frame in the region in place: no copy
             for c in concs:
                 runs[("edged, frame in place", c)] = Lane(_no_copy(first, spec, x, c), budget)
+                runs[("edged, answer in place", c)] = Lane(_in_place(first, spec, x, want, c), budget)
         for name, by_conc in interleave(runs, args.rounds).items():
             for c, series in by_conc.items():
                 d = series.summary()
                 print(
-                    f"{spec.name} {name:22} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
+                    f"{spec.name} {name:23} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
                     f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s",
                     flush=True,
                 )

@@ -25,7 +25,18 @@ from typing import Any
 import numpy as np
 
 from bench.models import ModelSpec
-from bench.wire import Address, Conn, connect, decode_raw, decode_v2, http_bytes, raw_request, roundtrip, v2_request
+from bench.wire import (
+    Address,
+    Conn,
+    connect,
+    decode_raw,
+    decode_v2,
+    http_bytes,
+    raw_request,
+    roundtrip,
+    v2_request,
+    v2_request_in_place,
+)
 from edged.client import Client, ShmRegion, ShmTensor
 from edged.client_shm import MemfdRegion
 from edged.paths import fd_socket_for
@@ -358,6 +369,21 @@ class EdgedServer(Server):
 
     def decode(self, spec: ModelSpec, head: bytes, body: bytes) -> np.ndarray:
         return decode_v2(head, body)[spec.outputs[0]]
+
+    def in_place_conn(self, spec: ModelSpec, x: np.ndarray, out: np.ndarray) -> tuple[Conn, Callable[[], np.ndarray]]:
+        """A connection whose frame is already in a sealed memfd region and whose answer edged
+        writes into the same region, after the frame (no tensor in either body); and a reader of
+        that answer, a view of the region."""
+        region = MemfdRegion(f"{self.name}.{spec.name}-{len(self.regions)}", x.nbytes + out.nbytes)
+        region.register(fd_socket_for(self.addr), 30.0)
+        self.regions.append(region)
+        tensor = region.put(x)
+        request = v2_request_in_place(spec.name, spec.input, tensor, spec.outputs[0], x.nbytes, out.nbytes)
+
+        def answer() -> np.ndarray:
+            return region.read(out.dtype, out.shape, x.nbytes)
+
+        return Conn(self.addr, request), answer
 
     def frame_conn(self, spec: ModelSpec, x: np.ndarray, index: int) -> Conn:
         if self.shm == "body":  # the frame in the request's body, as a client without shared memory sends it

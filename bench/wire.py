@@ -10,6 +10,7 @@ copy into the region is inside the timed request.
 
 from __future__ import annotations
 
+import json
 import select
 import selectors
 import socket
@@ -34,6 +35,14 @@ def v2_request(model: str, name: str, value: np.ndarray | ShmTensor, outputs: Se
     """An Open Inference Protocol request, binary tensors in and out (edged and Triton alike)."""
     body, headers = encode_request({name: value}, list(outputs))
     return http_bytes(f"/v2/models/{model}/infer", body, headers)
+
+
+def v2_request_in_place(model: str, name: str, value: ShmTensor, output: str, offset: int, nbytes: int) -> bytes:
+    """A request whose input is in a registered region and whose answer is written there too, at
+    ``offset``: the response carries only the JSON header (edged and Triton alike)."""
+    where = {"shared_memory_region": value.region, "shared_memory_byte_size": nbytes, "shared_memory_offset": offset}
+    doc = {"inputs": [value.meta(name)], "outputs": [{"name": output, "parameters": where}]}
+    return http_bytes(f"/v2/models/{model}/infer", json.dumps(doc).encode(), {"Content-Type": "application/json"})
 
 
 def raw_request(model: str, x: np.ndarray) -> bytes:
