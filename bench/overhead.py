@@ -31,6 +31,7 @@ the socket; the answer is checked against ONNX Runtime's once per connection, un
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import tarfile
@@ -91,9 +92,15 @@ class EchoServer(Server):
         return v2_request(spec.name, spec.input, x, spec.outputs)
 
 
+def _first_on_path(folder: Path) -> str:
+    """``folder`` first on the daemon's path, then this checkout and the caller's own path
+    (scripts/bench_offline.sh puts its private site-packages there)."""
+    return os.pathsep.join(p for p in (str(folder), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 class OneWriteEdged(EdgedServer):
     def extra_env(self) -> dict[str, str]:
-        return dict(super().extra_env(), PYTHONPATH=f"{REPO / 'bench' / 'trials' / 'onewrite'}:{REPO}")
+        return dict(super().extra_env(), PYTHONPATH=_first_on_path(REPO / "bench" / "trials" / "onewrite"))
 
 
 class BaseEdged(EdgedServer):
@@ -105,7 +112,7 @@ class BaseEdged(EdgedServer):
         super().__init__(work, specs, label="edged-base")
 
     def extra_env(self) -> dict[str, str]:
-        return dict(super().extra_env(), PYTHONPATH=f"{self.tree}:{REPO}")
+        return dict(super().extra_env(), PYTHONPATH=_first_on_path(self.tree))
 
 
 def export(commit: str, dest: Path) -> None:
