@@ -149,6 +149,9 @@ def test_timed_out_requests_leave_the_queue_and_free_their_inputs() -> None:
                 await q.submit({"x": x}, 0.001)
             del x
             assert q.backlog == 1  # only the running request holds a slot
+        # The deadline cancels the request's future, whose callbacks the loop runs on its next
+        # turn: until then they hold the last request's future (and, through it, its inputs).
+        await asyncio.sleep(0)
         gc.collect()
         assert all(r() is None for r in refs), "a timed-out request's inputs are still held"
         # Three more fit at once (depth 4); the fifth is busy at once.
