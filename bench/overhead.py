@@ -106,10 +106,12 @@ class OneWriteEdged(EdgedServer):
 class BaseEdged(EdgedServer):
     """edged's package from another commit, found before this tree's on the daemon's path."""
 
-    def __init__(self, work: Path, specs: dict[str, ModelSpec], commit: str) -> None:
+    def __init__(
+        self, work: Path, specs: dict[str, ModelSpec], commit: str, server: dict[str, Any] | None = None
+    ) -> None:
         self.tree = work / "base-tree"
         export(commit, self.tree)
-        super().__init__(work, specs, label="edged-base")
+        super().__init__(work, specs, label="edged-base", server=server)
 
     def extra_env(self) -> dict[str, str]:
         return dict(super().extra_env(), PYTHONPATH=_first_on_path(self.tree))
@@ -155,7 +157,9 @@ def servers_for(
     }
     servers = [make[name]() for name in lanes]
     if base is not None:
-        servers.append(BaseEdged(work, one, base))
+        # Configured as the first edged lane is (edged-worker's base runs on its worker too).
+        like = next((s for s in servers if isinstance(s, EdgedServer)), None)
+        servers.append(BaseEdged(work, one, base, like.server_options if like is not None else None))
     return servers
 
 
@@ -214,7 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--lanes", default="edged,inline,worker", help=f"comma-separated, of {', '.join(LANES)}")
-    ap.add_argument("--base", default=None, help="a commit: add a daemon running edged's package as of it")
+    ap.add_argument(
+        "--base",
+        default=None,
+        help="a commit or a folder holding edged/: add a daemon running that edged, configured as the first edged lane",
+    )
     ap.add_argument("--concurrency", default="1,4", help="comma-separated")
     ap.add_argument(
         "--starts",
