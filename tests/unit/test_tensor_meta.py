@@ -39,7 +39,7 @@ def test_the_datatype_table_is_bounded() -> None:
 def test_an_output_copy_keeps_every_field_and_is_its_own() -> None:
     # Every field set to a value other than its default: a field added later and left out of
     # copy() fails here.
-    values = {"name": "y", "binary": True, "shm_region": "r", "shm_offset": 8, "shm_size": 64}
+    values: dict[str, Any] = {"name": "y", "binary": True, "shm_region": "r", "shm_offset": 8, "shm_size": 64}
     assert {f.name for f in dataclasses.fields(OutputRequest)} == set(values)
     planned = OutputRequest(**values)
     copy = planned.copy()
