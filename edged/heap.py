@@ -41,6 +41,11 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
 TRIM_THRESHOLD = 16 * 1024 * 1024
 _PAGE = 4096
+# glibc's DEFAULT_TOP_PAD: kept at the top of the heap beside a freed block, so a block larger than
+# the trim threshold less this is given back to the kernel as soon as it is freed.
+_TOP_PAD = 128 * 1024
+PREFAULT_MAX = TRIM_THRESHOLD - _TOP_PAD - _PAGE
+_kept = False  # keep_large_buffers applied: without it a large block is mapped, not in the heap
 PREFAULT_SLACK = 1024 * 1024
 
 
@@ -54,10 +59,12 @@ def keep_large_buffers() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt answers 1 on success, 0 for a value it refuses; each is set whatever the other did.
+    global _kept
     refused = [name for name, param, value in _SETTINGS if mallopt(param, value) != 1]
     if refused:
         log.warning("glibc refused %s; a first large request may pay page faults", ", ".join(refused))
-    return not refused
+    _kept = not refused
+    return _kept
 
 
 _SETTINGS = (
@@ -75,11 +82,11 @@ def settle(largest_body: int = 0) -> int:
 
 
 def prefault(nbytes: int) -> int:
-    """Allocate ``nbytes`` (at most the trim threshold less a page) with this thread's malloc,
-    write every page and free it: the pages stay in the heap for the next allocation of that
-    size. Returns the bytes touched; 0 where the C library is not glibc."""
-    nbytes = min(nbytes, TRIM_THRESHOLD - _PAGE)
-    if nbytes <= 0 or platform.libc_ver()[0] != "glibc":
+    """Allocate ``nbytes`` (at most PREFAULT_MAX) with this thread's malloc, write every page and
+    free it: the pages stay in the heap for the next allocation of that size. Returns the bytes
+    touched; 0 where keep_large_buffers did not apply (not glibc, or refused)."""
+    nbytes = min(nbytes, PREFAULT_MAX)
+    if nbytes <= 0 or not _kept:
         return 0
     try:
         libc = ctypes.CDLL(None)

@@ -56,6 +56,7 @@ class _Work:
     rows: int = 1
     signature: tuple[tuple[str, tuple[int, ...], str], ...] = field(default=())
     released: bool = False  # its slot of queue_depth was given back (only touched on the loop)
+    expired: bool = False  # its deadline timer cancelled its future (only touched on the loop)
     # Statistics (edged/stats.py): the record to add to (None: not counted), when it was queued,
     # how long it waited and how long its run took (set by the worker, read on the loop).
     stats: ModelStatistics | None = None
@@ -182,20 +183,21 @@ class ModelQueue:
         with self._cond:
             self._queue.append(work)
             self._cond.notify()
-        # The deadline is a timer that cancels the future, not wait_for around a shield (7-8 us
-        # more per request on the 2-core machine). The error is raised here, not stored in the
-        # future: one stored there would hold this frame, and the request's inputs, in a cycle.
-        # A caller cancelled while waiting cancels the future too: the worker's settle skips a
-        # future that is done.
-        expires = self._loop.time() + timeout
-        timer = self._loop.call_later(timeout, fut.cancel)
+        # The deadline is a timer that cancels the future and marks the request, not wait_for
+        # around a shield (7-8 us more per request on the 2-core machine). The mark, not the
+        # loop's clock, tells a deadline from the caller's own cancellation: uvloop keeps whole
+        # milliseconds, and a clock test read 20-35% of deadlines as cancellations. The error is
+        # raised here, not stored in the future: one stored there would hold this frame, and the
+        # request's inputs, in a cycle. A caller cancelled while waiting cancels the future
+        # too: the worker's settle skips a future that is done.
+        timer = self._loop.call_later(timeout, _expire, work)
         answered = False
         try:
             out = await fut
             answered = True
             return out
         except asyncio.CancelledError:
-            if not fut.cancelled() or self._loop.time() < expires:
+            if not work.expired or _cancelling():
                 raise  # the caller was cancelled (gone, or the daemon stopping)
         finally:
             timer.cancel()
@@ -348,6 +350,19 @@ class ModelQueue:
 
     def batch_stats(self) -> dict[str, int]:
         return {"batches": sum(w.batches for w in self.workers), "rows": sum(w.rows for w in self.workers)}
+
+
+def _expire(work: _Work) -> None:
+    if work.future.cancel():  # False once answered or cancelled by its caller: that stands
+        work.expired = True
+
+
+def _cancelling() -> bool:
+    """The current task is being cancelled as well (Python 3.11+ can tell; 3.10 cannot): a
+    caller cancelled after its deadline's timer ran, before it resumed."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
 
 
 def _elements(inputs: Tensors) -> int:
