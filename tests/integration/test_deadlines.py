@@ -17,9 +17,18 @@ import numpy as np
 
 from edged import errors
 from edged.client import Client
+from edged.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, wait_for
+from tests.integration.mosquitto import Broker, Peer, broker
+from tests.integration.test_mqtt import Edged, code_of, json_request
+
+__all__ = ["broker"]  # a fixture: imported so that pytest finds it
 
 REQUESTS = 40
+TOPIC = "edged/dev-d/models/tiny/infer"
+# The test-only fault switch: while the file exists, a worker that takes a request hangs (polled
+# by the watchdog loop, which runs when WATCHDOG_USEC is set).
+WEDGE_ENV = {"WATCHDOG_USEC": "200000"}
 
 
 def test_every_request_queued_past_its_deadline_is_answered_504(
@@ -29,9 +38,7 @@ def test_every_request_queued_past_its_deadline_is_answered_504(
     d = daemon_factory(
         {"tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime", "timeout_ms": 50}},
         extra={"server": {"inline_threshold_us": 0}, "lifecycle": {"drain_timeout_s": 1.0}},
-        # The test-only fault switch: while the file exists, a worker that takes a request hangs
-        # (polled by the watchdog loop, which runs when WATCHDOG_USEC is set).
-        env={"EDGED_TEST_WEDGE": str(wedge), "WATCHDOG_USEC": "200000"},
+        env={"EDGED_TEST_WEDGE": str(wedge), **WEDGE_ENV},
     ).start()
     x = np.ones((1, 16), np.float32)
     outcomes: collections.Counter[str] = collections.Counter()
@@ -59,3 +66,46 @@ def test_every_request_queued_past_its_deadline_is_answered_504(
         wedge.unlink(missing_ok=True)
     assert outcomes == {"504": REQUESTS}, dict(outcomes)
     assert "Exception in ASGI application" not in d.log()
+
+
+def test_every_mqtt_request_queued_past_its_deadline_is_answered(
+    broker: Broker, tmp_path: Path, daemons: list[Edged]
+) -> None:
+    """Over MQTT a deadline read as a cancellation left the request unanswered and unacknowledged
+    (acknowledgements go out in arrival order: every later one waited behind it)."""
+    wedge = tmp_path / "wedge"
+    tiny = {"tiny": {"path": str(make_tiny_mlp(tmp_path / "tiny.onnx")), "timeout_ms": 50}}
+    d = Edged(
+        tmp_path / "edge",
+        broker.port,
+        "dev-d",
+        tiny,
+        tmp_path / "cache",
+        extra={"server": {"inline_threshold_us": 0}, "lifecycle": {"drain_timeout_s": 1.0}},
+        env={"EDGED_TEST_WEDGE": str(wedge), **WEDGE_ENV},
+    )
+    d.start()
+    daemons.append(d)
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+    codes: collections.Counter[str] = collections.Counter()
+    try:
+        with Peer(broker.port) as p:
+            p.subscribe("reply/d")
+            wedge.touch()
+            sent = 0
+
+            def answer() -> str:
+                """Send one request and wait for its answer; its code."""
+                nonlocal sent
+                rid = f"r{sent}".encode()
+                sent += 1
+                p.request(TOPIC, json_request(x, rid.decode()), "reply/d", rid)
+                wait_for(lambda: any(r.correlation == rid for r in p.on("reply/d")), 10, what=f"an answer to {rid!r}")
+                return code_of(next(r for r in p.on("reply/d") if r.correlation == rid))
+
+            wait_for(lambda: answer() == "deadline_exceeded", 20, interval=0, what="the worker to hang")
+            for _ in range(REQUESTS):
+                codes[answer()] += 1
+    finally:
+        wedge.unlink(missing_ok=True)
+    assert codes == {"deadline_exceeded": REQUESTS}, dict(codes)
