@@ -282,10 +282,67 @@ def test_plan_cache_keeps_only_successful_small_headers_and_is_bounded_by_bytes(
     assert len(PLANS) == 1
     # Many distinct small headers: the cache stays within its byte bound.
     for i in range(2000):
-        h = _binary_header([inp], id="y" * 900 + str(i))
+        h = _binary_header([inp], parameters={"tag": "y" * 900 + str(i)})
         decode_infer(h + b"\0" * 4, len(h))
     assert PLANS.bytes <= PLANS.max_bytes
     assert len(PLANS) < 2000
+    PLANS.clear()
+
+
+def test_requests_that_differ_only_in_their_id_share_one_plan_and_keep_their_own_id() -> None:
+    PLANS.clear()
+    inp: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    seen = []
+    # tritonclient writes the id first, edged.client last; a number is an id too.
+    for rid in ("a", "b", 7, "c" * 100):
+        for h in (_binary_header([inp], id=rid), orjson.dumps({"id": rid, "inputs": [inp]})):
+            req = decode_infer(h + b"\0" * 4, len(h))
+            seen.append(req.id)
+            assert req.id == str(rid)
+    assert len(PLANS) == 1  # one plan, whatever the id and wherever it stands
+    # A request without an id, after them, is planned (and answered) without one.
+    h = _binary_header([inp])
+    assert decode_infer(h + b"\0" * 4, len(h)).id == ""
+    assert len(seen) == 8
+    PLANS.clear()
+
+
+@pytest.mark.parametrize("rid", [True, None, [1], {"a": 1}, 1.5])
+def test_a_bad_id_is_refused_even_when_the_rest_is_planned(rid: object) -> None:
+    PLANS.clear()
+    inp: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    good = _binary_header([inp], id="ok")
+    decode_infer(good + b"\0" * 4, len(good))
+    bad = _binary_header([inp], id=rid)
+    with pytest.raises(BadRequestError, match="'id' must be a string"):
+        decode_infer(bad + b"\0" * 4, len(bad))
+    PLANS.clear()
+
+
+def test_numbered_requests_do_not_push_other_plans_out() -> None:
+    """Keyed whole, 2,000 numbered requests of one client filled the cache and evicted the
+    plan of another client's header."""
+    PLANS.clear()
+    inp: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    other = _binary_header([dict(inp, name="y")])
+    decode_infer(other + b"\0" * 4, len(other))
+    for i in range(2000):
+        h = _binary_header([inp], id="z" * 900 + str(i))
+        assert decode_infer(h + b"\0" * 4, len(h)).id.endswith(str(i))
+    assert len(PLANS) == 2
+    assert PLANS.get(other) is not None
+    PLANS.clear()
+
+
+def test_ids_that_only_look_like_the_member_take_the_normal_path() -> None:
+    PLANS.clear()
+    inp: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    # "id" inside parameters only, and a header with NaN (read by the standard library).
+    nested = _binary_header([inp], parameters={"id": "p"})
+    assert decode_infer(nested + b"\0" * 4, len(nested)).id == ""
+    with_nan = b'{"id": "n", "inputs": [' + orjson.dumps(inp) + b'], "parameters": {"t": NaN}}'
+    req = decode_infer(with_nan + b"\0" * 4, len(with_nan))
+    assert req.id == "n" and math.isnan(req.parameters["t"])
     PLANS.clear()
 
 
