@@ -337,7 +337,9 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
         raise BadRequestError(f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)")
     else:
         header = view[:header_length]
-        key = header.tobytes() if header_length <= PLANS.max_header else None
+        # A header starting with a NUL byte is no JSON: never looked up, so that no client can
+        # reach the plans cached without their id (_ID_LESS) by sending such a key itself.
+        key = header.tobytes() if header_length <= PLANS.max_header and bytes(header[:1]) != b"\x00" else None
         cached = PLANS.get(key) if key is not None else None
         if cached is None:
             check_json_size(body, header_length, limits)
@@ -361,7 +363,7 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
 
 
 _ID_MEMBER = b'"id"'
-_ID_LESS = b"\x00without id:"  # no header starts with a NUL byte: never a real header's key
+_ID_LESS = b"\x00without id:"  # headers starting with a NUL byte are never looked up (parse_body)
 
 
 def _without_id(header: bytes) -> tuple[bytes, str, dict[str, Any]] | None:
@@ -380,7 +382,11 @@ def _without_id(header: bytes) -> tuple[bytes, str, dict[str, Any]] | None:
     if not isinstance(doc, dict) or "id" not in doc:
         return None
     rid = _request_id(doc.pop("id"))
-    return _ID_LESS + orjson.dumps(doc), rid, doc
+    try:
+        rest = orjson.dumps(doc)
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes (254; it reads 1024)
+        return None
+    return _ID_LESS + rest, rid, doc
 
 
 def finish_decode(parsed: ParsedBody, shm: ShmResolver | None = None) -> InferRequest:

@@ -346,6 +346,28 @@ def test_ids_that_only_look_like_the_member_take_the_normal_path() -> None:
     PLANS.clear()
 
 
+def test_a_header_nested_deeper_than_orjson_writes_still_decodes_with_its_id() -> None:
+    """orjson reads 1024 levels and writes 254: the key without the id could not be written, and
+    a TypeError escaped (a 500 and a traceback per request)."""
+    PLANS.clear()
+    inp: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    deep = b"[" * 300 + b"]" * 300
+    h = b'{"id":"r1","inputs":[' + orjson.dumps(inp) + b'],"parameters":{"p":' + deep + b"}}"
+    assert decode_infer(h + b"\0" * 4, len(h)).id == "r1"
+    PLANS.clear()
+
+
+def test_the_plans_cached_without_their_id_cannot_be_reached_by_a_header() -> None:
+    PLANS.clear()
+    inp: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+    h = _binary_header([inp], id="secret-layout")
+    decode_infer(h + b"\0" * 4, len(h))
+    probe = b"\x00without id:" + _binary_header([inp])
+    with pytest.raises(BadRequestError, match="malformed JSON"):
+        decode_infer(probe + b"\0" * 4, len(probe))
+    PLANS.clear()
+
+
 def test_cached_plan_still_obeys_the_model_limits() -> None:
     PLANS.clear()
     a: dict[str, object] = {"name": "a", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
