@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+import numpy as np
+
 from edged.errors import SharedMemoryError
 
 # fcntl's constants exist on Linux from Python 3.8; spelled out for mypy on other platforms.
@@ -124,9 +126,7 @@ def populate(mapping: mmap.mmap, start: int, size: int, writable: bool) -> None:
     populate then stalls the event loop for a quarter of a second)."""
     page = mmap.PAGESIZE
     first = start - start % page
-    anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address; released below
-    address = ctypes.addressof(anchor)
-    del anchor
+    address = mapping_address(mapping)
     madvise = _madvise()
     advice = MADV_POPULATE_WRITE if writable else MADV_POPULATE_READ
     if madvise is not None and madvise(address + first, start + size - first, advice) == 0:
@@ -139,6 +139,17 @@ def populate(mapping: mmap.mmap, start: int, size: int, writable: bool) -> None:
             time.sleep(0)  # let the event loop's thread have the interpreter's lock
     finally:
         view.release()
+
+
+def mapping_address(mapping: mmap.mmap) -> int:
+    """Where ``mapping`` starts in memory. Through numpy, which takes a read-only buffer too:
+    ctypes' from_buffer refuses the mapping of a write-sealed memfd (and populating every such
+    region failed with a TypeError)."""
+    view = np.frombuffer(mapping, dtype=np.uint8, count=1)
+    try:
+        return int(view.ctypes.data)
+    finally:
+        del view  # no export of the mapping left behind: it must stay closable
 
 
 def submit_populate(mapping: mmap.mmap, start: int, size: int, writable: bool) -> Future[None]:

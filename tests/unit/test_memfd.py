@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edged.errors import SharedMemoryError
-from edged.transports.memfd import map_sealed, populate, sealable, unmap
+from edged.transports.memfd import map_sealed, mapping_address, populate, sealable, unmap
 
 SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -141,3 +141,19 @@ def test_populate_makes_the_range_resident(fds: list[int], writable: bool) -> No
     populate(sealed.mapping, mmap.PAGESIZE + 1, size - mmap.PAGESIZE - 1, writable)
     assert resident_kib(address) >= (size - mmap.PAGESIZE) // 1024
     unmap(sealed.mapping)
+
+
+def test_populate_takes_the_read_only_mapping_of_a_write_sealed_memfd(fds: list[int]) -> None:
+    """Its address was taken with ctypes' from_buffer, which refuses a read-only buffer: every
+    write-sealed region's populate failed (a TypeError, logged) and its first frame paid the faults."""
+    size = 64 * mmap.PAGESIZE
+    fd = memfd(fds, size, seals=0)
+    os.posix_fallocate(fd, 0, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALED | fcntl.F_SEAL_WRITE)
+    sealed = map_sealed(fd, seals_of(fd), 0, size)
+    assert not sealed.writable
+    address = mapping_address(sealed.mapping)
+    assert resident_kib(address) == 0
+    populate(sealed.mapping, 0, size, sealed.writable)
+    assert resident_kib(address) >= size // 1024
+    assert unmap(sealed.mapping)  # no export of the mapping left behind
