@@ -26,8 +26,7 @@ import orjson
 from numpy.typing import DTypeLike
 
 from edged import errors
-from edged.protocol import v2_datatype
-from edged.tensors import tensor_bytes
+from edged.tensors import datatype_of, tensor_bytes
 
 # Sealed against shrinking (what lets the daemon map it), growing, and further seal changes.
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
@@ -44,7 +43,7 @@ class ShmTensor:
     def meta(self, name: str) -> dict[str, Any]:
         return {
             "name": name,
-            "datatype": v2_datatype(self.dtype.name),
+            "datatype": datatype_of(self.dtype),
             "shape": list(self.shape),
             "parameters": {
                 "shared_memory_region": self.region,

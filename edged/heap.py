@@ -32,6 +32,7 @@ import ctypes
 import gc
 import logging
 import platform
+from functools import cache
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +46,31 @@ _PAGE = 4096
 # the trim threshold less this is given back to the kernel as soon as it is freed.
 _TOP_PAD = 128 * 1024
 PREFAULT_MAX = TRIM_THRESHOLD - _TOP_PAD - _PAGE
-_kept = False  # keep_large_buffers applied: without it a large block is mapped, not in the heap
 PREFAULT_SLACK = 1024 * 1024
+
+_kept = False  # keep_large_buffers applied: without it a large block is mapped, not in the heap
+
+
+@cache
+def _glibc() -> ctypes.CDLL | None:
+    """The process's own C library (no ldconfig lookup), or None where it is not glibc."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
 def keep_large_buffers() -> bool:
     """Fix glibc's mmap and trim thresholds (see the module's docstring); False where not glibc."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library: no ldconfig lookup
-    except (OSError, AttributeError):
+    global _kept
+    libc = _glibc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt answers 1 on success, 0 for a value it refuses; each is set whatever the other did.
-    global _kept
     refused = [name for name, param, value in _SETTINGS if mallopt(param, value) != 1]
     if refused:
         log.warning("glibc refused %s; a first large request may pay page faults", ", ".join(refused))
@@ -86,13 +97,10 @@ def prefault(nbytes: int) -> int:
     free it: the pages stay in the heap for the next allocation of that size. Returns the bytes
     touched; 0 where keep_large_buffers did not apply (not glibc, or refused)."""
     nbytes = min(nbytes, PREFAULT_MAX)
-    if nbytes <= 0 or not _kept:
+    libc = _glibc()
+    if nbytes <= 0 or not _kept or libc is None:
         return 0
-    try:
-        libc = ctypes.CDLL(None)
-        malloc, free = libc.malloc, libc.free
-    except (OSError, AttributeError):
-        return 0
+    malloc, free = libc.malloc, libc.free
     malloc.argtypes, malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     free.argtypes, free.restype = [ctypes.c_void_p], None
     block = malloc(nbytes)

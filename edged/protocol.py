@@ -222,6 +222,18 @@ def _unique(names: Sequence[str], what: str) -> None:
         seen.add(n)
 
 
+def load_object(raw: bytes | memoryview, not_object: str, malformed: str = "malformed JSON") -> dict[str, Any]:
+    """A strict JSON object (a control message, a generation request, settings), or
+    BadRequestError: ``malformed: <orjson's reason>``, or ``not_object`` for any other value."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRequestError(f"{malformed}: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadRequestError(not_object)
+    return doc
+
+
 def load_json(header: memoryview | bytes) -> Any:
     """orjson, strict JSON; a document that orjson refuses and that holds NaN or Infinity (which
     Python's json, NumPy and tritonclient write for non-finite values, and Triton accepts) is read

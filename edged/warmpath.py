@@ -37,7 +37,11 @@ PLANNING_ROUNDS = 16
 PLANNING_BODY_MAX = 64 * 1024  # larger warm-up bodies: planning is warmed by the smaller models
 
 
-def _bodies(inputs: dict[str, np.ndarray], outputs: list[str], rid: str = "warmup") -> list[tuple[bytes, int | None]]:
+def _bodies(
+    inputs: dict[str, np.ndarray], outputs: list[str], tag: int | None = None
+) -> list[tuple[bytes, int | None]]:
+    """The warm-up's request bodies; ``tag``: a request parameter that makes the header one the
+    plan cache has not seen (an id would not: headers that differ only in their id share a plan)."""
     meta = [{"name": n, "datatype": v2_datatype(a.dtype.name), "shape": list(a.shape)} for n, a in inputs.items()]
     raws = [bytes(tensor_bytes(a)) for a in inputs.values()]
     binary_meta = [dict(m, parameters={"binary_data_size": len(r)}) for m, r in zip(meta, raws)]
@@ -47,7 +51,10 @@ def _bodies(inputs: dict[str, np.ndarray], outputs: list[str], rid: str = "warmu
     # (the requested-outputs path of decoding and encoding is otherwise first run by a client).
     named = [{"name": n, "parameters": {"binary_data": True}} for n in outputs]
     for extra in ({}, {"outputs": named}):
-        doc = {"id": rid, "inputs": binary_meta, "parameters": {"binary_data_output": True}, **extra}
+        params: dict[str, Any] = {"binary_data_output": True}
+        if tag is not None:
+            params["warmup"] = tag
+        doc = {"id": "warmup", "inputs": binary_meta, "parameters": params, **extra}
         header = orjson.dumps(doc)
         bodies.append((header + data, len(header)))
     if all(a.size <= _JSON_LIMIT for a in inputs.values()):
@@ -109,7 +116,7 @@ async def _warm_planning(app: App, model: str, inputs: dict[str, np.ndarray], ou
     client's first request (whose header is new) ran it cold: 0.12-0.25 ms more in decoding on
     the 2-core machine (Python specialises a function only after it has run several times)."""
     for i in range(PLANNING_ROUNDS):
-        body, header_len = _bodies(inputs, outputs, f"warmup-plan-{i}")[1]
+        body, header_len = _bodies(inputs, outputs, i)[1]
         try:
             await app.service.decode_infer(model, body, header_len)
         except EdgedError as e:

@@ -15,9 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import orjson
-
 from edged.errors import BadRequestError, SharedMemoryError
+from edged.protocol import load_object
 from edged.transports.memfd import sealable
 
 MAX_MESSAGE = 4096
@@ -87,12 +86,11 @@ def parse(msg: bytes, flags: int, received: Received) -> tuple[str, int, int, in
             "the descriptor is not a memfd that can be sealed (memfd_create with MFD_ALLOW_SEALING); "
             "register a POSIX shared memory object by its key instead"
         )
-    try:
-        doc = orjson.loads(msg)
-    except orjson.JSONDecodeError as e:
-        raise BadRequestError(f"a registration message is a JSON object: {e}") from None
-    if not isinstance(doc, dict):
-        raise BadRequestError("a registration message is a JSON object with 'name' and 'byte_size'")
+    doc = load_object(
+        msg,
+        "a registration message is a JSON object with 'name' and 'byte_size'",
+        "a registration message is a JSON object",
+    )
     name, size, offset = doc.get("name"), doc.get("byte_size"), doc.get("offset", 0)
     if not isinstance(name, str):
         raise BadRequestError("'name' must be a string")

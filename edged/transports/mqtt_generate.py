@@ -22,6 +22,7 @@ import orjson
 
 from edged import generation as gen
 from edged.errors import BadRequestError, BusyError, EdgedError
+from edged.protocol import load_object
 from edged.transports import mqtt_codec as codec
 
 if TYPE_CHECKING:
@@ -56,13 +57,7 @@ def model_from_topic(topic: str, prefix: str, device: str) -> str | None:
 
 
 def _decode(payload: bytes) -> dict[str, Any]:
-    try:
-        doc = orjson.loads(payload)
-    except orjson.JSONDecodeError as e:
-        raise BadRequestError(f"malformed JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise BadRequestError("a generate request is a JSON object")
-    return doc
+    return load_object(payload, "a generate request is a JSON object")
 
 
 class Replies:

@@ -24,6 +24,7 @@ import orjson
 
 from edged import generation as gen
 from edged.errors import BadRequestError, EdgedError, NotFoundError, PayloadTooLargeError, ShuttingDownError
+from edged.protocol import load_object
 from edged.service import Service
 from edged.transports.http_body import read_body
 from edged.transports.http_methods import error_headers
@@ -109,13 +110,7 @@ class GenerationRoutes:
             raw = await read_body(scope, receive, limit)
         except PayloadTooLargeError:
             raise PayloadTooLargeError(f"a generation request is limited to {limit} bytes") from None
-        try:
-            doc = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise BadRequestError(f"malformed JSON: {e}") from None
-        if not isinstance(doc, dict):
-            raise BadRequestError("the body must be a JSON object")
-        return doc
+        return load_object(raw, "the body must be a JSON object")
 
     # --- models ---
 

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, ModelNotReadyError
+from edged.protocol import load_object
 from edged.registry import ModelRuntime
 from edged.service import Service
 from edged.tensors import v2_datatype
@@ -199,12 +200,7 @@ def update_log_settings(body: bytes | memoryview) -> dict[str, Any]:
 
 
 def _settings_doc(body: bytes | memoryview) -> dict[str, Any]:
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise BadRequestError(f"malformed JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise BadRequestError("the log settings must be a JSON object")
+    doc = load_object(body, "the log settings must be a JSON object")
     unknown = sorted(set(doc) - _KEYS)
     if unknown:
         raise BadRequestError(f"unknown log settings {unknown}; known: {sorted(_KEYS)}")
