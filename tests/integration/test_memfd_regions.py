@@ -228,7 +228,10 @@ def test_every_descriptor_of_a_refused_message_is_closed(tiny: DaemonProcess) ->
     # Each descriptor the daemon still holds, against the ones sent: none of them may be left.
     # (A count alone raced with the daemon closing the fixture's own connections meanwhile.)
     wait_for(lambda: not held(tiny) & ours, 10, what="the daemon holding none of the descriptors sent")
-    assert daemon_fds(tiny) <= before
+    # The daemon closes the test's own connections when it reads their end: on a loaded machine
+    # that can come after the check above (17 against 15 once in the full suite), so the count
+    # is waited for too, against the same deadline.
+    wait_for(lambda: daemon_fds(tiny) <= before, 10, what=f"the daemon back to {before} descriptors")
 
 
 @pytest.mark.parametrize(
