@@ -31,6 +31,7 @@ the socket; the answer is checked against ONNX Runtime's once per connection, un
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -42,30 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from bench.measure import FLOOR, Budget, Lane, Runner, floor_runner, interleave, server_runner
+from bench.measure import FLOOR, Budget, Lane, Runner, Series, floor_runner, interleave, server_runner
 from bench.models import ModelSpec, prepare, session, write_specs
+from bench.peers import machine
 from bench.servers import EdgedServer, FastAPIServer, Server, check, get_status
-from bench.wire import closed_loop, connect, http_bytes, roundtrip, v2_request
+from bench.wire import Conn, closed_loop, connect, http_bytes, roundtrip, v2_request
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "inline", "worker", "onewrite", "fastapi", "echo")
-_ECHO_BODY = b"e" * 100
-_ECHO_HEAD = {
-    "type": "http.response.start",
-    "status": 200,
-    "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", b"100")],
-}
-
-
-async def echo_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
-    """The echo lane's server (run by uvicorn as ``bench.overhead:echo_app``)."""
-    if scope["type"] != "http":
-        return
-    message = await receive()
-    while message.get("more_body"):
-        message = await receive()
-    await send(_ECHO_HEAD)
-    await send({"type": "http.response.body", "body": _ECHO_BODY})
+LANES = ("edged", "inline", "worker", "onewrite", "fastapi", "echo", "limit")
 
 
 class EchoServer(Server):
@@ -77,7 +62,7 @@ class EchoServer(Server):
 
     def command(self) -> list[str]:
         server = ["--uds", self.addr, "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
-        return [self.python, "-m", "uvicorn", "bench.overhead:echo_app", *server, "--log-level", "warning"]
+        return [self.python, "-m", "uvicorn", "bench.limit:echo_app", *server, "--log-level", "warning"]
 
     def start(self) -> None:
         Path(self.addr).unlink(missing_ok=True)
@@ -90,6 +75,32 @@ class EchoServer(Server):
 
     def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
         return v2_request(spec.name, spec.input, x, spec.outputs)
+
+
+class LimitServer(EchoServer):
+    """The echo's stack with the model run on the loop (bench/limit.py), for one model."""
+
+    name = "limit"
+
+    def __init__(self, work: Path, specs: dict[str, ModelSpec], model: str) -> None:
+        super().__init__(work, specs)
+        self.model = model
+
+    @property
+    def addr(self) -> str:
+        return str(self.dir / "limit.sock")
+
+    def command(self) -> list[str]:
+        return [*super().command()[:3], "bench.limit:app", *super().command()[4:]]
+
+    def extra_env(self) -> dict[str, str]:
+        return {"BENCH_SPECS": str(self.dir.parent / "specs.json"), "BENCH_MODEL": self.model}
+
+    def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
+        return http_bytes("/", b"", {})  # the server holds its input: nothing crosses but the request
+
+    def frame_conn(self, spec: ModelSpec, x: np.ndarray, index: int) -> Conn:
+        return Conn(self.addr, self.request(spec, x))
 
 
 def _first_on_path(folder: Path) -> str:
@@ -154,6 +165,7 @@ def servers_for(
         "onewrite": lambda: OneWriteEdged(work, one, label="edged-onewrite"),
         "fastapi": lambda: FastAPIServer(work, one),
         "echo": lambda: EchoServer(work, one),
+        "limit": lambda: LimitServer(work, one, spec.name),
     }
     servers = [make[name]() for name in lanes]
     if base is not None:
@@ -213,6 +225,32 @@ def _in_place(server: EdgedServer, spec: ModelSpec, x: np.ndarray, want: np.ndar
     return run
 
 
+def report(spec: ModelSpec, results: dict[str, dict[int, Series]], placements: list[str], out: Path | None) -> None:
+    """Each lane's figures, as ratios to the floor's in the same rounds too, printed and written."""
+    lanes: dict[str, dict[str, Any]] = {}
+    floors = {c: series.summary() for c, series in results.get(FLOOR, {}).items()}
+    for name, by_conc in results.items():
+        for c, series in by_conc.items():
+            d = series.summary()
+            floor = floors.get(c)
+            if floor is not None and floor["p50_ms"] > 0:
+                d["p50_over_floor"] = d["p50_ms"] / floor["p50_ms"]
+            lanes.setdefault(name, {})[str(c)] = d
+            ratio = f"  {d['p50_over_floor']:6.3f}x floor" if "p50_over_floor" in d else ""
+            print(
+                f"{spec.name} {name:23} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
+                f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s{ratio}",
+                flush=True,
+            )
+    for line in placements:
+        print(line, flush=True)
+    out = out or REPO / "bench-results" / f"overhead_{spec.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"model": spec.name, "machine": machine(), "lanes": lanes, "placement": placements}
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"written to {out}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=8)
@@ -232,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         "and print where it runs the model (the warm-up's inline decision)",
     )
     ap.add_argument("--beside", default="", help="with --starts: other models the daemons serve too")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench-results/overhead_MODEL.json")
     args = ap.parse_args(argv)
     lanes = [n for n in args.lanes.split(",") if n]
     unknown = set(lanes) - set(LANES)
@@ -267,16 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             for c in concs:
                 runs[("edged, frame in place", c)] = Lane(_no_copy(first, spec, x, c), budget)
                 runs[("edged, answer in place", c)] = Lane(_in_place(first, spec, x, want, c), budget)
-        for name, by_conc in interleave(runs, args.rounds).items():
-            for c, series in by_conc.items():
-                d = series.summary()
-                print(
-                    f"{spec.name} {name:23} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
-                    f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s",
-                    flush=True,
-                )
-        for s in servers:
-            print(_placement(s, spec.name), flush=True)
+        report(spec, interleave(runs, args.rounds), [_placement(s, spec.name) for s in servers], args.out)
     finally:
         for s in servers:
             s.close_frames()

@@ -341,31 +341,34 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
     view = memoryview(body)
     key = None
     rid: str | None = None
+    plain = header_length is None
     if header_length is None:
-        check_json_size(body, len(view), limits)
-        plan = _plan(view, limits)  # plain JSON carries its data inline: nothing to reuse
+        # Plain JSON is all header. One whose tensors are in shared memory (Triton's clients
+        # send those without the binary extension) is the same bytes for every frame, so it is
+        # planned once like a binary header; one with its data inline is not looked up.
         header_length = len(view)
     elif header_length > len(view):
         raise BadRequestError(f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)")
-    else:
-        header = view[:header_length]
-        # A header starting with a NUL byte is no JSON: never looked up, so that no client can
-        # reach the plans cached without their id (_ID_LESS) by sending such a key itself.
-        key = header.tobytes() if header_length <= PLANS.max_header and bytes(header[:1]) != b"\x00" else None
-        cached = PLANS.get(key) if key is not None else None
-        if cached is None:
-            check_json_size(body, header_length, limits)
-            found = _without_id(key) if key is not None and _ID_MEMBER in key else None
-            if found is None:
-                plan = _plan(header, limits)
-            else:
-                key, rid, doc = found
-                cached = PLANS.get(key)
-                plan = cached if cached is not None else plan_document(doc, limits)
-        if cached is not None:  # planned under another model's limits, maybe
-            check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
-            check_bytes_inputs(((p.name, is_bytes(p.dtype)) for p in cached.inputs), limits)
-            plan, key = cached, None
+    header = view[:header_length]
+    # A header starting with a NUL byte is no JSON: never looked up, so that no client can
+    # reach the plans cached without their id (_ID_LESS) by sending such a key itself.
+    key = header.tobytes() if header_length <= PLANS.max_header and bytes(header[:1]) != b"\x00" else None
+    if plain and key is not None and _DATA_MEMBER in key:
+        key = None
+    cached = PLANS.get(key) if key is not None else None
+    if cached is None:
+        check_json_size(body, header_length, limits)
+        found = _without_id(key) if key is not None and _ID_MEMBER in key else None
+        if found is None:
+            plan = _plan(header, limits)
+        else:
+            key, rid, doc = found
+            cached = PLANS.get(key)
+            plan = cached if cached is not None else plan_document(doc, limits)
+    if cached is not None:  # planned under another model's limits, maybe
+        check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
+        check_bytes_inputs(((p.name, is_bytes(p.dtype)) for p in cached.inputs), limits)
+        plan, key = cached, None
     arrays = {
         p.name: from_json_data(p.data, p.dtype, p.shape, f"input '{p.name}'") for p in plan.inputs if p.kind == "json"
     }
@@ -375,6 +378,7 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
 
 
 _ID_MEMBER = b'"id"'
+_DATA_MEMBER = b'"data"'  # a plain JSON request with its values inline: planned each time
 _ID_LESS = b"\x00without id:"  # headers starting with a NUL byte are never looked up (parse_body)
 
 

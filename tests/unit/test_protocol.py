@@ -500,3 +500,36 @@ def test_large_json_outputs_beside_a_shared_memory_output_are_encoded_off_the_lo
     with pytest.raises(BadRequestError, match="needs 16 bytes, region 'out' was given 8"):
         req.outputs[1].shm_size = 8  # type: ignore[index]
         asyncio.run(encode_infer_async("m", req, {"big": big, "small": small}, resolver))
+
+
+def test_a_plain_json_request_with_its_tensors_in_shared_memory_is_planned_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import edged.protocol as protocol
+
+    planned: list[object] = []
+    real = protocol.plan_document
+
+    def counting(doc: object, limits: Limits) -> object:
+        planned.append(doc)
+        return real(doc, limits)
+
+    monkeypatch.setattr(protocol, "plan_document", counting)
+    PLANS.clear()
+    shm = {"shared_memory_region": "r", "shared_memory_byte_size": 4}
+    inp = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": shm}
+    body = orjson.dumps({"inputs": [inp], "outputs": [{"name": "y", "parameters": shm}]})
+    region = bytearray(np.float32(2.5).tobytes())
+    for _ in range(3):  # Triton's clients send this form, the same bytes for every frame
+        req = decode_infer(body, None, lambda n, o, s: memoryview(region)[o : o + s])
+        assert req.inputs["x"][0] == 2.5
+        assert req.outputs is not None and req.outputs[0].shm_region == "r"
+    assert len(planned) == 1
+    assert len(PLANS) == 1
+    # With its values inline, a plain JSON request is planned each time and never remembered.
+    inline = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.5]}]})
+    for _ in range(2):
+        assert decode_infer(inline).inputs["x"][0] == 1.5
+    assert len(planned) == 3
+    assert len(PLANS) == 1
+    PLANS.clear()

@@ -1,0 +1,62 @@
+"""The limit lane of ``overhead``: what any server on this socket stack can do for a model.
+
+The echo lane's stack (uvicorn, uvloop, httptools, a Unix socket) with the model run on the event
+loop for every request, on an input the server already holds: no request to parse, no tensor to
+decode or check, no hand-off to a worker thread, no frame crossing the socket, a fixed 100-byte
+answer. What is left is the socket round trip, HTTP, and the model run after the idle time a
+request/response exchange puts between two runs (the in-process floor runs them back to back).
+Issue 13 asks, where a target is beyond a machine, for "a bare Unix socket echo plus the model
+run": this is that, measured in the same interleaved rounds as edged and the floor.
+
+The session is built as every server's is (``bench.models.session``), warmed before the socket
+is bound, so the first request finds it ready.
+
+    uvicorn bench.limit:app --uds PATH        (BENCH_SPECS names the model list, BENCH_MODEL the model)
+    uvicorn bench.limit:echo_app --uds PATH   (the echo lane)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.models import read_specs, session
+
+ANSWER = b"e" * 100
+_HEAD = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", b"100")],
+}
+
+
+async def echo_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+    """The echo lane's server: reads the request, answers a fixed 100-byte body, runs nothing."""
+    if scope["type"] != "http":
+        return
+    message = await receive()
+    while message.get("more_body"):
+        message = await receive()
+    await send(_HEAD)
+    await send({"type": "http.response.body", "body": ANSWER})
+
+
+def _model() -> Callable[[], Any]:
+    spec = read_specs(Path(os.environ["BENCH_SPECS"]))[os.environ["BENCH_MODEL"]]
+    sess = session(spec)
+    feed, outs = {spec.input: spec.sample()}, [spec.outputs[0]]
+    for _ in range(20):
+        sess.run(outs, feed)
+    return lambda: sess.run(outs, feed)
+
+
+_run = _model() if "BENCH_MODEL" in os.environ else None  # the echo lane imports this module too
+
+
+async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+    """The limit lane's server: the model run on the loop, then the echo's answer."""
+    if _run is not None and scope["type"] == "http":
+        _run()
+    await echo_app(scope, receive, send)
