@@ -355,9 +355,10 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
     key = header.tobytes() if header_length <= PLANS.max_header and bytes(header[:1]) != b"\x00" else None
     if plain and key is not None and _DATA_MEMBER in key:
         key = None
+    # Before the lookup: its object count is bounded by this model's limits, whoever cached it.
+    check_json_size(body, header_length, limits)
     cached = PLANS.get(key) if key is not None else None
     if cached is None:
-        check_json_size(body, header_length, limits)
         found = _without_id(key) if key is not None and _ID_MEMBER in key else None
         if found is None:
             plan = _plan(header, limits)
@@ -397,7 +398,10 @@ def _without_id(header: bytes) -> tuple[bytes, str, dict[str, Any]] | None:
         return None
     if not isinstance(doc, dict) or "id" not in doc:
         return None
-    rid = _request_id(doc.pop("id"))
+    try:
+        rid = _request_id(doc.pop("id"))
+    except BadRequestError:  # planned whole, so that its errors come in their usual order
+        return None
     try:
         rest = orjson.dumps(doc)
     except orjson.JSONEncodeError:  # nested deeper than orjson writes (254; it reads 1024)

@@ -533,3 +533,32 @@ def test_a_plain_json_request_with_its_tensors_in_shared_memory_is_planned_once(
     assert len(planned) == 3
     assert len(PLANS) == 1
     PLANS.clear()
+
+
+def test_a_cached_header_is_still_counted_against_each_models_limits() -> None:
+    """Whoever cached a header, a model with fewer inputs refuses one holding more JSON objects
+    than its requests can (the count that bounds parsing is not skipped on a cache hit)."""
+    PLANS.clear()
+    shm = {"shared_memory_region": "r", "shared_memory_byte_size": 4}
+    many = {f"k{i}": {} for i in range(700)}  # 700 objects in 4-8 KiB: cacheable, refused by a small model
+    body = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "parameters": {**shm, **many}}]})
+    assert 4096 < len(body) <= 8192
+    region = bytearray(4)
+    small = Limits(1, 1, "small")
+    for _ in range(2):  # refused before and after another model has cached it
+        with pytest.raises(InvalidInputError, match="more JSON objects"):
+            decode_infer(body, None, lambda n, o, s: memoryview(region)[o : o + s], limits=small)
+        decode_infer(body, None, lambda n, o, s: memoryview(region)[o : o + s])
+        assert len(PLANS) == 1
+    PLANS.clear()
+
+
+def test_a_plain_json_request_with_a_bad_id_reports_its_errors_in_the_usual_order() -> None:
+    PLANS.clear()
+    with pytest.raises(BadRequestError, match="'inputs' must be a non-empty list"):
+        decode_infer(orjson.dumps({"id": None, "inputs": []}))
+    with pytest.raises(BadRequestError, match="'id' must be a string"):
+        decode_infer(
+            orjson.dumps({"id": None, "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
+        )
+    PLANS.clear()
