@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "first request after READY=1 against one after the same idle gap, per stage",
     ),
     "overhead": ("bench.overhead", "where a request's time goes outside the model, with trial fixes"),
+    "handoff": ("bench.handoff", "the hand-off to a model's worker thread and back, and spinning after a gap"),
     "spinning": ("bench.spinning", "ONNX Runtime's spinning intra-op threads on and off"),
     "session": (
         "bench.session_probe",
