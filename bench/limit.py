@@ -11,12 +11,13 @@ run": this is that, measured in the same interleaved rounds as edged and the flo
 The session is built as every server's is (``bench.models.session``), warmed before the socket
 is bound, so the first request finds it ready.
 
-    uvicorn bench.limit:app --uds PATH        (BENCH_SPECS names the model list, BENCH_MODEL the model)
+    uvicorn bench.limit:app --uds PATH        (BENCH_SPECS names the model list, BENCH_MODELS those served)
     uvicorn bench.limit:echo_app --uds PATH   (the echo lane)
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -43,20 +44,26 @@ async def echo_app(scope: dict[str, Any], receive: Callable[[], Any], send: Call
     await send({"type": "http.response.body", "body": ANSWER})
 
 
-def _model() -> Callable[[], Any]:
-    spec = read_specs(Path(os.environ["BENCH_SPECS"]))[os.environ["BENCH_MODEL"]]
-    sess = session(spec)
-    feed, outs = {spec.input: spec.sample()}, [spec.outputs[0]]
-    for _ in range(20):
-        sess.run(outs, feed)
-    return lambda: sess.run(outs, feed)
+def _models() -> dict[str, Callable[[], Any]]:
+    specs = read_specs(Path(os.environ["BENCH_SPECS"]))
+    runs: dict[str, Callable[[], Any]] = {}
+    for name in os.environ["BENCH_MODELS"].split(","):
+        spec = specs[name]
+        sess = session(spec)
+        feed, outs = {spec.input: spec.sample()}, [spec.outputs[0]]
+        for _ in range(20):
+            sess.run(outs, feed)
+        runs[name] = functools.partial(sess.run, outs, feed)
+    return runs
 
 
-_run = _model() if "BENCH_MODEL" in os.environ else None  # the echo lane imports this module too
+_runs = _models() if "BENCH_MODELS" in os.environ else {}  # the echo lane imports this module too
 
 
 async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
-    """The limit lane's server: the model run on the loop, then the echo's answer."""
-    if _run is not None and scope["type"] == "http":
-        _run()
+    """The limit lane's server: the model the path names (``/MODEL``) run on the loop, then the
+    echo's answer."""
+    run = _runs.get(scope["path"].strip("/")) if scope["type"] == "http" else None
+    if run is not None:  # "/" is the readiness probe
+        run()
     await echo_app(scope, receive, send)

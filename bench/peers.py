@@ -5,7 +5,9 @@ the same ONNX models, in one run, as ratios to the floor measured in that run.
     (sets up bench/.venv for PyTriton and the models, then runs this)
 
 Phases: cold start (fresh starts interleaved across servers: start → ready, first request, memory),
-serving (latency and throughput at each concurrency, every target round-robin), and edged's
+serving (latency and throughput at each concurrency, every target round-robin, with the limit
+lane of bench/limit.py: the same socket stack running the model on its loop, what the machine
+allows any server; the targets table says where a bound is past it), and edged's
 scheduler (dynamic batching and instances against none). Output: bench.json, bench.md and PNGs.
 """
 
@@ -29,7 +31,7 @@ from typing import Any
 from bench import measure, report
 from bench.measure import Budget
 from bench.models import ModelSpec, batchable, prepare, write_specs
-from bench.servers import EdgedServer, FastAPIServer, PyTritonServer, Server
+from bench.servers import EdgedServer, FastAPIServer, LimitServer, PyTritonServer, Server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -198,7 +200,7 @@ def measure_all(plan: Plan, mode: str, keep: bool) -> dict[str, Any]:
         write_specs(work / "specs.json", specs)
         results["cold_start"] = cold_starts(work, specs, plan)
         log("serving: every server up, interleaved rounds")
-        with running(peers(work, specs)) as servers:
+        with running([*peers(work, specs), LimitServer(work, specs)]) as servers:
             series = measure.serving(servers, specs, plan.concurrencies, plan.rounds, plan.budgets)
         log("scheduler: batching and instances")
         sched = scheduler_phase(work, specs, plan)

@@ -91,6 +91,7 @@ class Server:
     """One server process; subclasses say how to run it, when it is ready and how to talk to it."""
 
     name = "server"
+    answers = True  # its answers are the model's, checked against ONNX Runtime's before timing
     python = sys.executable
     stop_signal = signal.SIGTERM
 
@@ -582,3 +583,49 @@ __all__ = [
     "tree",
     "tree_memory",
 ]
+
+
+class EchoServer(Server):
+    """A bare ASGI app on the same uvicorn stack as edged (uvloop, httptools, a Unix socket) that
+    reads the request and answers a fixed 100-byte body (bench/limit.py): the transport's own cost."""
+
+    name = "echo"
+    answers = False
+    app = "bench.limit:echo_app"
+
+    @property
+    def addr(self) -> str:
+        return str(self.dir / f"{self.name}.sock")
+
+    def command(self) -> list[str]:
+        server = ["--uds", self.addr, "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
+        return [self.python, "-m", "uvicorn", self.app, *server, "--log-level", "warning"]
+
+    def start(self) -> None:
+        Path(self.addr).unlink(missing_ok=True)
+        super().start()
+
+    def is_ready(self) -> bool:
+        with connect(self.addr, timeout=1.0) as sock:
+            roundtrip(sock, http_bytes("/", b"", {}))
+        return True
+
+    def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
+        return v2_request(spec.name, spec.input, x, spec.outputs)
+
+
+class LimitServer(EchoServer):
+    """The echo's stack running the model on its loop on an input it holds (bench/limit.py):
+    what any server on this stack can do, the limit a target is judged against."""
+
+    name = "limit"
+    app = "bench.limit:app"
+
+    def extra_env(self) -> dict[str, str]:
+        return {"BENCH_SPECS": str(self.dir.parent / "specs.json"), "BENCH_MODELS": ",".join(self.specs)}
+
+    def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
+        return http_bytes(f"/{spec.name}", b"", {})  # the server holds its input: only the request crosses
+
+    def frame_conn(self, spec: ModelSpec, x: np.ndarray, index: int) -> Conn:
+        return Conn(self.addr, self.request(spec, x))
