@@ -540,7 +540,8 @@ def test_a_cached_header_is_still_counted_against_each_models_limits() -> None:
     than its requests can (the count that bounds parsing is not skipped on a cache hit)."""
     PLANS.clear()
     shm = {"shared_memory_region": "r", "shared_memory_byte_size": 4}
-    many: dict[str, object] = {f"k{i}": {} for i in range(700)}  # 700 objects in 4-8 KiB: cacheable, refused by a small model
+    # 700 objects in 4-8 KiB: cacheable, and refused by a small model
+    many: dict[str, object] = {f"k{i}": {} for i in range(700)}
     body = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "parameters": {**shm, **many}}]})
     assert 4096 < len(body) <= 8192
     region = bytearray(4)
