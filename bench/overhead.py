@@ -34,15 +34,18 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tarfile
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.first_request import ProbedEdged
 from bench.measure import FLOOR, Budget, Lane, Runner, Series, floor_runner, interleave, server_runner
 from bench.models import ModelSpec, prepare, session, write_specs
 from bench.peers import machine
@@ -105,11 +108,16 @@ def _no_copy(server: EdgedServer, spec: ModelSpec, x: np.ndarray, conc: int) -> 
 
 
 def servers_for(
-    work: Path, spec: ModelSpec, lanes: list[str], base: str | None, beside: dict[str, ModelSpec] | None = None
+    work: Path,
+    spec: ModelSpec,
+    lanes: list[str],
+    base: str | None,
+    beside: dict[str, ModelSpec] | None = None,
+    stages: Path | None = None,
 ) -> list[Server]:
     one = {spec.name: spec, **(beside or {})}
     make: dict[str, Callable[[], Server]] = {
-        "edged": lambda: EdgedServer(work, one, label="edged"),
+        "edged": lambda: EdgedServer(work, one, label="edged") if stages is None else ProbedEdged(work, one, stages),
         "inline": lambda: EdgedServer(work, one, label="edged-inline", server={"inline_threshold_us": 10_000_000}),
         "worker": lambda: EdgedServer(work, one, label="edged-worker", server={"inline_threshold_us": 0}),
         "onewrite": lambda: OneWriteEdged(work, one, label="edged-onewrite"),
@@ -175,7 +183,13 @@ def _in_place(server: EdgedServer, spec: ModelSpec, x: np.ndarray, want: np.ndar
     return run
 
 
-def report(spec: ModelSpec, results: dict[str, dict[int, Series]], placements: list[str], out: Path | None) -> None:
+def report(
+    spec: ModelSpec,
+    results: dict[str, dict[int, Series]],
+    placements: list[str],
+    out: Path | None,
+    stages: dict[str, dict[str, float]] | None = None,
+) -> None:
     """Each lane's figures, as ratios to the floor's in the same rounds too, printed and written."""
     lanes: dict[str, dict[str, Any]] = {}
     floors = {c: series.summary() for c, series in results.get(FLOOR, {}).items()}
@@ -194,9 +208,11 @@ def report(spec: ModelSpec, results: dict[str, dict[int, Series]], placements: l
             )
     for line in placements:
         print(line, flush=True)
+    for lane, med in (stages or {}).items():
+        print(f"{spec.name} {lane:27} stages, medians (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
     out = out or REPO / "bench-results" / f"overhead_{spec.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"model": spec.name, "machine": machine(), "lanes": lanes, "placement": placements}
+    doc = {"model": spec.name, "machine": machine(), "lanes": lanes, "placement": placements, "stages": stages}
     out.write_text(json.dumps(doc, indent=2))
     print(f"written to {out}", flush=True)
 
@@ -221,23 +237,45 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--beside", default="", help="with --starts: other models the daemons serve too")
     ap.add_argument("--out", type=Path, default=None, help="default: bench-results/overhead_MODEL.json")
+    ap.add_argument(
+        "--stages",
+        action="store_true",
+        help="the edged lane's daemon with stage timers (bench.stage_probe): per lane, the median of each stage",
+    )
     args = ap.parse_args(argv)
     lanes = [n for n in args.lanes.split(",") if n]
     unknown = set(lanes) - set(LANES)
     if unknown:
         ap.error(f"unknown lanes {sorted(unknown)}; pick from {', '.join(LANES)}")
-    concs = [int(c) for c in args.concurrency.split(",")]
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     spec = specs[args.model]
     work = Path(tempfile.mkdtemp(prefix="edged-probe-"))
-    servers: list[Server] = []
-    budget = Budget(3000, 0.3) if not spec.frame else Budget(300, 0.5)
     if args.starts:
         beside = {m: specs[m] for m in args.beside.split(",") if m and m != spec.name}
         starts(work, spec, lanes, args.base, args.starts, beside)
         return
+    stages = work / "stages.jsonl" if args.stages else None
+    results, placements, by_lane = _measure(args, spec, specs, lanes, work, stages)
+    report(spec, results, placements, args.out, by_lane)
+
+
+def _measure(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    specs: dict[str, ModelSpec],
+    lanes: list[str],
+    work: Path,
+    stages: Path | None,
+) -> tuple[dict[str, dict[int, Series]], list[str], dict[str, dict[str, float]] | None]:
+    """Every lane interleaved with the floor; with ``stages``, the edged lane's daemon times its
+    stages, and each request's record is given to the lane whose burst it fell in."""
+    concs = [int(c) for c in args.concurrency.split(",")]
+    budget = Budget(3000, 0.3) if not spec.frame else Budget(300, 0.5)
+    servers: list[Server] = []
+    windows: list[tuple[str, float, float]] = []
+    by_lane = None
     try:
-        servers = servers_for(work, spec, lanes, args.base)
+        servers = servers_for(work, spec, lanes, args.base, stages=stages)
         write_specs(work / "specs.json", specs)
         for s in servers:
             s.start()
@@ -256,12 +294,51 @@ def main(argv: list[str] | None = None) -> None:
             for c in concs:
                 runs[("edged, frame in place", c)] = Lane(_no_copy(first, spec, x, c), budget)
                 runs[("edged, answer in place", c)] = Lane(_in_place(first, spec, x, want, c), budget)
-        report(spec, interleave(runs, args.rounds), [_placement(s, spec.name) for s in servers], args.out)
+        timed = {
+            key: Lane(_windowed(f"{key[0]} c={key[1]}", lane.run, windows), lane.budget) for key, lane in runs.items()
+        }
+        results = interleave(timed, args.rounds)
+        placements = [_placement(s, spec.name) for s in servers]
     finally:
         for s in servers:
             s.close_frames()
-            s.stop()
+            s.stop()  # the stage records are written as the daemon exits
+        if stages is not None and stages.exists():
+            by_lane = lane_stages(stages, windows, spec.name)
         shutil.rmtree(work, ignore_errors=True)
+    return results, placements, by_lane
+
+
+def _windowed(name: str, run: Runner, windows: list[tuple[str, float, float]]) -> Runner:
+    def timed(max_requests: int, max_seconds: float) -> tuple[list[float], float]:
+        t0 = time.time()
+        try:
+            return run(max_requests, max_seconds)
+        finally:
+            windows.append((name, t0, time.time()))
+
+    return timed
+
+
+def lane_stages(path: Path, windows: list[tuple[str, float, float]], model: str) -> dict[str, dict[str, float]]:
+    """Per lane, the median of each stage the daemon timed (ms), and of the two hand-offs to the
+    model's worker and back (from the stages' start and end times)."""
+    per: dict[str, dict[str, list[float]]] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["path"] != f"/v2/models/{model}/infer":
+            continue
+        lane = next((name for name, t0, t1 in windows if t0 <= rec["at"] <= t1), None)
+        if lane is None:  # the warm-up's, the checks', the unrecorded first bursts' requests
+            continue
+        mine = per.setdefault(lane, {})
+        for stage, ms in rec["ms"].items():
+            mine.setdefault(stage, []).append(ms)
+        at = rec["at_ms"]
+        if "run" in at and "infer" in at:
+            mine.setdefault("to worker", []).append(at["run"][0] - at["infer"][0])
+            mine.setdefault("back", []).append(at["infer"][1] - at["run"][1])
+    return {lane: {k: statistics.median(v) for k, v in stages.items()} for lane, stages in per.items()}
 
 
 if __name__ == "__main__":

@@ -3,12 +3,13 @@ serve --config FILE`` runs the real daemon (edged.cli.main) after wrapping the s
 request with timers. Nothing of this is in the product: the wrappers are installed here, in the
 benchmark's own launcher, and cost the same on every request they time.
 
-Per request, in order of the path: the ASGI call as a whole (``app``), body decode with the
-shared-memory input buffers it allocates (``decode``), the copy out of the client's region
-(``fill``: on the loop or a worker thread), the scheduler's hand-off, run and wake-up
-(``infer``) and the model run alone on its worker (``run``), encoding (``encode``) and the copy
-into an output region (``flush``). Each stage records its wall time and the minor page faults of
-the thread it ran on (RUSAGE_THREAD). The records are written as JSON lines to the file named by
+Per request, in order of the path: the ASGI call as a whole (``app``), the body read from
+uvicorn (``read``), body decode with the shared-memory input buffers it allocates (``decode``),
+the copy out of the client's region (``fill``: on the loop or a worker thread), the scheduler's
+hand-off, run and wake-up (``infer``) and the model run alone on its worker (``run``), encoding
+(``encode``), the copy into an output region (``flush``) and uvicorn's writes of the answer
+(``send``, both calls). Each stage records its wall time and the minor page faults of the
+thread it ran on (RUSAGE_THREAD). The records are written as JSON lines to the file named by
 BENCH_STAGES when the daemon exits. BENCH_KEEP_SPINNING=1 leaves ONNX Runtime's pool spinning after
 each run (as edged did before), for a same-run comparison.
 """
@@ -77,6 +78,8 @@ def _wrap_sync(owner: Any, attr: str, stage: str, rec_of: Callable[[], Record | 
 
 
 def install() -> None:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
     from edged.backends import onnxruntime as ort_backend
     from edged.service import Service
     from edged.transports import http, shm_io
@@ -104,6 +107,8 @@ def install() -> None:
     _wrap_async(shm_io.ShmRequest, "flush", "flush")
     _wrap_async(Service, "infer", "infer")
     _wrap_async(http, "encode_infer_async", "encode")
+    _wrap_async(http, "read_body", "read")  # the body from uvicorn (a wait, if it is still arriving)
+    _wrap_async(RequestResponseCycle, "send", "send")  # uvicorn's writes of the answer's head and body
     # The copies and the model run on other threads: they find their request through the
     # context that run_in_executor and the scheduler's queue do not carry, so they record into
     # the one request in flight (the benchmark sends one at a time).
