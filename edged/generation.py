@@ -13,6 +13,7 @@ that expired) and the slot notices before its next token. Nothing here imports a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -263,7 +264,8 @@ async def stream(
     put = pieces.put_nowait
 
     def emit(piece: str) -> None:  # on the slot's thread
-        loop.call_soon_threadsafe(put, piece)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: edged is exiting
+            loop.call_soon_threadsafe(put, piece)
 
     job.emit = emit
     task = loop.create_task(service.infer(name, {INPUT: job.tensor()}, request_id, transport))

@@ -346,7 +346,10 @@ class ModelQueue:
             if stats is not None and timing is not None:
                 stats.executed(*timing)
 
-        self._loop.call_soon_threadsafe(settle)
+        try:
+            self._loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop has closed (the daemon is exiting): nobody waits for these
+            log.debug("%s: %d answers dropped, the event loop has closed", self.model, len(done))
 
     def batch_stats(self) -> dict[str, int]:
         return {"batches": sum(w.batches for w in self.workers), "rows": sum(w.rows for w in self.workers)}

@@ -209,7 +209,8 @@ class FdSocket:
         self._closing_uid[uid] = self._closing_uid.get(uid, 0) + len(received.others)
 
         def done(n: int) -> None:  # on the closer thread
-            loop.call_soon_threadsafe(self._closed, uid, n)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: edged is exiting
+                loop.call_soon_threadsafe(self._closed, uid, n)
 
         close_all(received, done)
         if self._closing_uid[uid] > MAX_PENDING_CLOSES:

@@ -305,3 +305,39 @@ def test_a_caller_cancelled_past_its_deadline_before_the_timer_ran_stays_cancell
         q.close()
 
     run(main())
+
+
+def test_a_run_that_ends_after_the_loop_closed_drops_its_answer_quietly() -> None:
+    """The daemon exits while a worker still runs a request: its answer has nobody to go to, and
+    the worker must not die with a traceback (call_soon_threadsafe raises on a closed loop)."""
+    inst = FakeInstance()
+    failures: list[BaseException | None] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: failures.append(args.exc_value)
+    loop = asyncio.new_event_loop()
+    try:
+        q = ModelQueue("m", [inst], loop, depth=4)
+
+        async def main() -> None:
+            q.start()
+            inst.gate.clear()
+            task = asyncio.ensure_future(q.submit({"x": np.ones((1, 1))}, 10))
+            while all(w.busy_since is None for w in q.workers):
+                await asyncio.sleep(0.001)
+            task.cancel()  # the caller goes away as the daemon stops
+            await asyncio.gather(task, return_exceptions=True)
+
+        loop.run_until_complete(main())
+        loop.close()
+        q.close()
+        inst.gate.set()  # the run ends after the loop has closed
+        for t in q._threads:
+            t.join(10)
+            assert not t.is_alive()
+    finally:
+        threading.excepthook = hook
+        inst.gate.set()
+        if not loop.is_closed():
+            loop.close()
+    assert failures == []
+    assert inst.batches == [1]
