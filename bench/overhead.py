@@ -26,6 +26,7 @@ with the answer written into the same region too (``answer in place``: only JSON
 the socket; the answer is checked against ONNX Runtime's once per connection, untimed).
 
     scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--lanes edged,worker] [--base HEAD~1|FOLDER]
+                              [--stages]   (the edged lane's daemon times its stages: medians per lane)
 """
 
 from __future__ import annotations
