@@ -33,6 +33,7 @@ from typing import Any
 from bench.measure import STEADY, _client_conns, _steady
 from bench.models import ModelSpec, prepare, write_specs
 from bench.servers import EdgedServer
+from bench.stage_probe import hops
 from bench.wire import Conn, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
@@ -159,13 +160,8 @@ def _stage_lines(path: Path, models: list[str]) -> list[str]:
 
 def _hops(at: dict[str, list[float]]) -> str:
     """The hand-offs between threads: loop → copier thread → loop, loop → model worker → loop."""
-    hops = []
-    for name, outer, inner in (("to copier", "fill", "read_copy"), ("to worker", "infer", "run")):
-        if outer in at and inner in at:
-            there = at[inner][0] - at[outer][0]
-            back = at[outer][1] - at[inner][1]
-            hops.append(f"{name} {there:.3f} / back {back:.3f}")
-    return ", ".join(hops) or "no hand-offs"
+    found = [f"{name} {there:.3f} / back {back:.3f}" for name, (there, back) in hops(at).items()]
+    return ", ".join(found) or "no hand-offs"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.models import ModelSpec, prepare
+from bench.models import ModelSpec, prepare, session
 from bench.peers import machine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,19 +59,16 @@ print(" ".join(map(str, out)))
 """
 
 
-def make_session(spec: ModelSpec, threads: int, mode: str) -> Callable[[], Any]:
-    import onnxruntime as ort
+# Each --session choice as session config entries (stop: edged's serving sessions).
+SESSIONS = {
+    "stop": {"session.force_spinning_stop": "1"},
+    "spin": {},
+    "nospin": {"session.intra_op.allow_spinning": "0"},
+}
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if mode == "stop":
-        so.add_session_config_entry("session.force_spinning_stop", "1")
-    elif mode == "nospin":
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(spec.path, so, providers=["CPUExecutionProvider"])
+
+def make_session(spec: ModelSpec, threads: int, mode: str) -> Callable[[], Any]:
+    sess = session(spec, threads, SESSIONS[mode])
     feed, outs = {spec.input: spec.sample()}, [spec.outputs[0]]
     for _ in range(30):
         sess.run(outs, feed)

@@ -150,12 +150,15 @@ def read_specs(path: Path) -> dict[str, ModelSpec]:
     return {d["name"]: ModelSpec.from_json(d) for d in json.loads(path.read_text())}
 
 
-def session(spec: ModelSpec) -> Any:
-    """An ONNX Runtime session as every server builds it (same threads, default optimisation)."""
+def session(spec: ModelSpec, threads: int = 0, config: dict[str, str] | None = None) -> Any:
+    """An ONNX Runtime session as every server builds it (same threads, default optimisation);
+    ``threads`` (0: the spec's) and session ``config`` entries for the probes that vary them."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.intra_op_num_threads = spec.threads
+    so.intra_op_num_threads = threads or spec.threads
     so.inter_op_num_threads = 1
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
     return ort.InferenceSession(spec.path, so, providers=["CPUExecutionProvider"])

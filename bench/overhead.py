@@ -51,6 +51,7 @@ from bench.measure import FLOOR, Budget, Lane, Runner, Series, floor_runner, int
 from bench.models import ModelSpec, prepare, session, write_specs
 from bench.peers import machine
 from bench.servers import EchoServer, EdgedServer, FastAPIServer, LimitServer, Server, check, get_status
+from bench.stage_probe import hops
 from bench.wire import closed_loop, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
@@ -335,10 +336,10 @@ def lane_stages(path: Path, windows: list[tuple[str, float, float]], model: str)
         mine = per.setdefault(lane, {})
         for stage, ms in rec["ms"].items():
             mine.setdefault(stage, []).append(ms)
-        at = rec["at_ms"]
-        if "run" in at and "infer" in at:
-            mine.setdefault("to worker", []).append(at["run"][0] - at["infer"][0])
-            mine.setdefault("back", []).append(at["infer"][1] - at["run"][1])
+        worker = hops(rec["at_ms"]).get("to worker")
+        if worker is not None:
+            mine.setdefault("to worker", []).append(worker[0])
+            mine.setdefault("back", []).append(worker[1])
     return {lane: {k: statistics.median(v) for k, v in stages.items()} for lane, stages in per.items()}
 
 

@@ -18,8 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import onnxruntime as ort
-
+from bench import models
 from bench.measure import FLOOR, Budget, Lane, floor_runner, interleave, server_runner
 from bench.models import ModelSpec, prepare, write_specs
 from bench.servers import EdgedServer, check
@@ -33,13 +32,7 @@ class NoSpinEdged(EdgedServer):
 
 
 def session(spec: ModelSpec, spin: bool) -> Any:
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.intra_op_num_threads = spec.threads
-    so.inter_op_num_threads = 1
-    if not spin:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(spec.path, so, providers=["CPUExecutionProvider"])
+    return models.session(spec, config=None if spin else {"session.intra_op.allow_spinning": "0"})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -118,6 +118,21 @@ def install() -> None:
     atexit.register(_dump)
 
 
+# The hand-offs between threads, each as (name, the stage on the loop, the stage on the other thread).
+HOPS = (("to copier", "fill", "read_copy"), ("to worker", "infer", "run"))
+
+
+def hops(at: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    """One request's hand-offs, from its stages' start and end times (``at_ms``): name -> (ms
+    from the loop's stage starting to the other thread's, ms from the other thread's ending to
+    the loop's)."""
+    return {
+        name: (at[inner][0] - at[outer][0], at[outer][1] - at[inner][1])
+        for name, outer, inner in HOPS
+        if outer in at and inner in at
+    }
+
+
 def _latest() -> Record | None:
     return _in_flight[-1] if _in_flight else None
 
