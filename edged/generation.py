@@ -13,7 +13,6 @@ that expired) and the slot notices before its next token. Nothing here imports a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -24,6 +23,7 @@ import numpy as np
 
 from edged.config import LlmConfig, ModelConfig
 from edged.errors import BadRequestError, EdgedError, InvalidInputError
+from edged.handoff import to_loop
 
 if TYPE_CHECKING:
     from edged.service import Service
@@ -264,8 +264,7 @@ async def stream(
     put = pieces.put_nowait
 
     def emit(piece: str) -> None:  # on the slot's thread
-        with contextlib.suppress(RuntimeError):  # the loop is closed: edged is exiting
-            loop.call_soon_threadsafe(put, piece)
+        to_loop(loop, put, piece)
 
     job.emit = emit
     task = loop.create_task(service.infer(name, {INPUT: job.tensor()}, request_id, transport))

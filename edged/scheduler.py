@@ -34,6 +34,7 @@ import numpy as np
 
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
+from edged.handoff import to_loop
 from edged.tensors import is_bytes
 
 if TYPE_CHECKING:
@@ -346,9 +347,7 @@ class ModelQueue:
             if stats is not None and timing is not None:
                 stats.executed(*timing)
 
-        try:
-            self._loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the loop has closed (the daemon is exiting): nobody waits for these
+        if not to_loop(self._loop, settle):  # the daemon is exiting: nobody waits for these
             log.debug("%s: %d answers dropped, the event loop has closed", self.model, len(done))
 
     def batch_stats(self) -> dict[str, int]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from edged.errors import EdgedError
+from edged.handoff import to_loop
 from edged.ratelog import RateLimitedLog
 from edged.transports.fd_message import ANCILLARY, MAX_MESSAGE, Received, close_all, descriptors, parse
 from edged.transports.peer import Peer, close_peer, peer_of
@@ -209,8 +210,7 @@ class FdSocket:
         self._closing_uid[uid] = self._closing_uid.get(uid, 0) + len(received.others)
 
         def done(n: int) -> None:  # on the closer thread
-            with contextlib.suppress(RuntimeError):  # the loop is closed: edged is exiting
-                loop.call_soon_threadsafe(self._closed, uid, n)
+            to_loop(loop, self._closed, uid, n)
 
         close_all(received, done)
         if self._closing_uid[uid] > MAX_PENDING_CLOSES:

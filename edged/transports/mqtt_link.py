@@ -28,6 +28,7 @@ from paho.mqtt.properties import Properties
 
 from edged.config import MqttConfig, TlsConfig
 from edged.errors import ConfigError
+from edged.handoff import to_loop
 from edged.transports import mqtt_props
 from edged.transports.mqtt_acks import Deliveries
 from edged.transports.mqtt_journal import Journal
@@ -221,8 +222,7 @@ class Link:
         if threading.get_ident() == self._loop_thread:
             fn(*args)
             return
-        with contextlib.suppress(RuntimeError):  # from the connect thread; closed: edged is exiting
-            self.loop.call_soon_threadsafe(fn, *args)
+        to_loop(self.loop, fn, *args)  # from the connect thread
 
     def _socket_open(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
         # paho never sets TCP_NODELAY: with Nagle and delayed ACKs a QoS 1 round trip on

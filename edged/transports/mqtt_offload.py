@@ -11,12 +11,13 @@ redelivers it and the next start drops it as 'redelivered'.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from edged.handoff import to_loop
 
 log = logging.getLogger(__name__)
 
@@ -69,5 +70,4 @@ class Offload:
             else:
                 fut.set_result(result)
 
-        with contextlib.suppress(RuntimeError):  # the loop is closed: edged is exiting
-            self.loop.call_soon_threadsafe(done)
+        to_loop(self.loop, done)  # dropped once the loop has closed: edged is exiting
