@@ -4,8 +4,11 @@ detector as frames through a registered shared memory region).
 
 Each start: spawn, wait for sd_notify READY=1, register a region per frame model (as a client
 does when it starts), then per model a 0.5 s idle gap and the first request on a new connection;
-then steady requests; then per model the same gap and one more request on a new connection. The
-ratio is first / after-gap. Each request also records the client's part (the producer's copy into
+then steady requests; then ``--gaps`` times per model the same gap and one more request on a new
+connection. The ratio is first / the median of that start's after-gap requests: one request after
+an idle gap is one sample of a noisy machine (on the 16-core host a tiny request after the gap
+took 0.9-1.4 ms against 0.12 ms steady), and a ratio of two single samples measured that noise as
+much as the first request. Each request also records the client's part (the producer's copy into
 the region, connect, send to last byte) and the daemon's minor page faults and thread count around
 it (from /proc), so a cold first request shows what it paid for. ``--variants`` alternates
 daemons start by start (the current one, ONNX Runtime's pool left spinning after a run, other intra-op thread
@@ -14,7 +17,7 @@ reports each. ``--stages`` runs the daemon under bench.stage_probe (timers aroun
 the request path: decode, copy in, hand-off and run, encode, copy out, each with its thread's page
 faults) and prints them for the first and the after-gap request.
 
-    scripts/bench.sh first-request [--starts 7] [--stages] [--models tiny,conv640,ocr_det]
+    scripts/bench.sh first-request [--starts 7] [--gaps 5] [--stages] [--models tiny,conv640,ocr_det]
                                    [--variants default,posix,body,spinning,threads=15]
 """
 
@@ -116,20 +119,23 @@ def timed_request(conn: Conn, pid: int) -> dict[str, float]:
     }
 
 
-def one_start(server: EdgedServer, specs: dict[str, ModelSpec]) -> dict[str, Any]:
+def one_start(server: EdgedServer, specs: dict[str, ModelSpec], gaps: int) -> dict[str, Any]:
     server.start()
     try:
         ready_s = server.wait_ready()
         conns, _ = _client_conns(server, specs)
-        first, after, steady = {}, {}, {}
+        first: dict[str, dict[str, float]] = {}
+        after: dict[str, list[dict[str, float]]] = {m: [] for m in conns}
+        steady: dict[str, float] = {}
         for m, conn in conns.items():
             time.sleep(GAP_S)  # the idle gap being measured, not synchronisation
             first[m] = timed_request(conn, server.pid)
         for m, conn in conns.items():
             steady[m] = _steady(conn, STEADY[m]) * 1000
-        for m, conn in conns.items():
-            time.sleep(GAP_S)  # the same gap on a daemon that has served
-            after[m] = timed_request(conn, server.pid)
+        for _ in range(gaps):
+            for m, conn in conns.items():
+                time.sleep(GAP_S)  # the same gap on a daemon that has served
+                after[m].append(timed_request(conn, server.pid))
         server.close_frames()
     except Exception:
         print(f"edged's log:\n{server.log_tail(6000)}", file=sys.stderr)
@@ -139,9 +145,14 @@ def one_start(server: EdgedServer, specs: dict[str, ModelSpec]) -> dict[str, Any
     return {"ready_s": ready_s, "first": first, "after_gap": after, "steady_ms": steady}
 
 
-def _stage_lines(path: Path, models: list[str]) -> list[str]:
-    """The daemon's own stage timings of the last start: its first and its after-gap request per
-    model (the warm-up's requests through the app come before them)."""
+def after_ms(start: dict[str, Any], model: str) -> float:
+    """The reference of a start's first request: the median of its requests after the same gap."""
+    return statistics.median(r["total_ms"] for r in start["after_gap"][model])
+
+
+def _stage_lines(path: Path, models: list[str], gaps: int) -> list[str]:
+    """The daemon's own stage timings of the last start: its first and its last after-gap request
+    per model (the warm-up's requests through the app come before them)."""
     if not path.exists():
         return ["(no stage records: the daemon did not write BENCH_STAGES)"]
     recs = [json.loads(line) for line in path.read_text().splitlines()]
@@ -150,7 +161,8 @@ def _stage_lines(path: Path, models: list[str]) -> list[str]:
         mine = [r for r in recs if r["path"] == f"/v2/models/{m}/infer"]
         if len(mine) < 2:
             continue
-        first, after = mine[-(STEADY[m] + 2)], mine[-1]  # first request, steady requests, after gap
+        # first request, steady requests, the requests after the gaps
+        first, after = mine[-(STEADY[m] + 1 + gaps)], mine[-1]
         for label, r in (("first", first), ("after gap", after)):
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["ms"].items())
             faults = sum(r["faults"].values())
@@ -167,6 +179,7 @@ def _hops(at: dict[str, list[float]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=7)
+    ap.add_argument("--gaps", type=int, default=5, help="requests after the same idle gap per model and start")
     ap.add_argument("--stages", action="store_true", help="daemon-side stage timers (bench.stage_probe)")
     ap.add_argument("--models", default="tiny,conv640,ocr_det")
     ap.add_argument(
@@ -191,43 +204,60 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.starts * len(variants)):
             variant = variants[i % len(variants)]
             stages = work / f"stages-{i}.jsonl"
-            r = one_start(variant_server(variant, work, specs, stages if args.stages else None), specs)
+            r = one_start(variant_server(variant, work, specs, stages if args.stages else None), specs, args.gaps)
             r["variant"] = variant
             starts.append(r)
             print(
                 f"start {i} {variant} (ready {r['ready_s']:.2f} s): "
                 + "; ".join(_describe(m, r) for m in specs)
-                + ("\n" + "\n".join(_stage_lines(stages, list(specs))) if args.stages else ""),
+                + ("\n" + "\n".join(_stage_lines(stages, list(specs), args.gaps)) if args.stages else ""),
                 flush=True,
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratios = {
-        v: {
-            m: [s["first"][m]["total_ms"] / s["after_gap"][m]["total_ms"] for s in starts if s["variant"] == v]
-            for m in specs
-        }
+        v: {m: [s["first"][m]["total_ms"] / after_ms(s, m) for s in starts if s["variant"] == v] for m in specs}
         for v in variants
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"starts": starts, "ratios": ratios, "stages": args.stages}, indent=2))
     for v, by_model in ratios.items():
-        steady = {m: statistics.median(s["steady_ms"][m] for s in starts if s["variant"] == v) for m in specs}
+        mine = [s for s in starts if s["variant"] == v]
+        steady = {m: statistics.median(s["steady_ms"][m] for s in mine) for m in specs}
         print(
-            f"{v}: first / after the same {GAP_S} s gap over {args.starts} fresh starts"
+            f"{v}: first / median of {args.gaps} after the same {GAP_S} s gap, over {args.starts} fresh starts"
             + (" (stage timers on)" if args.stages else "")
             + ": "
             + ", ".join(f"{m} median {statistics.median(r):.2f}x (worst {max(r):.2f}x)" for m, r in by_model.items())
             + "; steady median "
             + ", ".join(f"{m} {ms:.3f} ms" for m, ms in steady.items())
         )
+        for m in specs:
+            print("  " + _spread(m, mine))
     sys.stdout.flush()
 
 
-def _describe(m: str, r: dict[str, Any]) -> str:
-    f, a = r["first"][m], r["after_gap"][m]
+def _spread(m: str, starts: list[dict[str, Any]]) -> str:
+    """Where the first requests fall among all requests after the gap: a first request within
+    their spread is one the machine's noise could have made."""
+    firsts = sorted(s["first"][m]["total_ms"] for s in starts)
+    after = sorted(r["total_ms"] for s in starts for r in s["after_gap"][m])
+    above = sum(f > after[-1] for f in firsts)
     return (
-        f"{m} {f['total_ms']:.3f}/{a['total_ms']:.3f} ms = {f['total_ms'] / a['total_ms']:.2f}x "
+        f"{m}: first requests {firsts[0]:.3f}-{firsts[-1]:.3f} ms (median {statistics.median(firsts):.3f}); "
+        f"{len(after)} after the gap {after[0]:.3f}-{after[-1]:.3f} ms (median {statistics.median(after):.3f}); "
+        f"{above} of {len(firsts)} first requests slower than every one after the gap"
+    )
+
+
+def _describe(m: str, r: dict[str, Any]) -> str:
+    """The first request against this start's median request after the gap, part by part."""
+    f = r["first"][m]
+    after = sorted(r["after_gap"][m], key=lambda a: float(a["total_ms"]))
+    a = after[len(after) // 2]
+    return (
+        f"{m} {f['total_ms']:.3f}/{after_ms(r, m):.3f} ms = {f['total_ms'] / after_ms(r, m):.2f}x "
+        f"(after the gap {after[0]['total_ms']:.3f}-{after[-1]['total_ms']:.3f}; the median one's parts; "
         f"(copy {f['copy_ms']:.3f}/{a['copy_ms']:.3f}, connect {f['connect_ms']:.3f}/{a['connect_ms']:.3f}, "
         f"faults {f['daemon_faults']}/{a['daemon_faults']}, "
         f"threads +{f['daemon_new_threads']}/+{a['daemon_new_threads']})"
