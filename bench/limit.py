@@ -11,15 +11,24 @@ run": this is that, measured in the same interleaved rounds as edged and the flo
 The session is built as every server's is (``bench.models.session``), warmed before the socket
 is bound, so the first request finds it ready.
 
+A second limit lane, ``limitworker``, runs the model on a worker thread instead (one thread,
+asyncio's run_in_executor: the hand-off any asyncio server uses), so that the event loop stays free
+during the run, as edged's must for any model that takes more than a few tens of microseconds
+(nothing over a millisecond runs on its loop). The difference between the two lanes is the price
+of the two thread wake-ups on this machine.
+
     uvicorn bench.limit:app --uds PATH        (BENCH_SPECS names the model list, BENCH_MODELS those served)
+    uvicorn bench.limit:worker_app --uds PATH (the same, the model on a worker thread)
     uvicorn bench.limit:echo_app --uds PATH   (the echo lane)
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,4 +75,15 @@ async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[
     run = _runs.get(scope["path"].strip("/")) if scope["type"] == "http" else None
     if run is not None:  # "/" is the readiness probe
         run()
+    await echo_app(scope, receive, send)
+
+
+_worker = ThreadPoolExecutor(1, thread_name_prefix="limit-worker")
+
+
+async def worker_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+    """The limitworker lane's server: ``app`` with the run on a worker thread, the loop free meanwhile."""
+    run = _runs.get(scope["path"].strip("/")) if scope["type"] == "http" else None
+    if run is not None:
+        await asyncio.get_running_loop().run_in_executor(_worker, run)
     await echo_app(scope, receive, send)

@@ -16,6 +16,10 @@ Daemons serving the same model, interleaved with the in-process floor, at concur
   * ``echo``: a bare ASGI app on the same uvicorn stack (uvloop, httptools, a Unix socket) that
     reads the request and answers a fixed 100-byte body: the transport's own cost, the limit under
     edged's figure (not checked against the model's answer; it runs no model);
+  * ``limit``: the echo's stack running the model on its event loop on an input it holds
+    (bench/limit.py): what any server on this stack can do for the model, the bound a target is
+    judged against; ``limitworker``: the same with the run on a worker thread, the loop free
+    meanwhile (what a server that may not block its loop for a run can do);
   * ``edged-base`` (with ``--base COMMIT``): edged's package as of that commit (``git archive``
     into the work folder, first on the daemon's PYTHONPATH), default config: a before/after of a
     change to edged's code in one interleaved run.
@@ -50,12 +54,21 @@ from bench.first_request import ProbedEdged
 from bench.measure import FLOOR, Budget, Lane, Runner, Series, floor_runner, interleave, server_runner
 from bench.models import ModelSpec, prepare, session, write_specs
 from bench.peers import machine
-from bench.servers import EchoServer, EdgedServer, FastAPIServer, LimitServer, Server, check, get_status
+from bench.servers import (
+    EchoServer,
+    EdgedServer,
+    FastAPIServer,
+    LimitServer,
+    LimitWorkerServer,
+    Server,
+    check,
+    get_status,
+)
 from bench.stage_probe import hops
 from bench.wire import closed_loop, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "inline", "worker", "onewrite", "fastapi", "echo", "limit")
+LANES = ("edged", "inline", "worker", "onewrite", "fastapi", "echo", "limit", "limitworker")
 
 
 def _first_on_path(folder: Path) -> str:
@@ -126,6 +139,7 @@ def servers_for(
         "fastapi": lambda: FastAPIServer(work, one),
         "echo": lambda: EchoServer(work, one),
         "limit": lambda: LimitServer(work, {spec.name: spec}),
+        "limitworker": lambda: LimitWorkerServer(work, {spec.name: spec}),
     }
     servers = [make[name]() for name in lanes]
     if base is not None:

@@ -629,3 +629,11 @@ class LimitServer(EchoServer):
 
     def frame_conn(self, spec: ModelSpec, x: np.ndarray, index: int) -> Conn:
         return Conn(self.addr, self.request(spec, x))
+
+
+class LimitWorkerServer(LimitServer):
+    """The limit with the model run on a worker thread (bench/limit.py): what a server that keeps
+    its event loop free during a run can do, the bound for a model too slow to run on the loop."""
+
+    name = "limitworker"
+    app = "bench.limit:worker_app"
