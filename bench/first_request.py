@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.measure import STEADY, _client_conns, _steady
+from bench.measure import AFTER_GAPS, STEADY, _client_conns, _steady
 from bench.models import ModelSpec, prepare, write_specs
 from bench.servers import EdgedServer
 from bench.stage_probe import hops
@@ -179,7 +179,7 @@ def _hops(at: dict[str, list[float]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=7)
-    ap.add_argument("--gaps", type=int, default=5, help="requests after the same idle gap per model and start")
+    ap.add_argument("--gaps", type=int, default=AFTER_GAPS, help="requests after the same idle gap per model and start")
     ap.add_argument("--stages", action="store_true", help="daemon-side stage timers (bench.stage_probe)")
     ap.add_argument("--models", default="tiny,conv640,ocr_det")
     ap.add_argument(

@@ -193,10 +193,15 @@ def _client_conns(server: Server, specs: dict[str, ModelSpec]) -> tuple[dict[str
     return conns, time.perf_counter() - t0
 
 
+AFTER_GAPS = 5  # requests after the idle gap per model and start: their median is the reference
+
+
 def cold_start(server: Server, specs: dict[str, ModelSpec], gap: float, touch: bool = False) -> dict[str, Any]:
-    """Spawn → ready; then per model, after an idle gap, the first request; steady requests; the
-    same gap again and one more request (what a warm server answers after that gap). ``touch``
-    sends one GET through the socket right after ready (an experiment, off in the benchmark)."""
+    """Spawn → ready; then per model, after an idle gap, the first request; steady requests; then
+    AFTER_GAPS times the same gap and one more request (what a warm server answers after that gap;
+    their median, since one request after a gap is one sample of the machine's wake-up noise).
+    ``touch`` sends one GET through the socket right after ready (an experiment, off in the
+    benchmark)."""
     wall0 = time.time()
     server.start()
     ready_s = server.wait_ready()
@@ -206,7 +211,9 @@ def cold_start(server: Server, specs: dict[str, ModelSpec], gap: float, touch: b
             s.recv(4096)
     conns, setup_s = _client_conns(server, specs)
     events: list[tuple[str, float, float]] = [("ready", 0.0, ready_s)]
-    first, steady, after = {}, {}, {}
+    first: dict[str, float] = {}
+    steady: dict[str, float] = {}
+    after_all: dict[str, list[float]] = {m: [] for m in conns}
     for m, conn in conns.items():
         time.sleep(gap)  # the idle gap being measured, not synchronisation
         at = time.perf_counter() - server.spawned
@@ -214,15 +221,18 @@ def cold_start(server: Server, specs: dict[str, ModelSpec], gap: float, touch: b
         events.append((f"first {m}", at, first[m]))
     for m, conn in conns.items():
         steady[m] = _steady(conn, STEADY[m])
-    for m, conn in conns.items():
-        time.sleep(gap)  # the same idle gap on a server that has served
-        after[m] = one_request(conn)
+    for _ in range(AFTER_GAPS):
+        for m, conn in conns.items():
+            time.sleep(gap)  # the same idle gap on a server that has served
+            after_all[m].append(one_request(conn))
+    after = {m: statistics.median(v) for m, v in after_all.items()}
     result: dict[str, Any] = {
         "ready_s": ready_s,
         "client_setup_ms": setup_s * 1000,
         "first_ms": _ms(first),
         "steady_ms": _ms(steady),
         "after_gap_ms": _ms(after),
+        "after_gaps_ms": {m: [v * 1000 for v in vs] for m, vs in after_all.items()},
         "memory": server.memory(),
         "placement": placement(server.pid),
         "events": events,

@@ -163,7 +163,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             e["first_over_after_gap"][model],
             1.2,
             "x",
-            f"first {e['first_ms'][model]:.3f} ms, after gap {e['after_gap_ms'][model]:.3f} ms",
+            f"first {e['first_ms'][model]:.3f} ms, after the gap {e['after_gap_ms'][model]:.3f} ms (medians)",
         )
     cases = r["scheduler"]["cases"]
     for base, batched in (("tiny_b1", "tiny_b16"), ("mlp2k_b1", "mlp2k_b16"), ("conv640_b1", "conv640_b8")):
@@ -299,7 +299,8 @@ def _cold_table(cold: dict[str, Any]) -> list[str]:
         "## Cold start and memory",
         "",
         "Fresh process each start (a cache hit for edged); the first request per model comes after a "
-        "0.5 s idle gap on a new connection, as does the after-gap request on the server that has served. "
+        "0.5 s idle gap on a new connection, as do the after-gap requests on the server that has served "
+        "(the median of five per start). "
         "Memory is the whole process tree after all three models served.",
         "",
         f"| server | start → ready s | {head} | RSS MiB | PSS MiB | processes |",
