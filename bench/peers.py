@@ -6,8 +6,9 @@ the same ONNX models, in one run, as ratios to the floor measured in that run.
 
 Phases: cold start (fresh starts interleaved across servers: start → ready, first request, memory),
 serving (latency and throughput at each concurrency, every target round-robin, with the limit
-lane of bench/limit.py: the same socket stack running the model on its loop, what the machine
-allows any server; the targets table says where a bound is past it), and edged's
+lanes of bench/limit.py: the same socket stack running the model on its loop, what the machine
+allows any server, and on a worker thread, what it allows a server that keeps its loop free
+during a run; the targets table says where a bound is past the first), and edged's
 scheduler (dynamic batching and instances against none). Output: bench.json, bench.md and PNGs.
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 from bench import measure, report
 from bench.measure import Budget
 from bench.models import ModelSpec, batchable, prepare, write_specs
-from bench.servers import EdgedServer, FastAPIServer, LimitServer, PyTritonServer, Server
+from bench.servers import EdgedServer, FastAPIServer, LimitServer, LimitWorkerServer, PyTritonServer, Server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -200,7 +201,8 @@ def measure_all(plan: Plan, mode: str, keep: bool) -> dict[str, Any]:
         write_specs(work / "specs.json", specs)
         results["cold_start"] = cold_starts(work, specs, plan)
         log("serving: every server up, interleaved rounds")
-        with running([*peers(work, specs), LimitServer(work, specs)]) as servers:
+        limits = [LimitServer(work, specs), LimitWorkerServer(work, specs)]
+        with running([*peers(work, specs), *limits]) as servers:
             series = measure.serving(servers, specs, plan.concurrencies, plan.rounds, plan.budgets)
         log("scheduler: batching and instances")
         sched = scheduler_phase(work, specs, plan)

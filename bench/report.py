@@ -11,16 +11,20 @@ from typing import Any
 from bench.measure import FLOOR, Series
 
 LIMIT = "limit"  # the echo's stack running the model on its loop (bench/limit.py): no server does better
+LIMIT_WORKER = "limitworker"  # the same with the run on a worker thread: the bound for a loop kept free
+LIMITS = (LIMIT, LIMIT_WORKER)
 LABEL = {
     FLOOR: "in-process (floor)",
     "edged": "edged",
     "fastapi": "FastAPI (hand-written)",
     "pytriton": "PyTriton",
     LIMIT: "limit: echo + model on the loop",
+    LIMIT_WORKER: "limit: echo + model on a worker thread",
 }
 TRANSPORT = {
     FLOOR: "-",
     LIMIT: "Unix socket; the input held by the server",
+    LIMIT_WORKER: "Unix socket; the input held by the server",
     "edged": "Unix socket; frames via shm",
     "fastapi": "Unix socket; raw bytes",
     "pytriton": "HTTP on 127.0.0.1; frames via shm",
@@ -31,13 +35,15 @@ ServingSeries = dict[str, dict[str, dict[int, Series]]]
 def peers_of(targets: dict[str, Any]) -> list[str]:
     """The servers other than edged that ran (PyTriton is left out when it is not set up)."""
     return [
-        n for n in dict.fromkeys(("fastapi", "pytriton", *targets)) if n in targets and n not in (FLOOR, "edged", LIMIT)
+        n
+        for n in dict.fromkeys(("fastapi", "pytriton", *targets))
+        if n in targets and n not in (FLOOR, "edged", *LIMITS)
     ]
 
 
-def _limit(lanes: dict[str, Any], c: str, key: str) -> float | None:
-    """The limit lane's figure, where the run had one."""
-    return lanes[LIMIT][c][key] if LIMIT in lanes else None
+def _limit(lanes: dict[str, Any], c: str, key: str, lane: str = LIMIT) -> float | None:
+    """A limit lane's figure, where the run had one."""
+    return lanes[lane][c][key] if lane in lanes else None
 
 
 def summarize(series: ServingSeries) -> dict[str, Any]:
@@ -107,10 +113,13 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         peers: str = "",
         higher: bool = False,
         limit: float | None = None,
+        worker_limit: float | None = None,
     ) -> None:
         met = value >= bound if higher else value <= bound
         if limit is not None:  # what the machine allows: a bound past it cannot be met by any server
             peers += f"; limit {_f(limit)} {unit}" + (" (the bound is past it)" if (limit < bound) == higher else "")
+        if worker_limit is not None:  # the same for a server that keeps its loop free during a run
+            peers += f", with the run on a worker thread {_f(worker_limit)} {unit}"
         rows.append(
             {
                 "target": what,
@@ -144,6 +153,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             "x",
             ", ".join(f"{LABEL[p]} {d[p]['1']['p50_ratio']:.2f}x" for p in peers),
             limit=_limit(d, "1", "p50_ratio"),
+            worker_limit=_limit(d, "1", "p50_ratio", LIMIT_WORKER),
         )
     for model, d in sv.items():
         best = max(peers, key=lambda p: d[p]["4"]["throughput_rps"])
@@ -242,6 +252,9 @@ SETUP = {
     "its event loop, built as the floor's, on an input the server already holds, and a fixed 100-byte answer: "
     "the socket, HTTP and the run after a request's idle gap, nothing else (bench/limit.py). No server on this "
     "stack does better; where a target is past it, the machine cannot meet it",
+    LIMIT_WORKER: "the limit with each run on a worker thread (asyncio's run_in_executor), the event loop free "
+    "meanwhile: the bound for a server that may not block its loop for a run, as edged may not for a model "
+    "over its inline threshold (the two thread wake-ups are the difference)",
 }
 
 
@@ -261,8 +274,9 @@ def _setup(r: dict[str, Any]) -> list[str]:
     for name in ("edged", *peers_of(r["cold_start"])):
         cpus = sorted({c for p in r["cold_start"][name][0]["placement"].values() for c in p})
         lines.append(f"- **{LABEL[name]}**: {SETUP[name]}. CPU placement (sched_getaffinity, whole tree): {cpus}.")
-    if any(LIMIT in lanes for lanes in r["serving"].values()):
-        lines.append(f"- **{LABEL[LIMIT]}** (serving only): {SETUP[LIMIT]}.")
+    for limit in LIMITS:
+        if any(limit in lanes for lanes in r["serving"].values()):
+            lines.append(f"- **{LABEL[limit]}** (serving only): {SETUP[limit]}.")
     return [*lines, ""]
 
 
@@ -275,7 +289,7 @@ def _serving_table(sv: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model, targets in sv.items():
-        for name in (FLOOR, "edged", *peers_of(targets), *([LIMIT] if LIMIT in targets else [])):
+        for name in (FLOOR, "edged", *peers_of(targets), *(n for n in LIMITS if n in targets)):
             d = targets[name]
             lat = [
                 f"{_f(d[c][k])} ({d[c][k.replace('_ms', '_ratio')]:.2f})" if name != FLOOR else _f(d[c][k])
