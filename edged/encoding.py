@@ -26,6 +26,7 @@ from edged.tensors import (
     is_bytes,
     json_strings,
     tensor_bytes,
+    tensor_bytes_copy,
     wire_nbytes,
 )
 
@@ -105,7 +106,7 @@ def _encode_small(
         if out.shm_region is not None and shm is not None:
             entry["parameters"] = _to_shm(out, arr, shm)
         elif out.binary:
-            chunks.append(bytes(tensor_bytes(arr)))
+            chunks.append(tensor_bytes_copy(arr))
             entry["parameters"] = {"binary_data_size": len(chunks[-1])}
         else:
             entry["data"] = _json_data(out.name, arr.reshape(-1))

@@ -196,7 +196,9 @@ def from_bytes(buf: memoryview | bytes, dtype: np.dtype[Any], shape: tuple[int, 
         raise BadRequestError(
             f"{where}: shape {list(shape)} of {v2_datatype(dtype.name)} needs {need} bytes, got {len(buf)}"
         )
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    # One numpy call, not frombuffer and reshape: on the request path every numpy call costs
+    # several times its isolated time (its code is cold between requests).
+    return np.ndarray(shape, dtype, buffer=buf)
 
 
 def deserialize_bytes(buf: memoryview | bytes, shape: tuple[int, ...], where: str) -> np.ndarray:
@@ -269,6 +271,12 @@ def tensor_bytes(arr: np.ndarray) -> bytes | memoryview:
     if is_bytes(arr.dtype):
         return serialize_bytes(arr)
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+
+
+def tensor_bytes_copy(arr: np.ndarray) -> bytes:
+    """``tensor_bytes`` as bytes of its own, for a small answer joined into one body: ``tobytes``
+    is one numpy call where the view takes four and a copy (0.1 against 1.4 us on the 2-core machine)."""
+    return serialize_bytes(arr) if is_bytes(arr.dtype) else arr.tobytes()
 
 
 def json_strings(flat: np.ndarray, where: str) -> list[str]:

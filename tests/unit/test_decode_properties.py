@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from edged.errors import BadRequestError, EdgedError, SharedMemoryError
 from edged.protocol import V2_TO_NUMPY, Limits, decode_infer, encode_infer, parse_header_length
-from edged.tensors import tensor_bytes
+from edged.tensors import tensor_bytes, tensor_bytes_copy
 
 # pytest resets warning filters per test; the daemon's own filter (edged.tensors) hides this one.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -229,6 +229,19 @@ def test_encoded_responses_read_back(results: dict[str, np.ndarray], binary: boo
     for name, arr in results.items():
         want = arr.astype(np.float32) if arr.dtype == np.float16 and not binary else arr
         np.testing.assert_array_equal(back[name].reshape(arr.shape), want)
+
+
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4).T,  # not contiguous: the wire is row-major
+        np.arange(6, dtype=">i4").reshape(2, 3),
+        np.zeros((0, 3), np.float16),
+        np.array([[b"a", b""], [b"\x00bc", b"d"]], dtype=object),
+    ],
+)
+def test_the_copy_of_a_tensors_bytes_is_its_wire_form(arr: np.ndarray) -> None:
+    assert tensor_bytes_copy(arr) == bytes(tensor_bytes(arr))
 
 
 @pytest.mark.parametrize("n", [1, 3])
