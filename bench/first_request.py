@@ -159,7 +159,7 @@ def _stage_lines(path: Path, models: list[str], gaps: int) -> list[str]:
     out = []
     for m in models:
         mine = [r for r in recs if r["path"] == f"/v2/models/{m}/infer"]
-        if len(mine) < 2:
+        if len(mine) < STEADY[m] + 1 + gaps:
             continue
         # first request, steady requests, the requests after the gaps
         first, after = mine[-(STEADY[m] + 1 + gaps)], mine[-1]
@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "first_request.json")
     args = ap.parse_args(argv)
+    if args.gaps < 1:
+        ap.error("--gaps: at least one request after the gap is the reference")
     wanted = args.models.split(",")
     specs = {m: s for m, s in prepare(REPO / "data", REPO / "data" / "bench").items() if m in wanted}
     work = Path(tempfile.mkdtemp(prefix="edged-first-"))
@@ -251,14 +253,15 @@ def _spread(m: str, starts: list[dict[str, Any]]) -> str:
 
 
 def _describe(m: str, r: dict[str, Any]) -> str:
-    """The first request against this start's median request after the gap, part by part."""
+    """The first request against the median of this start's requests after the gap, and its parts
+    against those of the middle one of them."""
     f = r["first"][m]
     after = sorted(r["after_gap"][m], key=lambda a: float(a["total_ms"]))
     a = after[len(after) // 2]
     return (
         f"{m} {f['total_ms']:.3f}/{after_ms(r, m):.3f} ms = {f['total_ms'] / after_ms(r, m):.2f}x "
-        f"(after the gap {after[0]['total_ms']:.3f}-{after[-1]['total_ms']:.3f}; the median one's parts; "
-        f"(copy {f['copy_ms']:.3f}/{a['copy_ms']:.3f}, connect {f['connect_ms']:.3f}/{a['connect_ms']:.3f}, "
+        f"(after the gap {after[0]['total_ms']:.3f}-{after[-1]['total_ms']:.3f}; parts of the first and the middle "
+        f"one: copy {f['copy_ms']:.3f}/{a['copy_ms']:.3f}, connect {f['connect_ms']:.3f}/{a['connect_ms']:.3f}, "
         f"faults {f['daemon_faults']}/{a['daemon_faults']}, "
         f"threads +{f['daemon_new_threads']}/+{a['daemon_new_threads']})"
     )

@@ -93,6 +93,8 @@ def cold_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = {m: _med([s[key][m] for s in starts]) for m in models}
     out["first_over_steady"] = {m: out["first_ms"][m] / out["steady_ms"][m] for m in models}
     out["first_over_after_gap"] = {m: out["first_ms"][m] / out["after_gap_ms"][m] for m in models}
+    # Requests after the gap per start and model (one in runs from before they were several).
+    out["after_gaps_per_start"] = len(starts[0].get("after_gaps_ms", {}).get(models[0], [0.0]))
     if "warmup_s" in starts[0]:
         out["warmup_s"] = _med([s["warmup_s"] for s in starts])
         out["ready_minus_warmup_s"] = _med([s["ready_s"] - s["warmup_s"] for s in starts])
@@ -309,13 +311,14 @@ def _serving_table(sv: dict[str, Any]) -> list[str]:
 def _cold_table(cold: dict[str, Any]) -> list[str]:
     models = list(cold["edged"]["first_ms"])
     head = " | ".join(f"{m}: first / steady / after gap ms" for m in models)
+    per = cold["edged"]["after_gaps_per_start"]
     lines = [
         "## Cold start and memory",
         "",
         "Fresh process each start (a cache hit for edged); the first request per model comes after a "
-        "0.5 s idle gap on a new connection, as do the after-gap requests on the server that has served "
-        "(the median of five per start). "
-        "Memory is the whole process tree after all three models served.",
+        "0.5 s idle gap on a new connection, as do the after-gap requests on the server that has served"
+        + (f" (the median of {per} per start). " if per > 1 else ". ")
+        + "Memory is the whole process tree after all three models served.",
         "",
         f"| server | start → ready s | {head} | RSS MiB | PSS MiB | processes |",
         "| --- | --- | " + " | ".join("---" for _ in models) + " | --- | --- | --- |",

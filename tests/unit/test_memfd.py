@@ -10,9 +10,11 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edged.errors import SharedMemoryError
+from edged.tensors import from_bytes
 from edged.transports.memfd import map_sealed, mapping_address, populate, sealable, unmap
 
 SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -126,6 +128,20 @@ def test_unmap_waits_for_the_last_view(fds: list[int]) -> None:
     view = memoryview(sealed.mapping)
     assert not unmap(sealed.mapping)  # a request still reads it: left to the last view
     view.release()
+    assert unmap(sealed.mapping)
+
+
+def test_an_input_tensor_over_the_mapping_holds_it_as_a_view_does(fds: list[int]) -> None:
+    """A model may still run on a tensor over a region whose request has ended (a deadline): the
+    tensor must keep the mapping, or unmapping it would leave the model reading unmapped memory."""
+    fd = memfd(fds, 4096)
+    sealed = map_sealed(fd, seals_of(fd), 0, 4096)
+    view = memoryview(sealed.mapping)[0:64].toreadonly()  # what a request's input resolves to
+    tensor = from_bytes(view, np.dtype(np.float32), (4, 4), "input 'x'")
+    view.release()
+    assert not unmap(sealed.mapping)
+    assert float(tensor.sum()) == 0.0
+    del tensor
     assert unmap(sealed.mapping)
 
 
