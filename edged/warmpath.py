@@ -116,24 +116,20 @@ async def _warm_planning(app: App, model: str, inputs: dict[str, np.ndarray], ou
     """Decode (no run) headers the plan cache has not seen, PLANNING_ROUNDS of them: the requests
     above hit the cache after their first, so the planning code ran only a few times, and a
     client's first request (whose header is new) ran it cold: 0.12-0.25 ms more in decoding on
-    the 2-core machine (Python specialises a function only after it has run several times)."""
-    await _plan(app, model, [_bodies(inputs, outputs, i)[1] for i in range(PLANNING_ROUNDS)])
+    the 2-core machine (Python specialises a function only after it has run several times).
 
-
-async def _plan_client_headers(app: App, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> None:
-    """Decode (no run) the binary headers without an id, which the plan cache keeps under their
-    own bytes: what edged's client sends by default (edged.client.encode_request), with or without
-    named outputs. Its first request then finds its plan instead of planning it (27 us warm on
-    the 2-core machine, 0.07-0.09 ms after an idle gap); the warm-up's requests above carry an id,
-    so they plan the headers of the client's requests that carry one."""
-    await _plan(app, model, _bodies(inputs, outputs, ident=False)[:2])
-
-
-async def _plan(app: App, model: str, bodies: list[tuple[bytes, int | None]]) -> None:
-    for body, header_len in bodies:
+    Then, last (the most recent in the plan cache), the binary headers without an id, which the
+    cache keeps under their own bytes: what edged's client sends by default
+    (edged.client.encode_request), with or without named outputs. Its first request then finds
+    its plan instead of planning it (27 us warm on the 2-core machine, 0.07-0.09 ms after an idle
+    gap); the warm-up's requests above carry an id, so they plan the client's headers that carry
+    one. Only for small bodies, as the rounds: for a frame in the body, planning is a few hundredths
+    of the request, and building its bodies again would cost the start milliseconds and memory."""
+    tagged = [_bodies(inputs, outputs, i)[1] for i in range(PLANNING_ROUNDS)]
+    for body, header_len in tagged + _bodies(inputs, outputs, ident=False)[:2]:
         try:
             await app.service.decode_infer(model, body, header_len)
-        except EdgedError as e:
+        except Exception as e:  # a warm-up step that cannot run costs a first request, not the start
             log.warning("%s: warming the request planning failed: %s", model, e, extra={"model": model})
             return
 
@@ -181,7 +177,6 @@ async def warm_request_path(app: App, registry: Registry, sockets: list[str] | N
             cheapest = (cost, rt.name, bodies[1])
         if len(bodies[1][0]) <= PLANNING_BODY_MAX:
             await _warm_planning(app, rt.name, inputs, names)
-        await _plan_client_headers(app, rt.name, inputs, names)
     if cheapest is not None:
         await _warm_sockets(sockets or [], cheapest[1], cheapest[2])
     # Frames arrive through shared memory: the copy path (its threads, preadv, pwrite) is not on

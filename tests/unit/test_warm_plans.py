@@ -2,33 +2,53 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from edged.client import encode_request
-from edged.protocol import PLANS, decode_infer
-from edged.warmpath import _bodies
+from edged.protocol import PLANS, InferRequest, decode_infer
+from edged.warmpath import _bodies, _warm_planning
 
 INPUTS: dict[str, np.ndarray] = {"x": np.zeros((1, 16), np.float32), "mask": np.ones((1, 4), np.int64)}
 OUTPUTS = ["probs", "logits"]
 
 
+class FakeService:
+    """Pure-logic stand-in for edged.service.Service: decodes as its decode_infer does, without
+    a model behind it (the limits are the defaults)."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    async def decode_infer(self, model: str, body: bytes, header_length: int | None) -> InferRequest:
+        self.decoded += 1
+        return decode_infer(body, header_length)
+
+
 @pytest.fixture
-def warm_plans() -> Iterator[None]:
-    """The plan cache as the warm-up leaves it: its requests (with an id) and the headers
-    _warm_planning decodes without one."""
+def warm_plans() -> Iterator[FakeService]:
+    """The plan cache as the warm-up leaves it: its requests (they carry an id), then its planning."""
     PLANS.clear()
-    for body, length in _bodies(INPUTS, OUTPUTS)[:2] + _bodies(INPUTS, OUTPUTS, ident=False)[:2]:
+    for body, length in _bodies(INPUTS, OUTPUTS)[:2]:
         decode_infer(body, length)
-    yield
+    service = FakeService()
+    app: Any = SimpleNamespace(service=service)
+    asyncio.run(_warm_planning(app, "m", INPUTS, OUTPUTS))
+    yield service
     PLANS.clear()
 
 
 @pytest.mark.parametrize("outputs", [None, OUTPUTS])
 @pytest.mark.parametrize("request_id", ["", "frame-7"])
-def test_the_clients_first_request_finds_its_plan(warm_plans: None, outputs: list[str] | None, request_id: str) -> None:
+def test_the_clients_first_request_finds_its_plan(
+    warm_plans: FakeService, outputs: list[str] | None, request_id: str
+) -> None:
+    assert warm_plans.decoded > 2
     planned = len(PLANS)
     body, headers = encode_request(INPUTS, outputs, request_id)
     req = decode_infer(body, int(headers["Inference-Header-Content-Length"]))
