@@ -17,6 +17,12 @@ during the run, as edged's must for any model that takes more than a few tens of
 (nothing over a millisecond runs on its loop). The difference between the two lanes is the price
 of the two thread wake-ups on this machine.
 
+A third, ``limitv2``, is the least an Open Inference Protocol server does per request on this
+stack: the real request (edged's client's binary form), its body read, decoded with edged's own
+decoder (a header seen before is not parsed again), the model run on the loop on those tensors,
+the answer encoded with edged's encoder; no routing, checks, statistics, metrics or scheduling. The
+bound for a target that the protocol's own work, not the machine, puts out of reach.
+
     uvicorn bench.limit:app --uds PATH        (BENCH_SPECS names the model list, BENCH_MODELS those served)
     uvicorn bench.limit:worker_app --uds PATH (the same, the model on a worker thread)
     uvicorn bench.limit:echo_app --uds PATH   (the echo lane)
@@ -33,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.models import read_specs, session
+from edged.encoding import encode_infer
+from edged.protocol import decode_infer
 
 ANSWER = b"e" * 100
 _HEAD = {
@@ -53,9 +61,11 @@ async def echo_app(scope: dict[str, Any], receive: Callable[[], Any], send: Call
     await send({"type": "http.response.body", "body": ANSWER})
 
 
-def _models() -> dict[str, Callable[[], Any]]:
+def _models() -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
+    """Per served model, its run on the held input, and its session (for limitv2)."""
     specs = read_specs(Path(os.environ["BENCH_SPECS"]))
     runs: dict[str, Callable[[], Any]] = {}
+    sessions: dict[str, Any] = {}
     for name in os.environ["BENCH_MODELS"].split(","):
         spec = specs[name]
         sess = session(spec)
@@ -63,10 +73,12 @@ def _models() -> dict[str, Callable[[], Any]]:
         for _ in range(20):
             sess.run(outs, feed)
         runs[name] = functools.partial(sess.run, outs, feed)
-    return runs
+        sessions[name] = sess
+    return runs, sessions
 
 
-_runs = _models() if "BENCH_MODELS" in os.environ else {}  # the echo lane imports this module too
+# The echo lane imports this module too, without models.
+_runs, _sessions = _models() if "BENCH_MODELS" in os.environ else ({}, {})
 
 
 async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
@@ -87,3 +99,29 @@ async def worker_app(scope: dict[str, Any], receive: Callable[[], Any], send: Ca
     if run is not None:
         await asyncio.get_running_loop().run_in_executor(_worker, run)
     await echo_app(scope, receive, send)
+
+
+async def v2_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+    """The limitv2 lane's server: ``POST /v2/models/MODEL/infer`` decoded, run on the loop and
+    encoded by edged's own protocol code, nothing else; any other path gets the echo's answer
+    (the readiness probe)."""
+    path = scope["path"] if scope["type"] == "http" else ""
+    name = path[len("/v2/models/") : -len("/infer")] if path.startswith("/v2/models/") else ""
+    sess = _sessions.get(name)
+    if sess is None:
+        await echo_app(scope, receive, send)
+        return
+    length = next((int(v) for k, v in scope["headers"] if k == b"inference-header-content-length"), None)
+    message = await receive()
+    body = message.get("body", b"")
+    while message.get("more_body"):
+        message = await receive()
+        body += message.get("body", b"")
+    req = decode_infer(body, length)
+    names = [o.name for o in req.outputs] if req.outputs else [o.name for o in sess.get_outputs()]
+    answer, header_length = encode_infer(name, req, dict(zip(names, sess.run(names, req.inputs))))
+    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(answer)).encode())]
+    if header_length is not None:
+        headers.append((b"inference-header-content-length", str(header_length).encode()))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})

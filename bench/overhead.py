@@ -19,7 +19,9 @@ Daemons serving the same model, interleaved with the in-process floor, at concur
   * ``limit``: the echo's stack running the model on its event loop on an input it holds
     (bench/limit.py): what any server on this stack can do for the model, the bound a target is
     judged against; ``limitworker``: the same with the run on a worker thread, the loop free
-    meanwhile (what a server that may not block its loop for a run can do);
+    meanwhile (what a server that may not block its loop for a run can do); ``limitv2``: the
+    least an Open Inference Protocol server does (edged's decoder and encoder around the run on
+    the loop, nothing else), the bound the protocol itself sets;
   * ``edged-base`` (with ``--base COMMIT``): edged's package as of that commit (``git archive``
     into the work folder, first on the daemon's PYTHONPATH), default config: a before/after of a
     change to edged's code in one interleaved run.
@@ -59,6 +61,7 @@ from bench.servers import (
     EdgedServer,
     FastAPIServer,
     LimitServer,
+    LimitV2Server,
     LimitWorkerServer,
     Server,
     check,
@@ -68,7 +71,7 @@ from bench.stage_probe import hops
 from bench.wire import closed_loop, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "inline", "worker", "onewrite", "fastapi", "echo", "limit", "limitworker")
+LANES = ("edged", "inline", "worker", "onewrite", "fastapi", "echo", "limit", "limitworker", "limitv2")
 
 
 def _first_on_path(folder: Path) -> str:
@@ -140,6 +143,7 @@ def servers_for(
         "echo": lambda: EchoServer(work, one),
         "limit": lambda: LimitServer(work, {spec.name: spec}),
         "limitworker": lambda: LimitWorkerServer(work, {spec.name: spec}),
+        "limitv2": lambda: LimitV2Server(work, {spec.name: spec}),
     }
     servers = [make[name]() for name in lanes]
     if base is not None:

@@ -631,6 +631,21 @@ class LimitServer(EchoServer):
         return Conn(self.addr, self.request(spec, x))
 
 
+class LimitV2Server(LimitServer):
+    """The least an Open Inference Protocol server does on this stack (bench/limit.py: v2_app):
+    edged's client's request, decoded, run on the loop and encoded by edged's protocol code."""
+
+    name = "limitv2"
+    app = "bench.limit:v2_app"
+    answers = True
+
+    def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
+        return v2_request(spec.name, spec.input, x, spec.outputs)
+
+    def decode(self, spec: ModelSpec, head: bytes, body: bytes) -> np.ndarray:
+        return decode_v2(head, body)[spec.outputs[0]]
+
+
 class LimitWorkerServer(LimitServer):
     """The limit with the model run on a worker thread (bench/limit.py): what a server that keeps
     its event loop free during a run can do, the bound for a model too slow to run on the loop."""
