@@ -7,8 +7,9 @@ the same ONNX models, in one run, as ratios to the floor measured in that run.
 Phases: cold start (fresh starts interleaved across servers: start → ready, first request, memory),
 serving (latency and throughput at each concurrency, every target round-robin, with the limit
 lanes of bench/limit.py: the same socket stack running the model on its loop, what the machine
-allows any server, and on a worker thread, what it allows a server that keeps its loop free
-during a run; the targets table says where a bound is past the first), and edged's
+allows any server, on a worker thread, what it allows a server that keeps its loop free during a
+run, and with the protocol's decode and encode around the run, the least a V2 server does; the
+targets table says where a bound is past them), and edged's
 scheduler (dynamic batching and instances against none). Output: bench.json, bench.md and PNGs.
 """
 
@@ -32,7 +33,15 @@ from typing import Any
 from bench import measure, report
 from bench.measure import Budget
 from bench.models import ModelSpec, batchable, prepare, write_specs
-from bench.servers import EdgedServer, FastAPIServer, LimitServer, LimitWorkerServer, PyTritonServer, Server
+from bench.servers import (
+    EdgedServer,
+    FastAPIServer,
+    LimitServer,
+    LimitV2Server,
+    LimitWorkerServer,
+    PyTritonServer,
+    Server,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -201,7 +210,7 @@ def measure_all(plan: Plan, mode: str, keep: bool) -> dict[str, Any]:
         write_specs(work / "specs.json", specs)
         results["cold_start"] = cold_starts(work, specs, plan)
         log("serving: every server up, interleaved rounds")
-        limits = [LimitServer(work, specs), LimitWorkerServer(work, specs)]
+        limits = [LimitServer(work, specs), LimitWorkerServer(work, specs), LimitV2Server(work, specs)]
         with running([*peers(work, specs), *limits]) as servers:
             series = measure.serving(servers, specs, plan.concurrencies, plan.rounds, plan.budgets)
         log("scheduler: batching and instances")

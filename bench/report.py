@@ -12,7 +12,8 @@ from bench.measure import FLOOR, Series
 
 LIMIT = "limit"  # the echo's stack running the model on its loop (bench/limit.py): no server does better
 LIMIT_WORKER = "limitworker"  # the same with the run on a worker thread: the bound for a loop kept free
-LIMITS = (LIMIT, LIMIT_WORKER)
+LIMIT_V2 = "limitv2"  # the least an Open Inference Protocol server does on the stack: the protocol's bound
+LIMITS = (LIMIT, LIMIT_WORKER, LIMIT_V2)
 LABEL = {
     FLOOR: "in-process (floor)",
     "edged": "edged",
@@ -20,11 +21,13 @@ LABEL = {
     "pytriton": "PyTriton",
     LIMIT: "limit: echo + model on the loop",
     LIMIT_WORKER: "limit: echo + model on a worker thread",
+    LIMIT_V2: "limit: V2 decode + model on the loop + V2 encode",
 }
 TRANSPORT = {
     FLOOR: "-",
     LIMIT: "Unix socket; the input held by the server",
     LIMIT_WORKER: "Unix socket; the input held by the server",
+    LIMIT_V2: "Unix socket; binary V2 request and answer",
     "edged": "Unix socket; frames via shm",
     "fastapi": "Unix socket; raw bytes",
     "pytriton": "HTTP on 127.0.0.1; frames via shm",
@@ -116,12 +119,16 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         higher: bool = False,
         limit: float | None = None,
         worker_limit: float | None = None,
+        v2_limit: float | None = None,
     ) -> None:
         met = value >= bound if higher else value <= bound
         if limit is not None:  # what the machine allows: a bound past it cannot be met by any server
             peers += f"; limit {_f(limit)} {unit}" + (" (the bound is past it)" if (limit < bound) == higher else "")
         if worker_limit is not None:  # the same for a server that keeps its loop free during a run
             peers += f", with the run on a worker thread {_f(worker_limit)} {unit}"
+        if v2_limit is not None:  # the least a server that speaks the protocol does
+            past = " (the bound is past it)" if (v2_limit < bound) == higher else ""
+            peers += f", with the protocol's decode and encode {_f(v2_limit)} {unit}{past}"
         rows.append(
             {
                 "target": what,
@@ -145,6 +152,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         "ms",
         ", ".join(f"{LABEL[p]} {tiny[p]['1']['p50_ms']:.3f}" for p in peers),
         limit=_limit(tiny, "1", "p50_ms"),
+        v2_limit=_limit(tiny, "1", "p50_ms", LIMIT_V2),
     )
     for model, bound in (("conv640", 1.10), ("ocr_det", 1.05)):
         d = sv[model]
@@ -257,6 +265,11 @@ SETUP = {
     LIMIT_WORKER: "the limit with each run on a worker thread (asyncio's run_in_executor), the event loop free "
     "meanwhile: the bound for a server that may not block its loop for a run, as edged may not for a model "
     "over its inline threshold (the two thread wake-ups are the difference)",
+    LIMIT_V2: "the least an Open Inference Protocol server does on this stack: edged's client's binary request "
+    "read, decoded by edged's decoder (with its plan cache), the model run on the loop, the answer encoded by "
+    "edged's encoder, nothing else (bench/limit.py: v2_app); where a target is past it, the protocol's own work "
+    "puts the target out of reach on this stack. Beside tiny's target only: a frame in the body measures the "
+    "socket's copy of it, which edged's clients avoid with shared memory",
 }
 
 
