@@ -57,11 +57,24 @@ async def echo_app(scope: dict[str, Any], receive: Callable[[], Any], send: Call
     """The echo lane's server: reads the request, answers a fixed 100-byte body, runs nothing."""
     if scope["type"] != "http":
         return
-    message = await receive()
-    while message.get("more_body"):
-        message = await receive()
+    await _body(receive)
     await send(_HEAD)
     await send({"type": "http.response.body", "body": ANSWER})
+
+
+async def _body(receive: Callable[[], Any]) -> bytes:
+    """The request's body, whole (its parts joined once)."""
+    message = await receive()
+    parts = [message.get("body", b"")]
+    while message.get("more_body"):
+        message = await receive()
+        parts.append(message.get("body", b""))
+    return b"".join(parts)
+
+
+def _run_for(scope: dict[str, Any]) -> Callable[[], Any] | None:
+    """The run of the model the path names (``/MODEL``); None for "/", the readiness probe."""
+    return _runs.get(scope["path"].strip("/")) if scope["type"] == "http" else None
 
 
 def _models() -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
@@ -87,8 +100,8 @@ _runs, _sessions = _models() if "BENCH_MODELS" in os.environ else ({}, {})
 async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
     """The limit lane's server: the model the path names (``/MODEL``) run on the loop, then the
     echo's answer."""
-    run = _runs.get(scope["path"].strip("/")) if scope["type"] == "http" else None
-    if run is not None:  # "/" is the readiness probe
+    run = _run_for(scope)
+    if run is not None:
         run()
     await echo_app(scope, receive, send)
 
@@ -98,7 +111,7 @@ _worker = ThreadPoolExecutor(1, thread_name_prefix="limit-worker")
 
 async def worker_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
     """The limitworker lane's server: ``app`` with the run on a worker thread, the loop free meanwhile."""
-    run = _runs.get(scope["path"].strip("/")) if scope["type"] == "http" else None
+    run = _run_for(scope)
     if run is not None:
         await asyncio.get_running_loop().run_in_executor(_worker, run)
     await echo_app(scope, receive, send)
@@ -115,12 +128,7 @@ async def v2_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callab
         await echo_app(scope, receive, send)
         return
     length = next((int(v) for k, v in scope["headers"] if k == b"inference-header-content-length"), None)
-    message = await receive()
-    parts = [message.get("body", b"")]
-    while message.get("more_body"):
-        message = await receive()
-        parts.append(message.get("body", b""))
-    req = decode_infer(b"".join(parts), length)
+    req = decode_infer(await _body(receive), length)
     names = [o.name for o in req.outputs] if req.outputs else [o.name for o in sess.get_outputs()]
     answer, header_length = encode_infer(name, req, dict(zip(names, sess.run(names, req.inputs))))
     headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(answer)).encode())]

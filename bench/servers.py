@@ -613,6 +613,10 @@ class EchoServer(Server):
     def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
         return v2_request(spec.name, spec.input, x, spec.outputs)
 
+    def decode(self, spec: ModelSpec, head: bytes, body: bytes) -> np.ndarray:
+        """For a lane that answers the V2 request with the model's output (limitv2)."""
+        return decode_v2(head, body)[spec.outputs[0]]
+
 
 class LimitServer(EchoServer):
     """The echo's stack running the model on its loop on an input it holds (bench/limit.py):
@@ -638,12 +642,7 @@ class LimitV2Server(LimitServer):
     name = "limitv2"
     app = "bench.limit:v2_app"
     answers = True
-
-    def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
-        return v2_request(spec.name, spec.input, x, spec.outputs)
-
-    def decode(self, spec: ModelSpec, head: bytes, body: bytes) -> np.ndarray:
-        return decode_v2(head, body)[spec.outputs[0]]
+    request = EchoServer.request  # the V2 request, not the limit's bare GET
 
 
 class LimitWorkerServer(LimitServer):
