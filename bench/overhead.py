@@ -11,6 +11,9 @@ Daemons serving the same model, interleaved with the in-process floor, at concur
   * ``edged-onewrite``: uvicorn's httptools protocol writes a response's head and body with two
     ``transport.write`` calls (two ``write`` syscalls, seen with strace on the daemon);
     bench/trials/onewrite/sitecustomize.py coalesces them, without touching edged's code;
+  * ``edged-auto``: the model's intra-op threads left to the daemon (``threads = 0``; the other
+    lanes and the peers run the spec's count, one thread for tiny): the rule's count, cores divided
+    by instances, or fewer where the warm-up measures the model as fast with fewer;
   * ``fastapi``: the hand-written FastAPI/uvicorn server of the peer benchmark (bench/peer_fastapi.py),
     the figure issue 13's throughput target is a ratio to;
   * ``echo``: a bare ASGI app on the same uvicorn stack (uvloop, httptools, a Unix socket) that
@@ -23,8 +26,8 @@ Daemons serving the same model, interleaved with the in-process floor, at concur
     least an Open Inference Protocol server does (edged's decoder and encoder around the run on
     the loop, nothing else), the bound the protocol itself sets;
   * ``edged-base`` (with ``--base COMMIT``): edged's package as of that commit (``git archive``
-    into the work folder, first on the daemon's PYTHONPATH), default config: a before/after of a
-    change to edged's code in one interleaved run.
+    into the work folder, first on the daemon's PYTHONPATH), configured as the first edged lane
+    is: a before/after of a change to edged's code in one interleaved run.
 
 For a frame model, the first edged lane is also measured with the frame already in its sealed
 memfd region (``frame in place``: the producer writes it there, no copy inside the timing), and
@@ -71,7 +74,7 @@ from bench.stage_probe import hops
 from bench.wire import closed_loop, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "inline", "worker", "onewrite", "fastapi", "echo", "limit", "limitworker", "limitv2")
+LANES = ("edged", "inline", "worker", "onewrite", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
 
 
 def _first_on_path(folder: Path) -> str:
@@ -89,11 +92,16 @@ class BaseEdged(EdgedServer):
     """edged's package from another commit, found before this tree's on the daemon's path."""
 
     def __init__(
-        self, work: Path, specs: dict[str, ModelSpec], commit: str, server: dict[str, Any] | None = None
+        self,
+        work: Path,
+        specs: dict[str, ModelSpec],
+        commit: str,
+        server: dict[str, Any] | None = None,
+        options: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.tree = work / "base-tree"
         export(commit, self.tree)
-        super().__init__(work, specs, label="edged-base", server=server)
+        super().__init__(work, specs, options, label="edged-base", server=server)
 
     def extra_env(self) -> dict[str, str]:
         return dict(super().extra_env(), PYTHONPATH=_first_on_path(self.tree))
@@ -139,6 +147,9 @@ def servers_for(
         "inline": lambda: EdgedServer(work, one, label="edged-inline", server={"inline_threshold_us": 10_000_000}),
         "worker": lambda: EdgedServer(work, one, label="edged-worker", server={"inline_threshold_us": 0}),
         "onewrite": lambda: OneWriteEdged(work, one, label="edged-onewrite"),
+        # The models' intra-op threads left to the daemon (threads = 0): the rule's count, or
+        # fewer where its warm-up measures them as fast (edged/threadpick.py).
+        "auto": lambda: EdgedServer(work, one, {m: {"threads": 0} for m in one}, label="edged-auto"),
         "fastapi": lambda: FastAPIServer(work, one),
         "echo": lambda: EchoServer(work, one),
         "limit": lambda: LimitServer(work, {spec.name: spec}),
@@ -147,9 +158,12 @@ def servers_for(
     }
     servers = [make[name]() for name in lanes]
     if base is not None:
-        # Configured as the first edged lane is (edged-worker's base runs on its worker too).
+        # Configured as the first edged lane is (edged-worker's base runs on its worker too,
+        # edged-auto's leaves the threads to the daemon too).
         like = next((s for s in servers if isinstance(s, EdgedServer)), None)
-        servers.append(BaseEdged(work, one, base, like.server_options if like is not None else None))
+        servers.append(
+            BaseEdged(work, one, base, like.server_options, like.options) if like else BaseEdged(work, one, base)
+        )
     return servers
 
 
@@ -158,7 +172,7 @@ def _placement(server: Server, model: str) -> str:
     if not isinstance(server, EdgedServer):
         return f"{server.name:16} (not edged)"
     doc: dict[str, Any] = get_status(server.addr)["models"][model]
-    return f"{server.name:16} inline={doc.get('inline')} infer_us={doc.get('infer_us')}"
+    return f"{server.name:16} inline={doc.get('inline')} infer_us={doc.get('infer_us')} threads={doc.get('threads')}"
 
 
 def starts(

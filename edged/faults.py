@@ -35,7 +35,7 @@ class WedgeSwitch:
 
 class _WedgeableInstance(Instance):
     def __init__(self, inner: Instance, switch: WedgeSwitch) -> None:
-        super().__init__(inner.backend)
+        super().__init__(inner.backend, inner.threads)
         self._inner, self._switch = inner, switch
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

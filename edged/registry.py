@@ -30,6 +30,7 @@ from edged.memory import PlanItem, choose_evictions, rss_bytes
 from edged.metrics import Metrics
 from edged.scheduler import ModelQueue
 from edged.states import ModelState
+from edged.threadpick import fit_threads
 from edged.warmup import inline_max_elements, warm_cost_us, warm_inputs
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class ModelRuntime:
     footprint: int = 0
     measured: bool = False
     infer_us: float | None = None
+    threads: int = 0  # intra-op threads per instance, as configured or measured at warm-up
     last_used: float = field(default_factory=time.monotonic)
     gate: dict[str, Any] | None = None
     loading: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -93,6 +95,7 @@ class ModelRuntime:
             "footprint_measured": self.measured,
             "inline": bool(self.queue and self.queue.inline),
             "infer_us": None if self.infer_us is None else round(self.infer_us, 1),
+            "threads": self.threads,
             "queue": self.queue.backlog if self.queue else 0,
             **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0}),
             "cache_key": self.entry.key if self.entry and not self.stands_in_for else None,
@@ -279,7 +282,9 @@ class Registry:
             # Remembered for the next boot's plan; small drifts do not rewrite the cache.
             rt.entry = await asyncio.to_thread(self._remember_footprint, rt.entry, rt.footprint)
         self.set_state(rt, ModelState.WARMING)
-        rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances)
+        room = rt.footprint <= self.budget - self.used()  # for a trial session beside it
+        instances, rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances, room)
+        rt.threads = instances[0].threads if instances else 0
         threshold = self.cfg.server.inline_threshold_us
         inline = _may_run_inline(rt) and rt.infer_us is not None and rt.infer_us < threshold
         queue = ModelQueue(
@@ -328,16 +333,24 @@ class Registry:
             raise CacheError(f"{rt.name}: {rt.entry.artifact.name} does not load: {e}") from e
         return backend, instances, rss_bytes() - before
 
-    def _warm_blocking(self, rt: ModelRuntime, instances: list[Instance]) -> float | None:
-        """Run the warm-up inputs through every instance; return one run's cost in us (see
-        edged.warmup.warm_cost_us: a low quartile of enough runs, not a noisy median of three)."""
+    def _warm_blocking(
+        self, rt: ModelRuntime, instances: list[Instance], room: bool
+    ) -> tuple[list[Instance], float | None]:
+        """Run the warm-up inputs through every instance; return the instances to serve with and
+        one run's cost in us (see edged.warmup.warm_cost_us: a low quartile of enough runs, not a
+        noisy median of three). A cheap model whose thread count the configuration left open is
+        measured with fewer threads too, given ``room`` in the budget for a trial session
+        (edged/threadpick.py); it may come back with new instances."""
         assert rt.backend is not None
         if rt.cfg.warmup.iterations == 0:
-            return None
+            return instances, None
         inputs = warm_inputs(rt.backend.inputs, rt.cfg)
         runs = [functools.partial(inst.infer, inputs) for inst in instances]
         threshold = float(self.cfg.server.inline_threshold_us) if _may_run_inline(rt) else None
-        return warm_cost_us(runs, rt.cfg.warmup.iterations, threshold)
+        cost = warm_cost_us(runs, rt.cfg.warmup.iterations, threshold)
+        if not room:
+            return instances, cost
+        return fit_threads(rt.backend, instances, inputs, cost, self._wrap_instance, rt.name)
 
     async def unload(
         self, rt: ModelRuntime, state: ModelState = ModelState.UNLOADED, reason: str = "", notify: bool = True

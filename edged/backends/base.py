@@ -71,8 +71,9 @@ class LoadOptions:
 class Instance(abc.ABC):
     """One concurrent runner. Used by exactly one worker thread at a time."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, threads: int = 0) -> None:
         self.backend = backend
+        self.threads = threads  # intra-op threads it runs with; 0 where that is not the backend's knob
 
     def infer(self, inputs: Mapping[str, np.ndarray], checked: bool = False) -> dict[str, np.ndarray]:
         """Run one request. ``checked``: the caller (the service) has already validated the
@@ -153,10 +154,19 @@ class Backend(abc.ABC):
             self._rules = rules_of(self._inputs, self._input_bounds())
             self._loaded = True
 
-    def instance(self) -> Instance:
+    def instance(self, threads: int = 0) -> Instance:
+        """A new runner; ``threads``: its intra-op threads, 0 for the configured count (or the
+        backend's rule). Only a backend whose ``auto_threads`` is non-zero takes another count."""
         if not self._loaded:
             raise BackendError(f"{self.name}: create_instance before load")
-        return self._instance_impl()
+        return self._instance_impl(threads)
+
+    def auto_threads(self) -> int:
+        """The intra-op threads this backend gives an instance by its own rule, when the
+        configuration leaves the count open and the backend could run with fewer; 0 when there is
+        nothing to choose (a count in the configuration, a single core, a backend without the
+        knob). The registry may then measure fewer at warm-up (edged/threadpick.py)."""
+        return 0
 
     def unload(self) -> None:
         with self._lock:
@@ -187,7 +197,7 @@ class Backend(abc.ABC):
     def _load_impl(self) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]: ...
 
     @abc.abstractmethod
-    def _instance_impl(self) -> Instance: ...
+    def _instance_impl(self, threads: int) -> Instance: ...
 
     @abc.abstractmethod
     def _unload_impl(self) -> None: ...

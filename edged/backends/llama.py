@@ -164,7 +164,8 @@ class LlamaBackend(Backend):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return self.options.threads or max(1, cores // max(1, self.options.instances))
 
-    def _instance_impl(self) -> Instance:
+    def _instance_impl(self, threads: int) -> Instance:
+        # A generator is never measured for fewer threads (auto_threads is 0): the rule's count.
         threads = self._threads()
         try:
             engine = llama_cpp.Llama(
@@ -181,7 +182,7 @@ class LlamaBackend(Backend):
             raise BackendError(f"llama.cpp cannot load {self.source}: {e}") from e
         if self._formatter is None:
             self._formatter = _formatter(engine)
-        slot = LlamaSlot(self, engine)
+        slot = LlamaSlot(self, engine, threads)
         self._slots.append(slot)
         return slot
 
@@ -237,8 +238,8 @@ def _formatter(engine: llama_cpp.Llama) -> Jinja2ChatFormatter | None:
 class LlamaSlot(Instance):
     """One sequence at a time: a llama.cpp context and the loop that feeds it token by token."""
 
-    def __init__(self, backend: LlamaBackend, engine: llama_cpp.Llama) -> None:
-        super().__init__(backend)
+    def __init__(self, backend: LlamaBackend, engine: llama_cpp.Llama, threads: int) -> None:
+        super().__init__(backend, threads)
         self.owner = backend
         self.engine = engine
         # Held while a generation runs: the context is freed only once no thread is inside it.

@@ -132,8 +132,8 @@ def _to_bytes(arr: np.ndarray) -> np.ndarray:
 
 
 class _OrtInstance(Instance):
-    def __init__(self, backend: OnnxRuntimeBackend, session: ort.InferenceSession) -> None:
-        super().__init__(backend)
+    def __init__(self, backend: OnnxRuntimeBackend, session: ort.InferenceSession, threads: int) -> None:
+        super().__init__(backend, threads)
         self._session = session
         # The session's compiled run, without InferenceSession.run's Python checks (input names
         # against the graph, OrtValue ownership, WebGPU graph capture, a fallback to other
@@ -214,8 +214,11 @@ class OnnxRuntimeBackend(Backend):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         return max(1, cores // max(1, self.options.instances))
 
-    def _session(self) -> ort.InferenceSession:
-        so = self._options(self._threads())
+    def auto_threads(self) -> int:
+        return 0 if self.options.threads or self._threads() == 1 else self._threads()
+
+    def _session(self, threads: int) -> ort.InferenceSession:
+        so = self._options(threads)
         for key, value in SERVING_CONFIG.items():
             so.add_session_config_entry(key, value)
         # The artefact is already optimised for this CPU: running the optimiser again only
@@ -224,19 +227,22 @@ class OnnxRuntimeBackend(Backend):
         return ort.InferenceSession(str(self.artifact), so, providers=["CPUExecutionProvider"])
 
     def _load_impl(self) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-        sess = self._session()
+        sess = self._session(self._threads())
         self._first, self._first_taken = sess, False
         return (
             tuple(_spec(i) for i in sess.get_inputs()),
             tuple(_spec(o) for o in sess.get_outputs()),
         )
 
-    def _instance_impl(self) -> Instance:
-        with self._lock:
-            if self._first is not None and not self._first_taken:
-                self._first_taken = True
-                return _OrtInstance(self, self._first)
-        return _OrtInstance(self, self._session())
+    def _instance_impl(self, threads: int) -> Instance:
+        default = self._threads()
+        threads = threads or default
+        if threads == default:
+            with self._lock:
+                if self._first is not None and not self._first_taken:
+                    self._first_taken = True
+                    return _OrtInstance(self, self._first, threads)
+        return _OrtInstance(self, self._session(threads), threads)
 
     def _unload_impl(self) -> None:
         self._first = None

@@ -196,10 +196,10 @@ def test_cancelled_request_gives_its_slot_back() -> None:
 class ThreadRecordingInstance(FakeInstance):
     def __init__(self) -> None:
         super().__init__()
-        self.threads: list[int] = []
+        self.ran_on: list[int] = []
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.threads.append(threading.get_ident())
+        self.ran_on.append(threading.get_ident())
         return super()._infer_impl(inputs)
 
 
@@ -211,9 +211,9 @@ def test_inline_model_runs_only_bounded_requests_on_the_loop() -> None:
         q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=8)
         q.start(inline=True, inline_max_elements=4)
         await q.submit({"x": np.ones((2, 2))}, 10)  # 4 elements: on the loop
-        assert inst.threads == [loop_thread]
+        assert inst.ran_on == [loop_thread]
         await q.submit({"x": np.ones((3, 2))}, 10)  # 6 elements: a worker's job
-        assert inst.threads[1] != loop_thread
+        assert inst.ran_on[1] != loop_thread
         # While the worker runs a large request on the shared instance, a small one does not
         # overlap it on the loop (nor block the loop waiting): it queues behind it.
         inst.gate.clear()
@@ -225,7 +225,7 @@ def test_inline_model_runs_only_bounded_requests_on_the_loop() -> None:
         assert not small.done()
         inst.gate.set()
         await asyncio.gather(big, small)
-        assert loop_thread not in inst.threads[2:]
+        assert loop_thread not in inst.ran_on[2:]
         q.close()
 
     run(main())
@@ -245,7 +245,7 @@ def test_bytes_tensors_never_run_on_the_loop() -> None:
         q.close()
 
     run(main())
-    assert inst.threads[0] == loop_thread and inst.threads[1] != loop_thread
+    assert inst.ran_on[0] == loop_thread and inst.ran_on[1] != loop_thread
 
 
 def _held_queue(depth: int = 8) -> tuple[FakeInstance, ModelQueue]:

@@ -257,7 +257,8 @@ class TensorRTBackend(Backend):
 
     # --- instances ------------------------------------------------------------------------------
 
-    def _instance_impl(self) -> Instance:
+    def _instance_impl(self, threads: int) -> Instance:
+        # ``threads`` is 0 here: an engine's kernels run on the GPU, there is no CPU pool to size.
         device, engine, slots = self._device, self._engine, self._slots
         assert device is not None and engine is not None and slots is not None
         with self._instances_lock:
