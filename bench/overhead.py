@@ -106,6 +106,19 @@ class BaseEdged(EdgedServer):
     def extra_env(self) -> dict[str, str]:
         return dict(super().extra_env(), PYTHONPATH=_first_on_path(self.tree))
 
+    def command(self) -> list[str]:
+        # Not ``python -m edged``: -m puts the working directory (this checkout) first on
+        # sys.path, ahead of PYTHONPATH, so the daemon ran this tree's edged, not the base's (every
+        # --base lane from 30 Nov to 1 Dec compared this tree with itself). The tree goes first
+        # explicitly, and the daemon refuses to start if edged comes from anywhere else.
+        tree = str(self.tree)
+        boot = (
+            "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); import edged; "
+            "assert edged.__file__.startswith(sys.path[0] + '/'), ('base lane runs', edged.__file__); "
+            "sys.argv[0] = 'edged'; runpy.run_module('edged', run_name='__main__', alter_sys=True)"
+        )
+        return [self.python, "-c", boot, tree, *super().command()[3:]]
+
 
 def export(commit: str, dest: Path) -> None:
     """edged/ as of ``commit`` into ``dest`` (the benchmark and its helpers stay this tree's).
