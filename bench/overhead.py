@@ -11,6 +11,8 @@ Daemons serving the same model, interleaved with the in-process floor, at concur
   * ``edged-onewrite``: uvicorn's httptools protocol writes a response's head and body with two
     ``transport.write`` calls (two ``write`` syscalls, seen with strace on the daemon);
     bench/trials/onewrite/sitecustomize.py coalesces them, without touching edged's code;
+  * ``edged-twin``: the edged lane's daemon again, the same code and configuration: the spread
+    of two daemons that should measure the same (an A/A check for every other comparison);
   * ``edged-auto``: the model's intra-op threads left to the daemon (``threads = 0``; the other
     lanes and the peers run the spec's count, one thread for tiny): the rule's count, cores divided
     by instances, or fewer where the warm-up measures the model as fast with fewer;
@@ -34,7 +36,8 @@ memfd region (``frame in place``: the producer writes it there, no copy inside t
 with the answer written into the same region too (``answer in place``: only JSON headers cross
 the socket; the answer is checked against ONNX Runtime's once per connection, untimed).
 
-    scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--lanes edged,worker] [--base HEAD~1|FOLDER]
+    scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--restarts 4] [--lanes edged,twin,worker]
+                              [--base HEAD~1|FOLDER]
                               [--stages]   (the edged lane's daemon times its stages: medians per lane)
 """
 
@@ -74,7 +77,7 @@ from bench.stage_probe import hops
 from bench.wire import closed_loop, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "inline", "worker", "onewrite", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
+LANES = ("edged", "twin", "inline", "worker", "onewrite", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
 
 
 def _first_on_path(folder: Path) -> str:
@@ -163,6 +166,8 @@ def servers_for(
         # The models' intra-op threads left to the daemon (threads = 0): the rule's count, or
         # fewer where its warm-up measures them as fast (edged/threadpick.py).
         "auto": lambda: EdgedServer(work, one, {m: {"threads": 0} for m in one}, label="edged-auto"),
+        # The edged lane's daemon a second time: what two daemons of the same code differ by.
+        "twin": lambda: EdgedServer(work, one, label="edged-twin"),
         "fastapi": lambda: FastAPIServer(work, one),
         "echo": lambda: EchoServer(work, one),
         "limit": lambda: LimitServer(work, {spec.name: spec}),
@@ -282,6 +287,12 @@ def main(argv: list[str] | None = None) -> None:
         help="only start each daemon this many times, alternated, "
         "and print where it runs the model (the warm-up's inline decision)",
     )
+    ap.add_argument(
+        "--restarts",
+        type=int,
+        default=1,
+        help="start every daemon this many times, the rounds shared among the starts (placement sampled, not fixed)",
+    )
     ap.add_argument("--beside", default="", help="with --starts: other models the daemons serve too")
     ap.add_argument("--out", type=Path, default=None, help="default: bench-results/overhead_MODEL.json")
     ap.add_argument(
@@ -315,37 +326,29 @@ def _measure(
     stages: Path | None,
 ) -> tuple[dict[str, dict[int, Series]], list[str], dict[str, dict[str, float]] | None]:
     """Every lane interleaved with the floor; with ``stages``, the edged lane's daemon times its
-    stages, and each request's record is given to the lane whose burst it fell in."""
+    stages, and each request's record is given to the lane whose burst it fell in. With
+    ``--restarts K`` every daemon is started K times, the rounds shared among the starts: where a
+    start's threads land stays fixed for that start, and two starts of the same code differed by
+    up to 29% at c=4 on the 16-core host (the ``twin`` lane)."""
     concs = [int(c) for c in args.concurrency.split(",")]
     budget = Budget(3000, 0.3) if not spec.frame else Budget(300, 0.5)
     servers: list[Server] = []
     windows: list[tuple[str, float, float]] = []
     by_lane = None
+    results: dict[str, dict[int, Series]] = {}
+    placements: list[str] = []
     try:
         servers = servers_for(work, spec, lanes, args.base, stages=stages)
         write_specs(work / "specs.json", specs)
-        for s in servers:
-            s.start()
-            s.wait_ready()
-        x = spec.sample()
-        sess = session(spec)
-        want = sess.run([spec.outputs[0]], {spec.input: x})[0]
-        runs = {(FLOOR, c): Lane(floor_runner(sess, spec, x, c), budget) for c in concs}
-        for s in servers:
-            if s.answers:  # the echo and the limit lanes answer nothing the model computed
-                check(s, spec, x, want)
-            for c in concs:
-                runs[(s.name, c)] = Lane(server_runner(s, spec, x, c), budget)
-        first = next((s for s in servers if isinstance(s, EdgedServer)), None)
-        if spec.frame and first is not None:  # the producer writes its frame in the region in place: no copy
-            for c in concs:
-                runs[("edged, frame in place", c)] = Lane(_no_copy(first, spec, x, c), budget)
-                runs[("edged, answer in place", c)] = Lane(_in_place(first, spec, x, want, c), budget)
-        timed = {
-            key: Lane(_windowed(f"{key[0]} c={key[1]}", lane.run, windows), lane.budget) for key, lane in runs.items()
-        }
-        results = interleave(timed, args.rounds)
-        placements = [_placement(s, spec.name) for s in servers]
+        restarts = max(1, min(args.restarts, args.rounds))
+        for k in range(restarts):
+            rounds = args.rounds // restarts + (1 if k < args.rounds % restarts else 0)
+            for s in servers:
+                s.stop()  # a no-op before the first start
+                s.start()
+                s.wait_ready()
+            _merge(results, _segment(servers, spec, concs, budget, windows, rounds))
+            placements += [f"start {k + 1}: {_placement(s, spec.name)}" for s in servers]
     finally:
         for s in servers:
             s.close_frames()
@@ -354,6 +357,45 @@ def _measure(
             by_lane = lane_stages(stages, windows, spec.name)
         shutil.rmtree(work, ignore_errors=True)
     return results, placements, by_lane
+
+
+def _segment(
+    servers: list[Server],
+    spec: ModelSpec,
+    concs: list[int],
+    budget: Budget,
+    windows: list[tuple[str, float, float]],
+    rounds: int,
+) -> dict[str, dict[int, Series]]:
+    """``rounds`` interleaved rounds against the servers as started now (answers checked first)."""
+    x = spec.sample()
+    sess = session(spec)
+    want = sess.run([spec.outputs[0]], {spec.input: x})[0]
+    runs = {(FLOOR, c): Lane(floor_runner(sess, spec, x, c), budget) for c in concs}
+    for s in servers:
+        if s.answers:  # the echo and the limit lanes answer nothing the model computed
+            check(s, spec, x, want)
+        for c in concs:
+            runs[(s.name, c)] = Lane(server_runner(s, spec, x, c), budget)
+    first = next((s for s in servers if isinstance(s, EdgedServer)), None)
+    if spec.frame and first is not None:  # the producer writes its frame in the region in place: no copy
+        for c in concs:
+            runs[("edged, frame in place", c)] = Lane(_no_copy(first, spec, x, c), budget)
+            runs[("edged, answer in place", c)] = Lane(_in_place(first, spec, x, want, c), budget)
+    timed = {key: Lane(_windowed(f"{key[0]} c={key[1]}", lane.run, windows), lane.budget) for key, lane in runs.items()}
+    try:
+        return interleave(timed, rounds)
+    finally:
+        for s in servers:
+            s.close_frames()
+
+
+def _merge(into: dict[str, dict[int, Series]], more: dict[str, dict[int, Series]]) -> None:
+    for name, by_c in more.items():
+        for c, series in by_c.items():
+            mine = into.setdefault(name, {}).setdefault(c, Series())
+            mine.latencies += series.latencies
+            mine.throughput += series.throughput
 
 
 def _windowed(name: str, run: Runner, windows: list[tuple[str, float, float]]) -> Runner:
