@@ -196,23 +196,31 @@ def _placement(server: Server, model: str) -> str:
 def starts(
     work: Path, spec: ModelSpec, lanes: list[str], base: str | None, n: int, beside: dict[str, ModelSpec]
 ) -> None:
-    """Each daemon started ``n`` times, alternated: its inline decision and measured run cost
-    (``beside``: other models the daemons serve too, warmed in the same start)."""
+    """Each daemon started ``n`` times, alternated: its inline decision, measured run cost and
+    intra-op threads, and its time from spawn to READY=1 (``beside``: other models the daemons
+    serve too, warmed in the same start)."""
     try:
         servers = [s for s in servers_for(work, spec, lanes, base, beside) if isinstance(s, EdgedServer)]
         seen: dict[str, list[str]] = {s.name: [] for s in servers}
+        ready: dict[str, list[float]] = {s.name: [] for s in servers}
         for _ in range(n):
             for s in servers:
                 s.start()
                 try:
-                    s.wait_ready()
+                    ready[s.name].append(s.wait_ready())
                     doc = get_status(s.addr)["models"][spec.name]
-                    seen[s.name].append(f"{'inline' if doc.get('inline') else 'worker'}/{doc.get('infer_us')}")
+                    where = "inline" if doc.get("inline") else "worker"
+                    seen[s.name].append(f"{where}/{doc.get('infer_us')}/{doc.get('threads', '-')}")
                 finally:
                     s.stop()
         for name, decisions in seen.items():
             inline = sum(d.startswith("inline") for d in decisions)
-            print(f"{spec.name} {name:16} inline in {inline}/{n} starts: {', '.join(decisions)}", flush=True)
+            took = ready[name]
+            print(
+                f"{spec.name} {name:16} inline in {inline}/{n} starts (where/us/threads): {', '.join(decisions)}; "
+                f"ready after {statistics.median(took):.3f} s median ({min(took):.3f}-{max(took):.3f})",
+                flush=True,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
