@@ -163,8 +163,9 @@ class OnnxRuntimeBackend(Backend):
 
     def __init__(self, artifact: Path, options: Any = None) -> None:
         super().__init__(artifact, options)
+        # The session load() made (to read the specs), handed to the first instance and then
+        # dropped here: an instance the warm-up replaces (fewer threads) frees its session.
         self._first: ort.InferenceSession | None = None
-        self._first_taken = False
 
     @staticmethod
     def specs_of(sess: ort.InferenceSession) -> tuple[TensorSpec, ...]:
@@ -228,7 +229,7 @@ class OnnxRuntimeBackend(Backend):
 
     def _load_impl(self) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         sess = self._session(self._threads())
-        self._first, self._first_taken = sess, False
+        self._first = sess
         return (
             tuple(_spec(i) for i in sess.get_inputs()),
             tuple(_spec(o) for o in sess.get_outputs()),
@@ -237,12 +238,11 @@ class OnnxRuntimeBackend(Backend):
     def _instance_impl(self, threads: int) -> Instance:
         default = self._threads()
         threads = threads or default
+        first = None
         if threads == default:
             with self._lock:
-                if self._first is not None and not self._first_taken:
-                    self._first_taken = True
-                    return _OrtInstance(self, self._first, threads)
-        return _OrtInstance(self, self._session(threads), threads)
+                first, self._first = self._first, None
+        return _OrtInstance(self, first if first is not None else self._session(threads), threads)
 
     def _unload_impl(self) -> None:
         self._first = None

@@ -6,7 +6,9 @@ with how many threads. The last tests build real ONNX Runtime sessions with fewe
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,3 +158,15 @@ def test_a_model_past_the_trial_bound_or_a_failed_trial_keeps_its_instances(
 
     assert fit_threads(b, insts, _inputs(), 10.0, wrap=broken, model="tiny") == (insts, 10.0)
     assert "the trial with fewer failed: no room for a second session" in caplog.text
+
+
+def test_an_instance_the_warm_up_replaces_frees_its_session(model_dir: Path) -> None:
+    # The backend handed its first session (made at load) to the first instance and kept it too:
+    # replaced by a one-thread instance, the rule's session and its pool lived on with the backend.
+    b = _backend(model_dir)
+    rule = b.instance()
+    session = weakref.ref(rule._session)  # type: ignore[attr-defined]
+    del rule
+    gc.collect()
+    assert session() is None
+    assert b.instance().infer(_inputs())["probs"].shape == (1, 4)  # the next instance builds its own
