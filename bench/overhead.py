@@ -105,6 +105,7 @@ class BaseEdged(EdgedServer):
         self.tree = work / "base-tree"
         export(commit, self.tree)
         super().__init__(work, specs, options, label="edged-base", server=server)
+        self.cwd = self.tree  # its children too (the build worker is `python -m edged.build.worker`)
 
     def extra_env(self) -> dict[str, str]:
         return dict(super().extra_env(), PYTHONPATH=_first_on_path(self.tree))

@@ -96,6 +96,7 @@ class Server:
     stop_signal = signal.SIGTERM
 
     def __init__(self, work: Path, specs: dict[str, ModelSpec]) -> None:
+        self.cwd = REPO  # the server's working directory (``python -m`` puts it first on sys.path)
         self.dir = work / self.name
         self.specs = specs
         self.proc: subprocess.Popen[bytes] | None = None
@@ -151,7 +152,12 @@ class Server:
         with open(self.dir / "server.log", "ab") as log:
             self.spawned = time.perf_counter()
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO, start_new_session=True
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                cwd=self.cwd,
+                start_new_session=True,
             )
 
     def wait_ready(self, timeout: float = 120.0, interval: float = 0.01) -> float:

@@ -282,8 +282,8 @@ class Registry:
             # Remembered for the next boot's plan; small drifts do not rewrite the cache.
             rt.entry = await asyncio.to_thread(self._remember_footprint, rt.entry, rt.footprint)
         self.set_state(rt, ModelState.WARMING)
-        room = rt.footprint <= self.budget - self.used()  # for a trial session beside it
-        instances, rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances, room)
+        room = self._trial_room(rt)
+        rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances, room)
         rt.threads = instances[0].threads if instances else 0
         threshold = self.cfg.server.inline_threshold_us
         inline = _may_run_inline(rt) and rt.infer_us is not None and rt.infer_us < threshold
@@ -333,24 +333,29 @@ class Registry:
             raise CacheError(f"{rt.name}: {rt.entry.artifact.name} does not load: {e}") from e
         return backend, instances, rss_bytes() - before
 
-    def _warm_blocking(
-        self, rt: ModelRuntime, instances: list[Instance], room: bool
-    ) -> tuple[list[Instance], float | None]:
-        """Run the warm-up inputs through every instance; return the instances to serve with and
-        one run's cost in us (see edged.warmup.warm_cost_us: a low quartile of enough runs, not a
-        noisy median of three). A cheap model whose thread count the configuration left open is
-        measured with fewer threads too, given ``room`` in the budget for a trial session
-        (edged/threadpick.py); it may come back with new instances."""
+    def _warm_blocking(self, rt: ModelRuntime, instances: list[Instance], room: bool) -> float | None:
+        """Run the warm-up inputs through every instance; return one run's cost in us (see
+        edged.warmup.warm_cost_us: a low quartile of enough runs, not a noisy median of three).
+        A cheap model whose thread count the configuration left open is measured with fewer
+        threads too, given ``room`` in the budget for trial sessions (edged/threadpick.py): its
+        ``instances`` may be replaced in place."""
         assert rt.backend is not None
         if rt.cfg.warmup.iterations == 0:
-            return instances, None
+            return None
         inputs = warm_inputs(rt.backend.inputs, rt.cfg)
         runs = [functools.partial(inst.infer, inputs) for inst in instances]
         threshold = float(self.cfg.server.inline_threshold_us) if _may_run_inline(rt) else None
         cost = warm_cost_us(runs, rt.cfg.warmup.iterations, threshold)
-        if not room:
-            return instances, cost
-        return fit_threads(rt.backend, instances, inputs, cost, self._wrap_instance, rt.name)
+        if room:
+            cost = fit_threads(rt.backend, instances, inputs, cost, self._wrap_instance, rt.name)
+        return cost
+
+    def _trial_room(self, rt: ModelRuntime) -> bool:
+        """Whether the budget holds two more sessions of this model beside what is loaded (it
+        and every other runtime, including one it is about to replace): the most a thread
+        trial holds at once besides the instance it measures (edged/threadpick.py)."""
+        others = sum(m.footprint for m in self.models.values() if m.backend is not None and m is not rt)
+        return others + 3 * rt.footprint <= self.budget
 
     async def unload(
         self, rt: ModelRuntime, state: ModelState = ModelState.UNLOADED, reason: str = "", notify: bool = True

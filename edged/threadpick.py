@@ -45,6 +45,9 @@ TIE = 1.03
 SAMPLES = 24
 BUDGET_US = 30_000.0
 _WARM_RUNS = 3  # a candidate's first runs start its pool and fill its caches: not timed
+# The rule's instance running more than this many times its warm-up cost during the trial: a host
+# that got busy meanwhile (a lazy load or a reload beside traffic); the trial's verdict is not kept.
+BUSY = 2.0
 
 T = TypeVar("T")
 
@@ -52,11 +55,13 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Pick(Generic[T]):
     """What the measurement chose: the instance to serve with first (the rule's or a candidate's),
-    its threads and one run's cost in microseconds."""
+    its threads and one run's cost in microseconds; ``rule_us``: the rule's cost in the first
+    comparison (against the warm-up's, it tells a host that got busy during the trial)."""
 
     instance: T
     threads: int
     cost_us: float
+    rule_us: float = math.inf
 
 
 def candidates(auto: int) -> Iterator[int]:
@@ -106,12 +111,13 @@ def pick_threads(
         inst = build(n)
         base_us, cand_us = compare(functools.partial(run, rule), functools.partial(run, inst), clock)
         if best.cost_us == math.inf:
-            best = Pick(rule, auto, base_us)
+            best = Pick(rule, auto, base_us, base_us)
         if cand_us > TIE * base_us:
+            del inst  # freed before the next candidate is built: at most three sessions at once
             if n == 1:
                 continue  # one thread is behind: the search goes on from the rule's count down
             break
-        best = Pick(inst, n, cand_us)
+        best = Pick(inst, n, cand_us, best.rule_us)
         if n == 1:
             break  # as fast as the pool with one thread: nothing fewer to try
     return best
@@ -124,33 +130,52 @@ def fit_threads(
     infer_us: float | None,
     wrap: Callable[[Instance], Instance] | None = None,
     model: str = "",
-) -> tuple[list[Instance], float | None]:
-    """The instances to serve with and one run's cost: the warmed ``instances`` as they are, or
-    as many new ones with the fewer threads ``pick_threads`` chose (``wrap``: the registry's
-    instance wrapper, tests' fault injection). A trial that fails (a session that cannot be built)
-    leaves the rule's instances: the model serves as it would have without the measurement."""
+) -> float | None:
+    """Serve with fewer intra-op threads where ``pick_threads`` finds them as fast: ``instances``
+    (warmed, the rule's count) is replaced in place by as many new, warmed instances with that
+    count, so the old sessions are freed here, on the caller's thread, not wherever the list's
+    last holder drops it (the event loop). Returns one run's cost (``infer_us`` when nothing
+    changed). ``wrap``: the registry's instance wrapper, tests' fault injection. A trial that
+    fails (a session that cannot be built), or one that ran on a host busier than the warm-up
+    saw, leaves the rule's instances: the model serves as it would have without it."""
     auto = backend.auto_threads()
     if not auto or not instances or infer_us is None or infer_us >= TRIAL_MAX_US:
-        return instances, infer_us
+        return infer_us
 
     def build(n: int) -> Instance:
         inst = backend.instance(n)
-        return wrap(inst) if wrap is not None else inst
+        inst = wrap(inst) if wrap is not None else inst
+        for _ in range(_WARM_RUNS):  # as the warm-up warmed the rule's instances
+            inst.infer(inputs)
+        return inst
 
     try:
-        pick = pick_threads(instances[0], auto, build, lambda inst: inst.infer(inputs, checked=True))
+        # Runs as the warm-up's are (inputs checked), so the cost compares with infer_us.
+        pick = pick_threads(instances[0], auto, build, lambda inst: inst.infer(inputs))
         if pick.threads == auto:
-            chosen = instances
-        else:
-            chosen = [pick.instance, *(build(pick.threads) for _ in instances[1:])]
+            return infer_us
+        if pick.rule_us > BUSY * infer_us:
+            # The rule's instance ran slower than at warm-up: the host got busy, which slows a
+            # pool more than one thread. A choice made now would last for the runtime's life.
+            log.info(
+                "keeping %d intra-op threads: the host was busy during the trial (%.1f us a run against %.1f)",
+                auto,
+                pick.rule_us,
+                infer_us,
+                extra={"model": model},
+            )
+            return infer_us
+        chosen = [pick.instance, *(build(pick.threads) for _ in instances[1:])]
     except Exception as e:  # the trial is an optimisation: its failure must not fail the model
         log.warning("keeping %d intra-op threads: the trial with fewer failed: %s", auto, e, extra={"model": model})
-        return instances, infer_us
+        return infer_us
+    instances[:] = chosen
     log.info(
-        "intra-op threads: %d (measured at warm-up against fewer than the rule's %d: %.1f us a run)",
+        "intra-op threads: %d (measured at warm-up against the rule's %d: %.1f us a run against %.1f)",
         pick.threads,
         auto,
         pick.cost_us,
+        pick.rule_us,
         extra={"model": model},
     )
-    return chosen, (infer_us if chosen is instances else pick.cost_us)
+    return pick.cost_us

@@ -7,14 +7,16 @@ with how many threads. The last tests build real ONNX Runtime sessions with fewe
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from edged import threadpick
 from edged.backends.base import Instance, LoadOptions
 from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.threadpick import SAMPLES, TIE, TRIAL_MAX_US, candidates, fit_threads, pick_threads
@@ -124,39 +126,91 @@ def _inputs() -> dict[str, np.ndarray]:
 def test_a_configured_count_is_never_measured(model_dir: Path) -> None:
     b = _backend(model_dir, threads=3)
     insts: list[Instance] = [b.instance()]
-    assert (b.auto_threads(), insts[0].threads) == (0, 3)
-    assert fit_threads(b, insts, _inputs(), 10.0) == (insts, 10.0)
+    first = insts[0]
+    assert (b.auto_threads(), first.threads) == (0, 3)
+    assert fit_threads(b, insts, _inputs(), 10.0) == 10.0
+    assert insts == [first]
+
+
+def _need_cores() -> None:
+    if _cores() < 2:
+        pytest.skip(f"one CPU in this process's affinity ({os.sched_getaffinity(0)}): nothing to choose")
 
 
 def test_fewer_threads_run_the_same_model(model_dir: Path) -> None:
-    if _cores() < 2:
-        pytest.skip(f"one CPU in this process's affinity ({os.sched_getaffinity(0)}): nothing to choose")
+    _need_cores()
     b = _backend(model_dir)
     rule = b.instance()
     assert rule.threads == b.auto_threads() == _cores()
     one = b.instance(1)
     assert one.threads == 1
     x = _inputs()
-    np.testing.assert_array_equal(one.infer(x)["probs"], rule.infer(x)["probs"])
-    insts, cost = fit_threads(b, [rule, b.instance()], x, 10.0)
+    np.testing.assert_allclose(one.infer(x)["probs"], rule.infer(x)["probs"], rtol=1e-6)
+    insts = [rule, b.instance()]
+    cost = fit_threads(b, insts, x, 400.0)
     assert len(insts) == 2 and insts[0].threads == insts[1].threads
     assert 1 <= insts[0].threads <= _cores() and cost is not None and cost > 0
-    np.testing.assert_array_equal(insts[1].infer(x)["probs"], rule.infer(x)["probs"])
+    np.testing.assert_allclose(insts[1].infer(x)["probs"], rule.infer(x)["probs"], rtol=1e-6)
+
+
+class CountingInstance(Instance):
+    """A real instance, its runs counted (the test's wrapper, as the registry's fault wrapper)."""
+
+    def __init__(self, inner: Instance) -> None:
+        super().__init__(inner.backend, inner.threads)
+        self.inner, self.runs = inner, 0
+
+    def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.runs += 1
+        return self.inner._infer_impl(inputs)
+
+
+def test_the_chosen_count_replaces_every_instance_in_place_warmed(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _need_cores()
+    monkeypatch.setattr(threadpick, "TIE", 1e9)  # any candidate ties: one thread wins, deterministically
+    b = _backend(model_dir)
+    insts = [b.instance(), b.instance()]
+    sessions = [weakref.ref(i._session) for i in insts]  # type: ignore[attr-defined]
+    # A warm-up cost no trial run can reach twice of (400 us): the host never looks busier.
+    cost = fit_threads(b, insts, _inputs(), 400.0, wrap=CountingInstance)
+    assert [i.threads for i in insts] == [1, 1] and cost is not None
+    counted = [i for i in insts if isinstance(i, CountingInstance)]
+    assert len(counted) == 2 and all(i.runs >= 3 for i in counted)  # each one warmed before serving
+    gc.collect()
+    assert [s() for s in sessions] == [None, None]  # the rule's sessions are gone, on this thread
+
+
+def test_a_trial_on_a_host_busier_than_the_warm_up_keeps_the_rule(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _need_cores()
+    monkeypatch.setattr(threadpick, "TIE", 1e9)
+    monkeypatch.setattr(threadpick, "BUSY", 0.0)  # the rule's run, however fast, counts as slowed
+    caplog.set_level(logging.INFO, logger="edged.threadpick")
+    b = _backend(model_dir)
+    insts: list[Instance] = [b.instance()]
+    first = insts[0]
+    assert fit_threads(b, insts, _inputs(), 10.0, model="tiny") == 10.0
+    assert insts == [first] and first.threads == _cores()
+    assert "the host was busy during the trial" in caplog.text
 
 
 def test_a_model_past_the_trial_bound_or_a_failed_trial_keeps_its_instances(
     model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    if _cores() < 2:
-        pytest.skip(f"one CPU in this process's affinity ({os.sched_getaffinity(0)}): nothing to choose")
+    _need_cores()
     b = _backend(model_dir)
     insts: list[Instance] = [b.instance()]
-    assert fit_threads(b, insts, _inputs(), TRIAL_MAX_US) == (insts, TRIAL_MAX_US)
+    first = insts[0]
+    assert fit_threads(b, insts, _inputs(), TRIAL_MAX_US) == TRIAL_MAX_US
 
     def broken(inst: Instance) -> Instance:
         raise MemoryError("no room for a second session")
 
-    assert fit_threads(b, insts, _inputs(), 10.0, wrap=broken, model="tiny") == (insts, 10.0)
+    assert fit_threads(b, insts, _inputs(), 10.0, wrap=broken, model="tiny") == 10.0
+    assert insts == [first]
     assert "the trial with fewer failed: no room for a second session" in caplog.text
 
 
