@@ -133,6 +133,16 @@ def serving(
     return out
 
 
+def merge(into: dict[str, dict[int, Series]], more: dict[str, dict[int, Series]]) -> None:
+    """``more``'s series (per target, per concurrency) added to ``into``'s: rounds run against
+    another start of the same servers."""
+    for name, by_c in more.items():
+        for c, series in by_c.items():
+            mine = into.setdefault(name, {}).setdefault(c, Series())
+            mine.latencies += series.latencies
+            mine.throughput += series.throughput
+
+
 @dataclass(frozen=True)
 class Lane:
     run: Runner

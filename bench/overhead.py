@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from bench.first_request import ProbedEdged
-from bench.measure import FLOOR, Budget, Lane, Runner, Series, floor_runner, interleave, server_runner
+from bench.measure import FLOOR, Budget, Lane, Runner, Series, floor_runner, interleave, merge, server_runner
 from bench.models import ModelSpec, prepare, session, write_specs
 from bench.peers import machine
 from bench.servers import (
@@ -356,7 +356,7 @@ def _measure(
                 s.stop()  # a no-op before the first start
                 s.start()
                 s.wait_ready()
-            _merge(results, _segment(servers, spec, concs, budget, windows, rounds))
+            merge(results, _segment(servers, spec, concs, budget, windows, rounds))
             placements += [f"start {k + 1}: {_placement(s, spec.name)}" for s in servers]
     finally:
         for s in servers:
@@ -397,14 +397,6 @@ def _segment(
     finally:
         for s in servers:
             s.close_frames()
-
-
-def _merge(into: dict[str, dict[int, Series]], more: dict[str, dict[int, Series]]) -> None:
-    for name, by_c in more.items():
-        for c, series in by_c.items():
-            mine = into.setdefault(name, {}).setdefault(c, Series())
-            mine.latencies += series.latencies
-            mine.throughput += series.throughput
 
 
 def _windowed(name: str, run: Runner, windows: list[tuple[str, float, float]]) -> Runner:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import measure, report
-from bench.measure import Budget
+from bench.measure import Budget, Series
 from bench.models import ModelSpec, batchable, prepare, write_specs
 from bench.servers import (
     EdgedServer,
@@ -54,11 +54,16 @@ class Plan:
     budgets: dict[str, Budget]
     concurrencies: tuple[int, ...] = (1, 4, 16)
     gap_s: float = 0.5
+    # Starts of every server in the serving phase, the rounds shared among them: a start's threads
+    # stay where they first land, and two daemons of the same code differed by up to 29% at c=4 in
+    # one start each (docs/performance.md, session 23).
+    serving_starts: int = 1
 
 
 QUICK = Plan(
     rounds=2,
     starts=2,
+    serving_starts=2,
     sched_rounds=2,
     budgets={"tiny": Budget(3000, 0.3), "conv640": Budget(600, 0.4), "ocr_det": Budget(60, 1.0)},
 )
@@ -71,6 +76,7 @@ SMOKE = Plan(
 FULL = Plan(
     rounds=6,
     starts=4,
+    serving_starts=3,
     sched_rounds=5,
     budgets={"tiny": Budget(6000, 0.5), "conv640": Budget(1500, 0.6), "ocr_det": Budget(120, 1.5)},
 )
@@ -209,10 +215,17 @@ def measure_all(plan: Plan, mode: str, keep: bool) -> dict[str, Any]:
     try:
         write_specs(work / "specs.json", specs)
         results["cold_start"] = cold_starts(work, specs, plan)
-        log("serving: every server up, interleaved rounds")
         limits = [LimitServer(work, specs), LimitWorkerServer(work, specs), LimitV2Server(work, specs)]
-        with running([*peers(work, specs), *limits]) as servers:
-            series = measure.serving(servers, specs, plan.concurrencies, plan.rounds, plan.budgets)
+        everyone = [*peers(work, specs), *limits]
+        series: dict[str, dict[str, dict[int, Series]]] = {}
+        starts = max(1, min(plan.serving_starts, plan.rounds))
+        for k in range(starts):
+            rounds = plan.rounds // starts + (1 if k < plan.rounds % starts else 0)
+            log(f"serving: every server up (start {k + 1} of {starts}), {rounds} interleaved rounds")
+            with running(everyone) as servers:
+                part = measure.serving(servers, specs, plan.concurrencies, rounds, plan.budgets)
+            for model, by_server in part.items():
+                measure.merge(series.setdefault(model, {}), by_server)
         log("scheduler: batching and instances")
         sched = scheduler_phase(work, specs, plan)
     finally:

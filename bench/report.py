@@ -217,8 +217,9 @@ def markdown(r: dict[str, Any], pngs: Sequence[str], img_prefix: str = "") -> st
     lines = [
         "# edged benchmark",
         "",
-        f"Mode: {r['mode']}, {r['plan']['rounds']} interleaved rounds, {r['plan']['starts']} fresh starts "
-        f"per server; {r['elapsed_s'] / 60:.1f} min. Machine: {m['cpu']}, {m['cpus']} CPUs "
+        f"Mode: {r['mode']}, {r['plan']['rounds']} interleaved rounds over "
+        f"{r['plan'].get('serving_starts', 1)} start(s) of every server, {r['plan']['starts']} fresh starts "
+        f"per server for the cold start; {r['elapsed_s'] / 60:.1f} min. Machine: {m['cpu']}, {m['cpus']} CPUs "
         f"(affinity {m['affinity']}), {m['memory_gib']} GiB, Linux {m['kernel']}, Python {m['python']}, "
         f"ONNX Runtime {m['onnxruntime']}; load average {m['loadavg_start'][0]:.2f} at start, "
         f"{m['loadavg_end'][0]:.2f} at end (the machine is shared).",
