@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "where a request's time goes outside the model, with trial fixes"),
     "handoff": ("bench.handoff", "the hand-off to a model's worker thread and back, and spinning after a gap"),
     "spinning": ("bench.spinning", "ONNX Runtime's spinning intra-op threads on and off"),
+    "pools": ("bench.pools", "two instances: a thread pool each against one process-wide pool, in process"),
     "threads": ("bench.threads", "intra-op threads against one run's time and CPU, in process, per model"),
     "session": (
         "bench.session_probe",
