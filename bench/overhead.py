@@ -250,8 +250,10 @@ def report(
     placements: list[str],
     out: Path | None,
     stages: dict[str, dict[str, float]] | None = None,
+    run: dict[str, int] | None = None,
 ) -> None:
-    """Each lane's figures, as ratios to the floor's in the same rounds too, printed and written."""
+    """Each lane's figures, as ratios to the floor's in the same rounds too, printed and written
+    (``run``: the rounds and the starts they were shared among)."""
     lanes: dict[str, dict[str, Any]] = {}
     floors = {c: series.summary() for c, series in results.get(FLOOR, {}).items()}
     for name, by_conc in results.items():
@@ -273,7 +275,14 @@ def report(
         print(f"{spec.name} {lane:27} stages, medians (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
     out = out or REPO / "bench-results" / f"overhead_{spec.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"model": spec.name, "machine": machine(), "lanes": lanes, "placement": placements, "stages": stages}
+    doc = {
+        "model": spec.name,
+        "machine": machine(),
+        **(run or {}),
+        "lanes": lanes,
+        "placement": placements,
+        "stages": stages,
+    }
     out.write_text(json.dumps(doc, indent=2))
     print(f"written to {out}", flush=True)
 
@@ -314,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(lanes) - set(LANES)
     if unknown:
         ap.error(f"unknown lanes {sorted(unknown)}; pick from {', '.join(LANES)}")
+    if args.stages and "twin" in lanes:
+        ap.error("--stages times the edged lane's daemon only: its twin would not be the same daemon")
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     spec = specs[args.model]
     work = Path(tempfile.mkdtemp(prefix="edged-probe-"))
@@ -323,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     stages = work / "stages.jsonl" if args.stages else None
     results, placements, by_lane = _measure(args, spec, specs, lanes, work, stages)
-    report(spec, results, placements, args.out, by_lane)
+    report(spec, results, placements, args.out, by_lane, {"rounds": args.rounds, "restarts": restarts_of(args)})
 
 
 def _measure(
@@ -349,7 +360,7 @@ def _measure(
     try:
         servers = servers_for(work, spec, lanes, args.base, stages=stages)
         write_specs(work / "specs.json", specs)
-        restarts = max(1, min(args.restarts, args.rounds))
+        restarts = restarts_of(args)
         for k in range(restarts):
             rounds = args.rounds // restarts + (1 if k < args.rounds % restarts else 0)
             for s in servers:
@@ -366,6 +377,11 @@ def _measure(
             by_lane = lane_stages(stages, windows, spec.name)
         shutil.rmtree(work, ignore_errors=True)
     return results, placements, by_lane
+
+
+def restarts_of(args: argparse.Namespace) -> int:
+    """Starts of every daemon: at most one per round (``--restarts`` above ``--rounds`` is capped)."""
+    return max(1, min(args.restarts, args.rounds))
 
 
 def _segment(

@@ -1,5 +1,6 @@
-"""Two instances of one model: a thread pool each (edged's rule, cores / 2 threads apiece) against
-one process-wide pool both share (ONNX Runtime's global thread pool, all cores), in process.
+"""Two instances of one model: a thread pool each (edged's rule, cores / 2 threads apiece; or every
+core apiece) against one process-wide pool both share (ONNX Runtime's global thread pool, all
+cores), in process.
 
 Each mode runs in a child process (the global pool must be set up before the first session):
 one run at a time (c=1, a 2 ms pause between runs) and two threads running the two instances
@@ -23,7 +24,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("session", "global")
+# "session": a pool each of cores / 2 threads (edged's rule for two instances); "wide": a pool each
+# of every core (a lone run gets them all, two at once oversubscribe the cores); "global": one
+# process-wide pool of every core, shared. "wide" tells apart what more threads give a lone run
+# from what sharing one pool does.
+MODES = ("session", "wide", "global")
 
 
 def child(mode: str, path: str, shape: list[int]) -> dict[str, float]:
@@ -44,7 +49,7 @@ def child(mode: str, path: str, shape: list[int]) -> dict[str, float]:
         if mode == "global":
             so.use_per_session_threads = False
         else:
-            so.intra_op_num_threads = max(1, cores // 2)
+            so.intra_op_num_threads = cores if mode == "wide" else max(1, cores // 2)
         return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
     pair = [session(), session()]
@@ -67,15 +72,16 @@ def child(mode: str, path: str, shape: list[int]) -> dict[str, float]:
             lat.append(time.perf_counter() - t0)
             runs[k] += 1
 
-    c0 = time.process_time()
+    c0, w0 = time.process_time(), time.perf_counter()
     threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    wall = time.perf_counter() - w0  # the last run of each thread ends after ``stop``
     return {
         "alone_ms": statistics.median(alone) * 1e3,
-        "pair_runs_per_s": sum(runs) / 2.0,
+        "pair_runs_per_s": sum(runs) / wall,
         "pair_p50_ms": statistics.median(lat) * 1e3,
         "pair_cpu_ms_per_run": (time.process_time() - c0) / sum(runs) * 1e3,
     }
@@ -101,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.rounds):
             for mode in MODES:
                 cmd = [sys.executable, "-m", "bench.pools", "--child", mode, spec.path, json.dumps(list(spec.shape))]
-                done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
+                done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+                if done.returncode != 0 or not done.stdout.strip():
+                    raise SystemExit(f"{name} {mode}: the child failed ({done.returncode}):\n{done.stderr[-2000:]}")
                 got[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
         out["models"][name] = {}
         for mode, rows in got.items():
