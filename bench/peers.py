@@ -33,6 +33,7 @@ from typing import Any
 from bench import measure, report
 from bench.measure import Budget, Series
 from bench.models import ModelSpec, batchable, prepare, write_specs
+from bench.report import TWIN
 from bench.servers import (
     EdgedServer,
     FastAPIServer,
@@ -216,7 +217,10 @@ def measure_all(plan: Plan, mode: str, keep: bool) -> dict[str, Any]:
         write_specs(work / "specs.json", specs)
         results["cold_start"] = cold_starts(work, specs, plan)
         limits = [LimitServer(work, specs), LimitWorkerServer(work, specs), LimitV2Server(work, specs)]
-        everyone = [*peers(work, specs), *limits]
+        twin = EdgedServer(work, specs, label=TWIN)  # the A/A spread, beside edged's targets
+        with running([twin]):  # unrecorded: it builds its own cache, as edged did in its cold starts
+            twin.wait_built()
+        everyone = [*peers(work, specs), twin, *limits]
         series: dict[str, dict[str, dict[int, Series]]] = {}
         starts = max(1, min(plan.serving_starts, plan.rounds))
         for k in range(starts):

@@ -14,9 +14,13 @@ LIMIT = "limit"  # the echo's stack running the model on its loop (bench/limit.p
 LIMIT_WORKER = "limitworker"  # the same with the run on a worker thread: the bound for a loop kept free
 LIMIT_V2 = "limitv2"  # the least an Open Inference Protocol server does on the stack: the protocol's bound
 LIMITS = (LIMIT, LIMIT_WORKER, LIMIT_V2)
+# edged's daemon a second time, same code and configuration (serving only): how far two daemons
+# that should measure the same differ in this run, shown beside every figure of edged's target.
+TWIN = "edged-twin"
 LABEL = {
     FLOOR: "in-process (floor)",
     "edged": "edged",
+    TWIN: "edged, a second daemon of the same code",
     "fastapi": "FastAPI (hand-written)",
     "pytriton": "PyTriton",
     LIMIT: "limit: echo + model on the loop",
@@ -29,6 +33,7 @@ TRANSPORT = {
     LIMIT_WORKER: "Unix socket; the input held by the server",
     LIMIT_V2: "Unix socket; binary V2 request and answer",
     "edged": "Unix socket; frames via shm",
+    TWIN: "Unix socket; frames via shm",
     "fastapi": "Unix socket; raw bytes",
     "pytriton": "HTTP on 127.0.0.1; frames via shm",
 }
@@ -40,7 +45,7 @@ def peers_of(targets: dict[str, Any]) -> list[str]:
     return [
         n
         for n in dict.fromkeys(("fastapi", "pytriton", *targets))
-        if n in targets and n not in (FLOOR, "edged", *LIMITS)
+        if n in targets and n not in (FLOOR, "edged", TWIN, *LIMITS)
     ]
 
 
@@ -120,8 +125,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         limit: float | None = None,
         worker_limit: float | None = None,
         v2_limit: float | None = None,
+        twin: float | None = None,
     ) -> None:
         met = value >= bound if higher else value <= bound
+        if twin is not None:  # the A/A spread: the same figure from a second daemon of the same code
+            peers = f"a second edged daemon {_f(twin)} {unit}; " + peers
         if limit is not None:  # what the machine allows: a bound past it cannot be met by any server
             peers += f"; limit {_f(limit)} {unit}" + (" (the bound is past it)" if (limit < bound) == higher else "")
         if worker_limit is not None:  # the same for a server that keeps its loop free during a run
@@ -152,6 +160,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         "ms",
         ", ".join(f"{LABEL[p]} {tiny[p]['1']['p50_ms']:.3f}" for p in peers),
         limit=_limit(tiny, "1", "p50_ms"),
+        twin=_limit(tiny, "1", "p50_ms", TWIN),
         v2_limit=_limit(tiny, "1", "p50_ms", LIMIT_V2),
     )
     for model, bound in (("conv640", 1.10), ("ocr_det", 1.05)):
@@ -164,6 +173,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             ", ".join(f"{LABEL[p]} {d[p]['1']['p50_ratio']:.2f}x" for p in peers),
             limit=_limit(d, "1", "p50_ratio"),
             worker_limit=_limit(d, "1", "p50_ratio", LIMIT_WORKER),
+            twin=_limit(d, "1", "p50_ratio", TWIN),
         )
     for model, d in sv.items():
         best = max(peers, key=lambda p: d[p]["4"]["throughput_rps"])
@@ -175,6 +185,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             f"edged {d['edged']['4']['throughput_rps']:.0f}/s, {LABEL[best]} {d[best]['4']['throughput_rps']:.0f}/s",
             higher=True,
             limit=None if LIMIT not in d else d[LIMIT]["4"]["throughput_rps"] / d[best]["4"]["throughput_rps"],
+            twin=None if TWIN not in d else d[TWIN]["4"]["throughput_rps"] / d[best]["4"]["throughput_rps"],
         )
     e = cold["edged"]
     for model in e["first_ms"]:
@@ -249,6 +260,9 @@ def markdown(r: dict[str, Any], pngs: Sequence[str], img_prefix: str = "") -> st
 
 
 SETUP = {
+    TWIN: "edged's daemon started a second time, the same code and configuration, measured in the same "
+    "rounds: the spread of two daemons that should measure the same (where each one's threads land is fixed "
+    "for its life), shown beside each of edged's targets",
     "edged": "`edged serve`, one instance per model, intra-op threads as listed, no batching (defaults); "
     "requests over its Unix socket with the binary tensor extension; frames through a registered "
     "sealed memfd region (mapped by the daemon, no copy); ready = sd_notify `READY=1` (after warm-up)",
@@ -290,9 +304,9 @@ def _setup(r: dict[str, Any]) -> list[str]:
     for name in ("edged", *peers_of(r["cold_start"])):
         cpus = sorted({c for p in r["cold_start"][name][0]["placement"].values() for c in p})
         lines.append(f"- **{LABEL[name]}**: {SETUP[name]}. CPU placement (sched_getaffinity, whole tree): {cpus}.")
-    for limit in LIMITS:
-        if any(limit in lanes for lanes in r["serving"].values()):
-            lines.append(f"- **{LABEL[limit]}** (serving only): {SETUP[limit]}.")
+    for extra in (TWIN, *LIMITS):
+        if any(extra in lanes for lanes in r["serving"].values()):
+            lines.append(f"- **{LABEL[extra]}** (serving only): {SETUP[extra]}.")
     return [*lines, ""]
 
 
@@ -305,7 +319,13 @@ def _serving_table(sv: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model, targets in sv.items():
-        for name in (FLOOR, "edged", *peers_of(targets), *(n for n in LIMITS if n in targets)):
+        for name in (
+            FLOOR,
+            "edged",
+            *(n for n in (TWIN,) if n in targets),
+            *peers_of(targets),
+            *(n for n in LIMITS if n in targets),
+        ):
             d = targets[name]
             lat = [
                 f"{_f(d[c][k])} ({d[c][k.replace('_ms', '_ratio')]:.2f})" if name != FLOOR else _f(d[c][k])
