@@ -133,6 +133,13 @@ def serving(
     return out
 
 
+def rounds_per_start(rounds: int, starts: int) -> list[int]:
+    """``rounds`` shared among ``starts`` starts of every server, earlier starts taking the
+    remainder; never a start without a round (``starts`` is capped at ``rounds``)."""
+    n = max(1, min(starts, rounds))
+    return [rounds // n + (1 if k < rounds % n else 0) for k in range(n)]
+
+
 def merge(into: dict[str, dict[int, Series]], more: dict[str, dict[int, Series]]) -> None:
     """``more``'s series (per target, per concurrency) added to ``into``'s: rounds run against
     another start of the same servers."""

@@ -141,6 +141,13 @@ def prepare(data_dir: Path, bench_models: Path) -> dict[str, ModelSpec]:
     return {s.name: s for s in specs}
 
 
+def probe_specs(repo: Path) -> dict[str, ModelSpec]:
+    """The benchmark's models and the batchable MLP (mlp2k), for the in-process probes."""
+    specs = prepare(repo / "data", repo / "data" / "bench")
+    specs["mlp2k"] = batchable(repo / "data" / "bench")
+    return specs
+
+
 def write_specs(path: Path, specs: dict[str, ModelSpec]) -> Path:
     path.write_text(json.dumps([s.to_json() for s in specs.values()]))
     return path

@@ -59,7 +59,18 @@ from typing import Any
 import numpy as np
 
 from bench.first_request import ProbedEdged
-from bench.measure import FLOOR, Budget, Lane, Runner, Series, floor_runner, interleave, merge, server_runner
+from bench.measure import (
+    FLOOR,
+    Budget,
+    Lane,
+    Runner,
+    Series,
+    floor_runner,
+    interleave,
+    merge,
+    rounds_per_start,
+    server_runner,
+)
 from bench.models import ModelSpec, prepare, session, write_specs
 from bench.peers import machine
 from bench.servers import (
@@ -334,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     stages = work / "stages.jsonl" if args.stages else None
     results, placements, by_lane = _measure(args, spec, specs, lanes, work, stages)
-    report(spec, results, placements, args.out, by_lane, {"rounds": args.rounds, "restarts": restarts_of(args)})
+    restarts = len(rounds_per_start(args.rounds, args.restarts))
+    report(spec, results, placements, args.out, by_lane, {"rounds": args.rounds, "restarts": restarts})
 
 
 def _measure(
@@ -360,9 +372,7 @@ def _measure(
     try:
         servers = servers_for(work, spec, lanes, args.base, stages=stages)
         write_specs(work / "specs.json", specs)
-        restarts = restarts_of(args)
-        for k in range(restarts):
-            rounds = args.rounds // restarts + (1 if k < args.rounds % restarts else 0)
+        for k, rounds in enumerate(rounds_per_start(args.rounds, args.restarts)):
             for s in servers:
                 s.stop()  # a no-op before the first start
                 s.start()
@@ -377,11 +387,6 @@ def _measure(
             by_lane = lane_stages(stages, windows, spec.name)
         shutil.rmtree(work, ignore_errors=True)
     return results, placements, by_lane
-
-
-def restarts_of(args: argparse.Namespace) -> int:
-    """Starts of every daemon: at most one per round (``--restarts`` above ``--rounds`` is capped)."""
-    return max(1, min(args.restarts, args.rounds))
 
 
 def _segment(

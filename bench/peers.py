@@ -222,9 +222,9 @@ def measure_all(plan: Plan, mode: str, keep: bool) -> dict[str, Any]:
             twin.wait_built()
         everyone = [*peers(work, specs), twin, *limits]
         series: dict[str, dict[str, dict[int, Series]]] = {}
-        starts = max(1, min(plan.serving_starts, plan.rounds))
-        for k in range(starts):
-            rounds = plan.rounds // starts + (1 if k < plan.rounds % starts else 0)
+        shares = measure.rounds_per_start(plan.rounds, plan.serving_starts)
+        starts = len(shares)
+        for k, rounds in enumerate(shares):
             log(f"serving: every server up (start {k + 1} of {starts}), {rounds} interleaved rounds")
             with running(everyone) as servers:
                 part = measure.serving(servers, specs, plan.concurrencies, rounds, plan.budgets)

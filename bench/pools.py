@@ -96,10 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "pools.json")
     args = ap.parse_args(argv)
-    from bench.models import batchable, prepare
+    from bench.models import probe_specs
 
-    specs = prepare(REPO / "data", REPO / "data" / "bench")
-    specs["mlp2k"] = batchable(REPO / "data" / "bench")
+    specs = probe_specs(REPO)
     out: dict[str, Any] = {"cores": len(os.sched_getaffinity(0)), "models": {}}
     for name in [m for m in args.models.split(",") if m]:
         spec = specs[name]

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.models import ModelSpec, batchable, prepare, session
+from bench.models import ModelSpec, probe_specs, session
 
 REPO = Path(__file__).resolve().parent.parent
 PAUSE_S = 0.05
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="tiny,mlp2k,conv640,ocr_det")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "threads.json")
     args = ap.parse_args(argv)
-    specs = prepare(REPO / "data", REPO / "data" / "bench")
-    specs["mlp2k"] = batchable(REPO / "data" / "bench")
+    specs = probe_specs(REPO)
     out: dict[str, Any] = {"cores": len(os.sched_getaffinity(0)), "models": {}}
     for name in [m for m in args.models.split(",") if m]:
         res = measure(specs[name], args.rounds)

@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from edged.backends.base import Backend, Instance
-from edged.warmup import run_cost_us
+from edged.warmup import run_cost_us, timed_us
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +78,15 @@ def compare(
     candidate: Callable[[], object],
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
-    """One run's cost of each (us, the lower quartile of alternated runs), after the candidate's
-    untimed first runs."""
-    for _ in range(_WARM_RUNS):
-        candidate()
+    """One run's cost of each (us, the lower quartile of alternated runs); the candidate comes
+    warmed (``fit_threads``'s build runs it first, as the warm-up ran the rule's)."""
     a: list[float] = []
     b: list[float] = []
     spent = 0.0
     while len(b) < SAMPLES and spent < BUDGET_US:
         for run, out in ((rule, a), (candidate, b)):
-            t0 = clock()
-            run()
-            took = (clock() - t0) * 1e6
-            out.append(took)
-            spent += took
+            out.append(timed_us(run, clock))
+            spent += out[-1]
     return run_cost_us(a), run_cost_us(b)
 
 

@@ -103,7 +103,8 @@ def run_cost_us(samples_us: Sequence[float]) -> float:
     return float(np.percentile(samples_us, 25))
 
 
-def _timed_us(run: Callable[[], object], clock: Callable[[], float]) -> float:
+def timed_us(run: Callable[[], object], clock: Callable[[], float]) -> float:
+    """One run's wall time in microseconds on ``clock``."""
     t0 = clock()
     run()
     return (clock() - t0) * 1e6
@@ -126,7 +127,7 @@ def warm_cost_us(
     samples: list[float] = []
     fastest = math.inf
     for run in runs:
-        times = [_timed_us(run, clock) for _ in range(iterations)]
+        times = [timed_us(run, clock) for _ in range(iterations)]
         fastest = min(fastest, *times)
         samples += times[1:] or times
     if inline_threshold_us is None or fastest >= _CANDIDATE * inline_threshold_us:
@@ -137,7 +138,7 @@ def warm_cost_us(
             # Out of budget before enough samples: these runs averaged several milliseconds (the
             # budget over fewer than INLINE_SAMPLES runs): not cheap, whatever the quartile says.
             return max(run_cost_us(samples), extra / added)
-        took = _timed_us(runs[0], clock)
+        took = timed_us(runs[0], clock)
         samples.append(took)
         extra += took
         added += 1

@@ -177,3 +177,13 @@ def raw_http(
     data = resp.read()
     conn.close()
     return resp.status, data, resp
+
+
+class FakeClock:
+    """Seconds that advance only when a fake model runs (pure-logic tests of timed decisions)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -12,18 +12,9 @@ from collections.abc import Iterable
 import pytest
 
 from edged.warmup import INLINE_SAMPLES, run_cost_us, warm_cost_us
+from tests.helpers import FakeClock
 
 THRESHOLD = 60.0  # server.inline_threshold_us's default
-
-
-class FakeClock:
-    """Seconds that advance only when a fake model runs."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeModel:
