@@ -181,6 +181,16 @@ def encode_infer(
     return b"".join(parts), header_length
 
 
+def encode_now(model: str, req: InferRequest, results: Mapping[str, np.ndarray]) -> tuple[bytes, int | None] | None:
+    """The answer as one body, encoded on the caller's thread, when it is small and no output
+    goes to shared memory; None otherwise (``encode_infer_async`` encodes those)."""
+    if req.outputs and any(o.shm_region is not None for o in req.outputs):
+        return None
+    if sum(wire_nbytes(a) for a in results.values()) > OFFLOAD_BYTES:
+        return None
+    return _encode_small(model, req, results, None)
+
+
 async def encode_infer_async(
     model: str,
     req: InferRequest,

@@ -156,25 +156,40 @@ class ModelQueue:
 
     # --- submitting (on the loop) ---
 
+    def run_now(self, inputs: Tensors, stats: ModelStatistics | None = None) -> dict[str, np.ndarray] | None:
+        """The answer at once, on the loop, for a request an inline model runs there (no larger
+        than the warm-up's, the instance free, a slot of queue_depth left); None for any other
+        request, which ``submit`` queues (or refuses). Callers on the loop try this first, so a
+        request answered at once pays for no coroutine and no future."""
+        inst = self._inline_instance
+        if (
+            inst is None
+            or self._backlog >= self.depth
+            or _elements(inputs) > self.inline_max_elements
+            or not self._inline_lock.acquire(False)
+        ):
+            return None
+        # Synchronous on the loop, bounded by the warm-up's size; the lock keeps the worker
+        # (running a larger request on the same instance) from overlapping it.
+        try:
+            started = perf_counter_ns()
+            out = inst.infer(inputs, checked=True)
+        finally:
+            self._inline_lock.release()
+        if stats is not None:  # never queued: a wait of 0, a batch of one
+            stats.ran_alone(perf_counter_ns() - started)
+        return out
+
     async def submit(
         self, inputs: Tensors, timeout: float, request_id: str = "", stats: ModelStatistics | None = None
     ) -> dict[str, np.ndarray]:
+        out = self.run_now(inputs, stats)
+        if out is not None:
+            return out
         if self._closed:
             raise ShuttingDownError(f"model '{self.model}' is not serving")
         if self._backlog >= self.depth:
             raise BusyError(f"model '{self.model}' queue is full ({self.depth} requests)")
-        inst = self._inline_instance
-        if inst is not None and _elements(inputs) <= self.inline_max_elements and self._inline_lock.acquire(False):
-            # Synchronous on the loop, bounded by the warm-up's size; the lock keeps the worker
-            # (running a larger request on the same instance) from overlapping it.
-            try:
-                started = perf_counter_ns()
-                out = inst.infer(inputs, checked=True)
-            finally:
-                self._inline_lock.release()
-            if stats is not None:  # never queued: a wait of 0, a batch of one
-                stats.ran_alone(perf_counter_ns() - started)
-            return out
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
         work = _Work(inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns())
         if self.max_batch > 1:

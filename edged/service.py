@@ -139,16 +139,46 @@ class Service:
         whatever the body holds), then the body, bounded by the model's own tensor counts and
         decoded off the loop when large, then the requested outputs against the model's."""
         rt = self.model(name)
-        plan = self._plan_for(rt)
         if len(body) <= OFFLOAD_BYTES:
-            req = decode_infer(body, header_length, shm, plan.limits)  # the hot path: no hand-off
-        else:
-            req = await decode_infer_async(body, header_length, shm, plan.limits)
-        if req.outputs is not None and plan.outputs:
-            for out in req.outputs:
-                if out.name not in plan.outputs:
-                    raise BadRequestError(f"requested output '{out.name}' is not an output of '{name}'")
-        return req
+            return self.decode_now(rt, body, header_length, shm)  # the hot path: no hand-off
+        plan = self._plan_for(rt)
+        return _outputs_checked(plan, await decode_infer_async(body, header_length, shm, plan.limits))
+
+    def decode_now(
+        self, rt: ModelRuntime, body: bytes | memoryview, header_length: int | None, shm: ShmResolver | None
+    ) -> InferRequest:
+        """``decode_infer`` on the caller's thread, for a body of at most OFFLOAD_BYTES."""
+        plan = self._plan_for(rt)
+        return _outputs_checked(plan, decode_infer(body, header_length, shm, plan.limits))
+
+    def infer_now(
+        self,
+        rt: ModelRuntime,
+        inputs: Mapping[str, np.ndarray],
+        request_id: str = "",
+        transport: str = "http",
+        received_ns: int = 0,
+    ) -> dict[str, np.ndarray] | None:
+        """``infer`` without awaiting, for a request the loop answers at once: to a model that
+        runs inline, serving, no larger than its warm-up's request. None for any other request,
+        with nothing counted (``infer`` serves it); a request that fails here is counted here."""
+        queue = rt.queue
+        if queue is None or not queue.inline or rt.state is not READY or not (self.ready.is_set() or self.warming):
+            return None
+        entered = time.perf_counter_ns()
+        stats = self.stats.counted(rt.name)
+        try:
+            plan = self._plan_for(rt)
+            assert plan.rules is not None  # READY with a queue: loaded
+            plan.rules.check(inputs)
+            rt.last_used = time.monotonic()
+            out = queue.run_now(inputs, stats)
+        except Exception as e:
+            self._failed(rt.name, transport, e, stats, received_ns or entered, entered, request_id)
+            raise
+        if out is not None:  # else its instance is busy with a larger request, or its queue full
+            self._succeeded(rt.name, transport, stats, received_ns or entered, entered)
+        return out
 
     async def infer(
         self,
@@ -160,9 +190,13 @@ class Service:
     ) -> dict[str, np.ndarray]:
         """``received_ns``: when the transport took the request (perf_counter_ns), so its
         decoding counts in the statistics; 0 when there was nothing to decode."""
+        rt = self.registry.models.get(name)
+        if rt is not None:
+            now = self.infer_now(rt, inputs, request_id, transport, received_ns)
+            if now is not None:
+                return now
         entered = time.perf_counter_ns()  # one clock for the statistics and the metrics
         stats = self.stats.counted(name)
-        rt = self.registry.models.get(name)
         if rt is None:
             self.metrics.reject(name, transport, ModelNotFoundError.code, known=False)
             raise ModelNotFoundError(f"unknown model '{name}'")
@@ -177,32 +211,43 @@ class Service:
             plan.rules.check(inputs)  # the one check of this request's tensors
             rt.last_used = time.monotonic()
             out = await queue.submit(inputs, plan.timeout_s, request_id, stats)
-        except EdgedError as e:
-            self._failed(name, transport, e.code, stats, received_ns or entered, entered)
-            log.debug(
-                "%s: request %s failed: %s",
-                name,
-                request_id,
-                e.message,
-                extra={"model": name, "request_id": request_id},
-            )
+        except Exception as e:
+            self._failed(name, transport, e, stats, received_ns or entered, entered, request_id)
             raise
-        except Exception:
-            self._failed(name, transport, EdgedError.code, stats, received_ns or entered, entered)
-            raise
-        now = time.perf_counter_ns()
-        if stats is not None:
-            stats.succeeded(received_ns or entered, entered, now)
-        self.metrics.observe(name, transport, "ok", (now - entered) / 1e9)
+        self._succeeded(name, transport, stats, received_ns or entered, entered)
         return out
 
+    def _succeeded(
+        self, name: str, transport: str, stats: ModelStatistics | None, since_ns: int, entered_ns: int
+    ) -> None:
+        now = time.perf_counter_ns()
+        if stats is not None:
+            stats.succeeded(since_ns, entered_ns, now)
+        self.metrics.observe(name, transport, "ok", (now - entered_ns) / 1e9)
+
     def _failed(
-        self, name: str, transport: str, code: str, stats: ModelStatistics | None, since_ns: int, entered_ns: int
+        self,
+        name: str,
+        transport: str,
+        error: Exception,
+        stats: ModelStatistics | None,
+        since_ns: int,
+        entered_ns: int,
+        request_id: str,
     ) -> None:
         now = time.perf_counter_ns()
         if stats is not None:
             stats.failed(since_ns, now)
+        code = error.code if isinstance(error, EdgedError) else EdgedError.code
         self.metrics.observe(name, transport, code, (now - entered_ns) / 1e9)
+        if isinstance(error, EdgedError):
+            log.debug(
+                "%s: request %s failed: %s",
+                name,
+                request_id,
+                error.message,
+                extra={"model": name, "request_id": request_id},
+            )
 
     def _plan_for(self, rt: ModelRuntime) -> _ModelPlan:
         """The model's request plan, remembered until the config or its backend changes."""
@@ -312,6 +357,15 @@ def _make_plan(cfg: Config, rt: ModelRuntime) -> _ModelPlan:
         rules = rt.backend.input_rules.narrowed(rt.name, bounds, rt.cfg.max_batch)
     timeout_s = (rt.cfg.timeout_ms or cfg.server.request_timeout_ms) / 1000
     return _ModelPlan(cfg, rt.cfg, rt.backend, limits, frozenset(s.name for s in outputs), rules, timeout_s)
+
+
+def _outputs_checked(plan: _ModelPlan, req: InferRequest) -> InferRequest:
+    """``req``, once every output it asks for is one of the model's."""
+    if req.outputs is not None and plan.outputs:
+        for out in req.outputs:
+            if out.name not in plan.outputs:
+                raise BadRequestError(f"requested output '{out.name}' is not an output of '{plan.limits.model}'")
+    return req
 
 
 def _tensor_meta(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:

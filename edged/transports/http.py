@@ -11,7 +11,6 @@ import asyncio
 import hmac
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeGuard
 
@@ -25,20 +24,19 @@ from edged.errors import (
     ForbiddenError,
     ModelVersionNotFoundError,
     NotFoundError,
-    ShuttingDownError,
     UnauthorizedError,
 )
 from edged.metrics import uncounted
-from edged.protocol import InferRequest, Part, encode_infer_async, parse_header_length, resolve_pending_async
+from edged.protocol import Part
 from edged.service import Service
 from edged.states import ModelState
 from edged.transports import openai_api, triton_ext
-from edged.transports.http_body import accepted_encoding, body_headers, compress, read_body
+from edged.transports.http_body import accepted_encoding, compress, read_body
+from edged.transports.http_infer import InferRoute, infer_target
 from edged.transports.http_methods import error_headers
 from edged.transports.http_methods import expect as _expect
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
 from edged.transports.shm import SharedMemoryRegistry
-from edged.transports.shm_io import ShmRequest
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +56,20 @@ class App:
         self.service = service
         self.shm = shm
         self.max_body = max_body
-        self.accepting = True
+        self.infer = InferRoute(service, shm, max_body)
         server = service.registry.cfg.server
         self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
         self.generation = openai_api.GenerationRoutes(service, max_body)
         # Answers at least this large are compressed for clients that accept gzip or deflate.
         self.compress_min = parse_size(server.compress_min_size)
+
+    @property
+    def accepting(self) -> bool:
+        return self.infer.accepting
+
+    @accepting.setter
+    def accepting(self, value: bool) -> None:  # False once the daemon stops: new requests are refused
+        self.infer.accepting = self.generation.accepting = value
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,12 +85,16 @@ class App:
             door: Door | None = scope.get(DOOR_KEY)
             if door is not None:
                 _check_door(door, scope)
-            if openai_api.handles(scope["path"]):  # language models: they stream, so they own send
-                self.generation.accepting = self.accepting
+            path = scope["path"]
+            name = infer_target(path) if scope["method"] == "POST" else None
+            if name is not None:  # nearly every request: no routing beyond this
+                status, body, headers = await self.infer(name, scope, receive)
+            elif openai_api.handles(path):  # language models: they stream, so they own send
                 await self.generation(scope, receive, send)  # answers its own errors
                 return
-            status, body, headers = await self._dispatch(scope, receive)
-            if status == 200:
+            else:
+                status, body, headers = await self._dispatch(scope, receive)
+            if status == 200 and not (isinstance(body, bytes) and len(body) < self.compress_min):
                 body, headers = await self._encode(scope, body, headers)
         except EdgedError as e:
             status, body, headers = e.http_status, orjson.dumps(e.to_dict()), error_headers(e, _JSON)
@@ -109,9 +119,8 @@ class App:
         self, scope: Scope, body: Body, headers: list[tuple[bytes, bytes]]
     ) -> tuple[Body, list[tuple[bytes, bytes]]]:
         """``body`` compressed when the client accepts it and it is at least server.compress_min_size
-        (the uncompressed size: Inference-Header-Content-Length keeps counting uncompressed bytes)."""
-        if isinstance(body, bytes) and len(body) < self.compress_min:
-            return body, headers  # the common small answer: nothing to add up
+        (the uncompressed size: Inference-Header-Content-Length keeps counting uncompressed bytes).
+        The caller skips this for the common small answer."""
         parts: list[Part] = body if isinstance(body, list) else [body]
         size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
         if size < self.compress_min:
@@ -173,7 +182,7 @@ class App:
             rest = rest[2:]
         if rest == ["infer"]:
             _expect(method, "POST")
-            return await self._infer(name, scope, receive)
+            return await self.infer(name, scope, receive)
         _expect(method, "GET")
         if not rest:
             return 200, orjson.dumps(self.service.model_metadata(name)), _JSON
@@ -187,58 +196,6 @@ class App:
             doc = {"name": name, "ready": ready, "state": rt.state, "reason": rt.reason}
             return (200 if ready else 503), orjson.dumps(doc), _JSON
         raise NotFoundError(f"no route for {scope['path']}")
-
-    async def _infer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
-        peer = scope.get(PEER_KEY)
-        shm = ShmRequest(self.shm.region_for(peer), peer)
-        try:
-            try:
-                req, received = await self._infer_request(name, scope, receive, shm)
-            except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
-                self.service.metrics.reject(name, "http", e.code, known=name in self.service.registry.models)
-                raise
-            outputs = await self.service.infer(name, req.inputs, req.id, received_ns=received)
-            ran = time.perf_counter_ns()
-            try:
-                parts, out_header_len = await encode_infer_async(name, req, outputs, shm.output)
-                if shm.writes:
-                    await shm.flush()
-            except BaseException:
-                self.service.stats.encode_failed(name, received, ran)
-                raise
-            self.service.stats.encoded(name, ran)
-        finally:
-            shm.release()
-        first = parts[0]
-        out: Body = first if len(parts) == 1 and isinstance(first, bytes) else parts
-        if out_header_len is None:
-            return 200, out, _JSON
-        return (
-            200,
-            out,
-            [(b"content-type", _BINARY), (b"inference-header-content-length", str(out_header_len).encode())],
-        )
-
-    async def _infer_request(
-        self, name: str, scope: Scope, receive: Receive, shm: ShmRequest
-    ) -> tuple[InferRequest, int]:
-        """The decoded request, and when its body had arrived (perf_counter_ns): the statistics'
-        compute_input starts there, as Triton's does, so a slow upload is not the daemon's time."""
-        if not self.accepting:
-            raise ShuttingDownError("edged is shutting down")
-        self.service.model(name)  # an unknown model is a 404 whatever the body holds
-        headers = body_headers(scope)  # one pass over the headers for everything the route reads
-        body = await read_body(scope, receive, self.max_body, headers)
-        received = time.perf_counter_ns()
-        header_len = None
-        for value in headers.header_lengths:
-            header_len = parse_header_length(value, "Inference-Header-Content-Length")
-        req = await self.service.decode_infer(name, body, header_len, shm.input)
-        if shm.reads:
-            await shm.fill()  # inputs are copied out of client memory before the model sees them
-        if req.pending:  # BYTES inputs are read once their bytes are copied (or, mapped, at once)
-            await resolve_pending_async(req)
-        return req, received
 
     async def _other(
         self, method: str, parts: list[str], scope: Scope, receive: Receive

@@ -65,6 +65,19 @@ class BodyHeaders(NamedTuple):
 
 
 def body_headers(scope: Scope) -> BodyHeaders:
+    raw = scope["headers"]
+    found = dict(raw)
+    if len(found) == len(raw):  # no name twice (nearly every request): no loop in Python
+        given, encoding, header_length = (
+            found.get(b"content-length"),
+            found.get(b"content-encoding"),
+            found.get(b"inference-header-content-length"),
+        )
+        return BodyHeaders(
+            None if given is None else bytes(given),
+            () if encoding is None else (encoding,),
+            () if header_length is None else (header_length,),
+        )
     length: bytes | None = None
     encodings: tuple[bytes, ...] = ()
     header_lengths: tuple[bytes, ...] = ()
@@ -87,6 +100,8 @@ async def read_body(
     request's, when the caller already walked them (``body_headers``)."""
     if headers is None:
         headers = body_headers(scope)
+    if not headers.encodings:
+        return await _read_raw(headers.length, receive, max_body)
     wbits = _request_wbits(headers.encodings)
     body = await _read_raw(headers.length, receive, max_body)
     if wbits is None:
