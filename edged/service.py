@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _ModelPlan:
+class ModelPlan:
     """What every request to one model is checked against, built once per load and config (a
     reload, a swap or a lazy model's load changes one of the three it was built from)."""
 
@@ -90,7 +90,7 @@ class Service:
         self.status_line = "starting"
         # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
         self.unready: Callable[[], str] = lambda: ""
-        self._plans: dict[str, _ModelPlan] = {}
+        self._plans: dict[str, ModelPlan] = {}
         # Triton's statistics extension: one record per configured model (edged/stats.py).
         self.stats = Statistics(lambda: self.registry.models)
 
@@ -138,22 +138,15 @@ class Service:
         """The one decoder both transports call: the model first (an unknown model is a 404
         whatever the body holds), then the body, bounded by the model's own tensor counts and
         decoded off the loop when large, then the requested outputs against the model's."""
-        rt = self.model(name)
+        plan = self.plan_for(self.model(name))
         if len(body) <= OFFLOAD_BYTES:
-            return self.decode_now(rt, body, header_length, shm)  # the hot path: no hand-off
-        plan = self._plan_for(rt)
+            return decode_now(plan, body, header_length, shm)  # the hot path: no hand-off
         return _outputs_checked(plan, await decode_infer_async(body, header_length, shm, plan.limits))
-
-    def decode_now(
-        self, rt: ModelRuntime, body: bytes | memoryview, header_length: int | None, shm: ShmResolver | None
-    ) -> InferRequest:
-        """``decode_infer`` on the caller's thread, for a body of at most OFFLOAD_BYTES."""
-        plan = self._plan_for(rt)
-        return _outputs_checked(plan, decode_infer(body, header_length, shm, plan.limits))
 
     def infer_now(
         self,
         rt: ModelRuntime,
+        plan: ModelPlan,
         inputs: Mapping[str, np.ndarray],
         request_id: str = "",
         transport: str = "http",
@@ -168,7 +161,6 @@ class Service:
         entered = time.perf_counter_ns()
         stats = self.stats.counted(rt.name)
         try:
-            plan = self._plan_for(rt)
             assert plan.rules is not None  # READY with a queue: loaded
             plan.rules.check(inputs)
             rt.last_used = time.monotonic()
@@ -192,7 +184,7 @@ class Service:
         decoding counts in the statistics; 0 when there was nothing to decode."""
         rt = self.registry.models.get(name)
         if rt is not None:
-            now = self.infer_now(rt, inputs, request_id, transport, received_ns)
+            now = self.infer_now(rt, self.plan_for(rt), inputs, request_id, transport, received_ns)
             if now is not None:
                 return now
         entered = time.perf_counter_ns()  # one clock for the statistics and the metrics
@@ -206,7 +198,7 @@ class Service:
             queue = rt.queue if rt.state is READY and (self.ready.is_set() or self.warming) else None
             if queue is None:
                 rt, queue = await self._await_model(rt)
-            plan = self._plan_for(rt)
+            plan = self.plan_for(rt)
             assert plan.rules is not None  # READY with a queue: loaded
             plan.rules.check(inputs)  # the one check of this request's tensors
             rt.last_used = time.monotonic()
@@ -249,7 +241,7 @@ class Service:
                 extra={"model": name, "request_id": request_id},
             )
 
-    def _plan_for(self, rt: ModelRuntime) -> _ModelPlan:
+    def plan_for(self, rt: ModelRuntime) -> ModelPlan:
         """The model's request plan, remembered until the config or its backend changes."""
         cfg = self.registry.cfg
         plan = self._plans.get(rt.name)
@@ -342,7 +334,7 @@ class Service:
         }
 
 
-def _make_plan(cfg: Config, rt: ModelRuntime) -> _ModelPlan:
+def _make_plan(cfg: Config, rt: ModelRuntime) -> ModelPlan:
     max_json = parse_size(cfg.server.max_json)
     inputs, outputs = rt.inputs, rt.outputs
     if inputs and outputs:
@@ -356,10 +348,17 @@ def _make_plan(cfg: Config, rt: ModelRuntime) -> _ModelPlan:
         bounds = {n: (tuple(p.min), tuple(p.max)) for n, p in rt.cfg.profiles.items()}
         rules = rt.backend.input_rules.narrowed(rt.name, bounds, rt.cfg.max_batch)
     timeout_s = (rt.cfg.timeout_ms or cfg.server.request_timeout_ms) / 1000
-    return _ModelPlan(cfg, rt.cfg, rt.backend, limits, frozenset(s.name for s in outputs), rules, timeout_s)
+    return ModelPlan(cfg, rt.cfg, rt.backend, limits, frozenset(s.name for s in outputs), rules, timeout_s)
 
 
-def _outputs_checked(plan: _ModelPlan, req: InferRequest) -> InferRequest:
+def decode_now(
+    plan: ModelPlan, body: bytes | memoryview, header_length: int | None, shm: ShmResolver | None
+) -> InferRequest:
+    """``Service.decode_infer`` on the caller's thread, for a body of at most OFFLOAD_BYTES."""
+    return _outputs_checked(plan, decode_infer(body, header_length, shm, plan.limits))
+
+
+def _outputs_checked(plan: ModelPlan, req: InferRequest) -> InferRequest:
     """``req``, once every output it asks for is one of the model's."""
     if req.outputs is not None and plan.outputs:
         for out in req.outputs:

@@ -20,7 +20,7 @@ import numpy as np
 from edged.encoding import OFFLOAD_BYTES, encode_infer_async, encode_now
 from edged.errors import EdgedError, ShuttingDownError
 from edged.protocol import InferRequest, Part, parse_header_length, resolve_pending_async
-from edged.service import Service
+from edged.service import Service, decode_now
 from edged.transports.http_body import body_headers, read_body
 from edged.transports.peer import PEER_KEY, Peer
 from edged.transports.shm import SharedMemoryRegistry
@@ -61,18 +61,37 @@ class InferRoute:
         shm = _LazyShm(self.regions, scope.get(PEER_KEY))
         try:
             try:
-                req, received = await self._request(name, scope, receive, shm)
-            except EdgedError as e:  # never reached the model: counted here (service.infer counts the rest)
+                if not self.accepting:
+                    raise ShuttingDownError("edged is shutting down")
+                svc.model(name)  # an unknown model is a 404 whatever the body holds
+                headers = body_headers(scope)  # one pass over the headers for everything the route reads
+                body = await read_body(scope, receive, self.max_body, headers)
+                # The statistics' compute_input starts once the body is in, as Triton's does: a
+                # slow upload is not the daemon's time.
+                received = time.perf_counter_ns()
+                header_len = None
+                for value in headers.header_lengths:
+                    header_len = parse_header_length(value, "Inference-Header-Content-Length")
+                rt = svc.model(name)  # again: a reload may have swapped it during the read
+                plan = svc.plan_for(rt)
+                if len(body) <= OFFLOAD_BYTES:
+                    req = decode_now(plan, body, header_len, shm.input)
+                else:
+                    req = await svc.decode_infer(name, body, header_len, shm.input)
+                waited = shm.held is not None or bool(req.pending)
+                if waited:
+                    await _fill(req, shm)
+            except EdgedError as e:  # never reached the model: counted here (the service counts the rest)
                 svc.metrics.reject(name, "http", e.code, known=name in svc.registry.models)
                 raise
-            rt = svc.registry.models.get(name)  # again: a reload may have swapped it meanwhile
-            outputs = svc.infer_now(rt, req.inputs, req.id, "http", received) if rt is not None else None
+            # At once where it can (an inline model, the runtime and plan of this very moment).
+            outputs = None if waited else svc.infer_now(rt, plan, req.inputs, req.id, "http", received)
             if outputs is None:
                 outputs = await svc.infer(name, req.inputs, req.id, received_ns=received)
             ran = time.perf_counter_ns()
             try:
                 encoded: tuple[Body, int | None] | None = encode_now(name, req, outputs)  # the usual answer
-                body, header_len = encoded or await self._encode(name, req, outputs, shm.request())
+                answer, header_len = encoded or await _encode(name, req, outputs, shm.request())
             except BaseException:
                 svc.stats.encode_failed(name, received, ran)
                 raise
@@ -80,40 +99,24 @@ class InferRoute:
         finally:
             shm.release()
         if header_len is None:
-            return 200, body, _JSON
-        return 200, body, [(b"content-type", _BINARY), (b"inference-header-content-length", str(header_len).encode())]
+            return 200, answer, _JSON
+        return 200, answer, [(b"content-type", _BINARY), (b"inference-header-content-length", str(header_len).encode())]
 
-    @staticmethod
-    async def _encode(name: str, req: InferRequest, outputs: Tensors, shm: ShmRequest) -> tuple[Body, int | None]:
-        """An answer ``encode_now`` does not take: large, or with outputs in shared memory."""
-        parts, header_len = await encode_infer_async(name, req, outputs, shm.output)
-        if shm.writes:
-            await shm.flush()
-        first = parts[0]
-        return (first if len(parts) == 1 and isinstance(first, bytes) else parts), header_len
 
-    async def _request(self, name: str, scope: Scope, receive: Receive, shm: _LazyShm) -> tuple[InferRequest, int]:
-        """The decoded request, and when its body had arrived (perf_counter_ns): the statistics'
-        compute_input starts there, as Triton's does, so a slow upload is not the daemon's time."""
-        if not self.accepting:
-            raise ShuttingDownError("edged is shutting down")
-        svc = self.service
-        svc.model(name)  # an unknown model is a 404 whatever the body holds
-        headers = body_headers(scope)  # one pass over the headers for everything the route reads
-        body = await read_body(scope, receive, self.max_body, headers)
-        received = time.perf_counter_ns()
-        header_len = None
-        for value in headers.header_lengths:
-            header_len = parse_header_length(value, "Inference-Header-Content-Length")
-        if len(body) <= OFFLOAD_BYTES:
-            req = svc.decode_now(svc.model(name), body, header_len, shm.input)
-        else:
-            req = await svc.decode_infer(name, body, header_len, shm.input)
-        if shm.held is not None and shm.held.reads:
-            await shm.held.fill()  # inputs are copied out of client memory before the model sees them
-        if req.pending:  # BYTES inputs are read once their bytes are copied (or, mapped, at once)
-            await resolve_pending_async(req)
-        return req, received
+async def _fill(req: InferRequest, shm: _LazyShm) -> None:
+    if shm.held is not None and shm.held.reads:
+        await shm.held.fill()  # inputs are copied out of client memory before the model sees them
+    if req.pending:  # BYTES inputs are read once their bytes are copied (or, mapped, at once)
+        await resolve_pending_async(req)
+
+
+async def _encode(name: str, req: InferRequest, outputs: Tensors, shm: ShmRequest) -> tuple[Body, int | None]:
+    """An answer ``encode_now`` does not take: large, or with outputs in shared memory."""
+    parts, header_len = await encode_infer_async(name, req, outputs, shm.output)
+    if shm.writes:
+        await shm.flush()
+    first = parts[0]
+    return (first if len(parts) == 1 and isinstance(first, bytes) else parts), header_len
 
 
 class _LazyShm:

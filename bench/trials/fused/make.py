@@ -25,14 +25,15 @@ FUSED = """    async def _serve(self, scope: Scope, receive: Receive, send: Send
             inst = q._inline_instance if q is not None else None
             if rt is not None and inst is not None:
                 from edged.encoding import _encode_small
-                from edged.protocol import decode_infer
+                from edged.protocol import decode_infer, parse_header_length
+                from edged.transports.http_body import body_headers, read_body
 
                 headers = body_headers(scope)
                 body = await read_body(scope, receive, self.max_body, headers)
                 hl = None
                 for value in headers.header_lengths:
                     hl = parse_header_length(value, "Inference-Header-Content-Length")
-                req = decode_infer(body, hl, None, self.service._plan_for(rt).limits)
+                req = decode_infer(body, hl, None, self.service.plan_for(rt).limits)
                 out = inst._infer_impl(req.inputs)
                 b, n = _encode_small(parts[2], req, out, None)
                 hdrs = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(b)).encode())]
