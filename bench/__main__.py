@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "first request after READY=1 against one after the same idle gap, per stage",
     ),
     "overhead": ("bench.overhead", "where a request's time goes outside the model, with trial fixes"),
+    "app": ("bench.app_cost", "edged's app in process against the fused path: microseconds and lines per request"),
     "handoff": ("bench.handoff", "the hand-off to a model's worker thread and back, and spinning after a gap"),
     "spinning": ("bench.spinning", "ONNX Runtime's spinning intra-op threads on and off"),
     "pools": ("bench.pools", "two instances: a thread pool each against one process-wide pool, in process"),

@@ -154,10 +154,13 @@ class Service:
     ) -> dict[str, np.ndarray] | None:
         """``infer`` without awaiting, for a request the loop answers at once: to a model that
         runs inline, serving, no larger than its warm-up's request. None for any other request,
-        with nothing counted (``infer`` serves it); a request that fails here is counted here."""
+        with no outcome counted (``infer`` serves it); a request that fails here is counted here.
+        ``rt`` and ``plan``: the caller's lookup, used only while they are still the model's."""
         queue = rt.queue
         if queue is None or not queue.inline or rt.state is not READY or not (self.ready.is_set() or self.warming):
             return None
+        if not plan.current(self.registry.cfg, rt) or self.registry.models.get(rt.name) is not rt:
+            return None  # a caller's lookup that a reload or a load has overtaken: ``infer`` looks again
         entered = time.perf_counter_ns()
         stats = self.stats.counted(rt.name)
         try:
@@ -179,11 +182,13 @@ class Service:
         request_id: str = "",
         transport: str = "http",
         received_ns: int = 0,
+        tried_now: bool = False,
     ) -> dict[str, np.ndarray]:
         """``received_ns``: when the transport took the request (perf_counter_ns), so its
-        decoding counts in the statistics; 0 when there was nothing to decode."""
+        decoding counts in the statistics; 0 when there was nothing to decode. ``tried_now``:
+        the caller has just had None from ``infer_now`` for it (not tried again)."""
         rt = self.registry.models.get(name)
-        if rt is not None:
+        if rt is not None and not tried_now and rt.queue is not None and rt.queue.inline:
             now = self.infer_now(rt, self.plan_for(rt), inputs, request_id, transport, received_ns)
             if now is not None:
                 return now

@@ -65,7 +65,7 @@ class BodyHeaders(NamedTuple):
 
 
 def body_headers(scope: Scope) -> BodyHeaders:
-    raw = scope["headers"]
+    raw = scope["headers"]  # a list (uvicorn's, and the generation routes' own scopes)
     found = dict(raw)
     if len(found) == len(raw):  # no name twice (nearly every request): no loop in Python
         given, encoding, header_length = (

@@ -78,8 +78,10 @@ class InferRoute:
                     req = decode_now(plan, body, header_len, shm.input)
                 else:
                     req = await svc.decode_infer(name, body, header_len, shm.input)
-                waited = shm.held is not None or bool(req.pending)
-                if waited:
+                # Anything awaited since the lookup (a decode off the loop, copies, BYTES to read)
+                # may have let a reload replace the model: such a request goes by name.
+                waited = len(body) > OFFLOAD_BYTES or shm.held is not None or bool(req.pending)
+                if shm.held is not None or req.pending:
                     await _fill(req, shm)
             except EdgedError as e:  # never reached the model: counted here (the service counts the rest)
                 svc.metrics.reject(name, "http", e.code, known=name in svc.registry.models)
@@ -87,7 +89,7 @@ class InferRoute:
             # At once where it can (an inline model, the runtime and plan of this very moment).
             outputs = None if waited else svc.infer_now(rt, plan, req.inputs, req.id, "http", received)
             if outputs is None:
-                outputs = await svc.infer(name, req.inputs, req.id, received_ns=received)
+                outputs = await svc.infer(name, req.inputs, req.id, received_ns=received, tried_now=not waited)
             ran = time.perf_counter_ns()
             try:
                 encoded: tuple[Body, int | None] | None = encode_now(name, req, outputs)  # the usual answer

@@ -1,0 +1,244 @@
+"""edged's app in process: what one tiny request costs from the ASGI call to its answer, beside
+the least a V2 server does with it (the fused path), so that a change to the request path can be
+measured on a noisy host, where two daemons of the same code differ by 20% end to end.
+
+Each child process starts the daemon of one tree in process (the tiny model, one intra-op thread,
+its socket in a temporary folder), waits for readiness, then calls the daemon's ASGI app with the
+bench client's binary tiny request, in blocks alternated with the fused path (the body read,
+edged's decoder, the model's run, edged's encoder and the two sends, and nothing else: no checks,
+statistics, metrics or routing). The connection layer (uvicorn, the socket) is not in either. Per
+child it prints the medians of both, the app's cost above the fused path, and the Python lines
+each runs for one request (a count that no noise moves). Children of this tree and of ``--base``
+are alternated.
+
+    scripts/bench.sh app [--base FOLDER] [--processes 4] [--requests 40000] [--out bench-results/app.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "data" / "models" / "tiny.onnx"
+BLOCKS = 20  # per path, alternated
+DEADLINE_S = 120.0
+Call = Callable[[], Awaitable[None]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="bench app", description=__doc__.split("\n")[0])
+    ap.add_argument("--base", type=Path, help="a folder holding another edged/ to measure beside this tree's")
+    ap.add_argument("--processes", type=int, default=4, help="child processes per tree, alternated")
+    ap.add_argument("--requests", type=int, default=40000, help="requests per path in each child")
+    ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "app.json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(Path(args.child), args.requests)
+        return
+    if not MODEL.exists():
+        from bench.models import demo_onnx
+
+        demo_onnx(REPO / "data")
+    trees = {"edged": REPO} | ({"base": args.base.resolve()} if args.base else {})
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in trees}
+    for i in range(args.processes):
+        for label, tree in trees.items() if i % 2 == 0 else reversed(trees.items()):
+            res = _spawn(tree, args.requests)
+            runs[label].append(res)
+            print(
+                f"{label:6} app {res['app_us']:7.1f} us  fused {res['fused_us']:6.1f} us  "
+                f"above fused {res['app_us'] - res['fused_us']:6.1f} us  lines {res['app_lines']:.0f} "
+                f"(fused {res['fused_lines']:.0f})",
+                flush=True,
+            )
+    summary = {label: _summary(rs) for label, rs in runs.items()}
+    for label, s in summary.items():
+        print(
+            f"{label:6} median of {args.processes}: app {s['app_us']:.1f} us, fused {s['fused_us']:.1f} us, "
+            f"above fused {s['above_us']:.1f} us ({s['ratio']:.2f}x fused), lines {s['app_lines']:.0f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"cores": len(os.sched_getaffinity(0)), "requests": args.requests, "runs": runs, "summary": summary}
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(f"written to {args.out}")
+
+
+def _summary(rs: list[dict[str, float]]) -> dict[str, float]:
+    app = statistics.median(r["app_us"] for r in rs)
+    fused = statistics.median(r["fused_us"] for r in rs)
+    above = statistics.median(r["app_us"] - r["fused_us"] for r in rs)
+    return {"app_us": app, "fused_us": fused, "above_us": above, "ratio": app / fused, "app_lines": rs[0]["app_lines"]}
+
+
+def _spawn(tree: Path, requests: int) -> dict[str, float]:
+    # Not ``-m``: that puts the working directory (this checkout) ahead of the tree measured.
+    boot = (
+        "import runpy, sys; sys.path[:0] = sys.argv[1:3]; sys.argv[:] = ['app_cost', *sys.argv[3:]]; "
+        "runpy.run_module('bench.app_cost', run_name='__main__')"
+    )
+    cmd = [sys.executable, "-c", boot, str(tree), str(REPO), "--child", str(tree), "--requests", str(requests)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S * 3, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            result: dict[str, float] = json.loads(line)
+            return result
+    raise RuntimeError(f"child for {tree} gave no result (exit {done.returncode}): {done.stderr[-2000:]}")
+
+
+def child(tree: Path, requests: int) -> None:
+    import edged
+
+    if not Path(edged.__file__).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"edged imported from {edged.__file__}, not from {tree}")
+    import uvloop
+
+    tmp = Path(tempfile.mkdtemp(prefix="edged-app-"))
+    try:
+        uvloop.run(_in_daemon(tmp, requests))  # the daemon's own loop (edged.daemon.serve)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _in_daemon(tmp: Path, requests: int) -> None:
+    import logging
+
+    from edged.config import from_mapping
+    from edged.daemon import Daemon
+
+    logging.disable(logging.WARNING)
+    raw = {
+        "server": {"socket": str(tmp / "edged.sock")},
+        "cache": {"dir": str(tmp / "cache")},
+        "models": {"tiny": {"path": str(MODEL), "threads": 1}},
+    }
+    daemon = Daemon(from_mapping(raw))
+    serving = asyncio.get_running_loop().create_task(daemon.run())
+    deadline = time.monotonic() + DEADLINE_S
+    while getattr(daemon, "app", None) is None or not daemon.service.ready.is_set():
+        if serving.done() or time.monotonic() > deadline:
+            raise RuntimeError("the daemon did not become ready")
+        await asyncio.sleep(0.01)
+    app_call, fused_call = _paths(daemon)
+    for _ in range(2000):
+        await app_call()
+        await fused_call()
+    times: dict[str, list[float]] = {"app": [], "fused": []}
+    per = max(1, requests // BLOCKS)
+    for b in range(BLOCKS):
+        order = [("app", app_call), ("fused", fused_call)]
+        for key, call in order if b % 2 == 0 else order[::-1]:
+            t = time.perf_counter()
+            for _ in range(per):
+                await call()
+            times[key].append((time.perf_counter() - t) / per * 1e6)
+    result = {
+        "app_us": statistics.median(times["app"]),
+        "fused_us": statistics.median(times["fused"]),
+        "app_lines": await _lines(app_call),
+        "fused_lines": await _lines(fused_call),
+    }
+    print(json.dumps(result), flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os._exit(0)  # not the daemon's drain: the figures are out
+
+
+def _paths(daemon: Any) -> tuple[Call, Call]:
+    """The app's call and the fused path's, both on the same request and the same instance."""
+    import numpy as np
+    import orjson
+
+    from edged.encoding import _encode_small
+    from edged.protocol import decode_infer
+
+    svc = daemon.service
+    rt = svc.registry.models["tiny"]
+    spec = rt.inputs[0]
+    shape = [max(d, 1) for d in spec.shape]
+    x = np.linspace(-1, 1, int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    doc = {
+        "inputs": [
+            {"name": spec.name, "datatype": "FP32", "shape": shape, "parameters": {"binary_data_size": x.nbytes}}
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+    header = orjson.dumps(doc)
+    body = header + x.tobytes()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v2/models/tiny/infer",
+        "headers": [
+            (b"host", b"localhost"),
+            (b"content-length", str(len(body)).encode()),
+            (b"inference-header-content-length", str(len(header)).encode()),
+        ],
+        "http_version": "1.1",
+        "query_string": b"",
+    }
+    message = {"type": "http.request", "body": body, "more_body": False}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return message
+
+    async def send(m: dict[str, Any]) -> None:
+        sent.append(m)
+
+    app = daemon.app
+    plan_for = getattr(svc, "plan_for", None) or svc._plan_for  # the name before the flat route
+    limits = plan_for(rt).limits
+    inst = rt.queue._inline_instance
+    if inst is None:
+        raise RuntimeError("tiny does not run inline in this daemon: the fused path would not compare")
+
+    async def app_call() -> None:
+        sent.clear()
+        await app(dict(scope), receive, send)
+        if sent[0]["status"] != 200:
+            raise RuntimeError(f"the app answered {sent}")
+
+    async def fused_call() -> None:
+        m = await receive()
+        req = decode_infer(m["body"], len(header), None, limits)
+        answer, header_len = _encode_small("tiny", req, inst._infer_impl(req.inputs), None)
+        head = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(answer)).encode())]
+        head.append((b"inference-header-content-length", str(header_len).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": answer})
+
+    return app_call, fused_call
+
+
+async def _lines(call: Call) -> float:
+    """Python lines run by one call (every function it calls included)."""
+    count = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        await call()
+    finally:
+        sys.settrace(None)
+    return float(count)
+
+
+if __name__ == "__main__":
+    main()
