@@ -103,11 +103,14 @@ def child(tree: Path, requests: int) -> None:
 
     if not Path(edged.__file__).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"edged imported from {edged.__file__}, not from {tree}")
-    import uvloop
-
     tmp = Path(tempfile.mkdtemp(prefix="edged-app-"))
     try:
-        uvloop.run(_in_daemon(tmp, requests))  # the daemon's own loop (edged.daemon.serve)
+        try:  # the daemon's own loop (edged.daemon.serve)
+            import uvloop
+
+            uvloop.run(_in_daemon(tmp, requests))
+        except ImportError:
+            asyncio.run(_in_daemon(tmp, requests))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
