@@ -146,6 +146,10 @@ def test_one_pass_over_the_headers_finds_what_the_body_and_the_infer_route_read(
     assert got.encodings == (b"gzip", b"identity")
     assert got.header_lengths == (b"5", b"7")
     assert http_body.body_headers({"headers": []}) == (None, (), ())
+    # No name twice: read with one dict, the same answer the loop gives
+    once = [(b"content-length", b"12"), (b"content-encoding", b"gzip"), (b"inference-header-content-length", b"5")]
+    assert http_body.body_headers({"headers": once}) == (b"12", (b"gzip",), (b"5",))
+    assert http_body.body_headers({"headers": once[:1]}) == (b"12", (), ())
 
 
 def test_read_body_takes_headers_already_walked() -> None:

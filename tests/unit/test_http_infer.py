@@ -1,0 +1,84 @@
+"""The infer route's own logic: which paths take its shortcut, and a request whose model changes
+while its body is decoded off the loop (a real ONNX Runtime model, a real registry)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from edged.background import stand_in
+from edged.build.runner import BuildRunner
+from edged.cache import EngineCache
+from edged.config import from_mapping
+from edged.demo import make_tiny_mlp
+from edged.memory import plan, probe_meminfo
+from edged.metrics import Metrics
+from edged.protocol import OFFLOAD_BYTES, InferRequest
+from edged.registry import ModelRuntime, Registry
+from edged.service import Service
+from edged.states import ModelState
+from edged.transports.http_infer import InferRoute, infer_target
+from edged.transports.shm import SharedMemoryRegistry
+
+
+def test_infer_target_takes_only_the_plain_infer_path() -> None:
+    assert infer_target("/v2/models/tiny/infer") == "tiny"
+    assert infer_target("/v2/models/a.b-c_1/infer") == "a.b-c_1"
+    # Routed in full (they reach the same route, or the right error, that way)
+    for path in (
+        "/v2/models//infer",
+        "/v2/models/tiny/versions/1/infer",
+        "/v2/models/tiny/infer/",
+        "//v2/models/tiny/infer",
+        "/v2/models/tiny/ready",
+        "/v2/models/infer",
+        "/v1/models/tiny/infer",
+    ):
+        assert infer_target(path) is None, path
+
+
+def test_a_model_loaded_while_a_large_body_decodes_answers_from_the_loaded_model(tmp_path: Path) -> None:
+    """A body over OFFLOAD_BYTES is decoded off the loop: the route's lookup made before that
+    await must not be used after it (it held no rules for the then unloaded model: a 500)."""
+
+    async def main() -> tuple[int, Any]:
+        loop = asyncio.get_running_loop()
+        make_tiny_mlp(tmp_path / "m.onnx")
+        raw = {"models": {"m": {"path": str(tmp_path / "m.onnx"), "warmup": {"iterations": 1}}}}
+        cfg = from_mapping(raw, base=tmp_path)
+        reg = Registry(cfg, EngineCache(tmp_path / "cache"), BuildRunner(cfg.build, probe_meminfo), Metrics(), 1 << 30)
+        rt = ModelRuntime("m", cfg.models["m"])
+        reg.resolve(rt)
+        rt = stand_in(reg, rt)
+        reg.models["m"] = rt
+        reg.set_state(rt, ModelState.UNLOADED, "a test")
+        svc = Service(reg, reg.metrics, loop, probe_meminfo(), plan([], 1 << 30))
+        svc.ready.set()
+        decode = svc.decode_infer
+
+        async def decode_then_load(*args: Any, **kwargs: Any) -> InferRequest:
+            req = await decode(*args, **kwargs)
+            await reg.load(rt, loop)  # another request's lazy load, or POST .../load, finishing meanwhile
+            return req
+
+        svc.decode_infer = decode_then_load  # type: ignore[method-assign]
+        doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}
+        body = orjson.dumps(doc) + b" " * (OFFLOAD_BYTES + 1)
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0)
+
+        scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": []}
+        route = InferRoute(svc, SharedMemoryRegistry(), 1 << 26)
+        status, answer, _ = await route("m", scope, receive)
+        assert rt.queue is not None and rt.queue.inline  # the case under test: an inline model
+        rt.queue.close()
+        return status, answer
+
+    status, answer = asyncio.run(main())
+    assert status == 200
+    assert isinstance(answer, bytes) and orjson.loads(answer)["outputs"][0]["shape"] == [1, 4]
