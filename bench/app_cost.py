@@ -11,7 +11,7 @@ child it prints the medians of both, the app's cost above the fused path, and th
 each runs for one request (a count that no noise moves). Children of this tree and of ``--base``
 are alternated.
 
-    scripts/bench.sh app [--base FOLDER] [--processes 4] [--requests 40000] [--out bench-results/app.json]
+    scripts/bench.sh app [--base FOLDER] [--processes 4] [--requests 40000] [--functions 20]
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--processes", type=int, default=4, help="child processes per tree, alternated")
     ap.add_argument("--requests", type=int, default=40000, help="requests per path in each child")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "app.json")
+    ap.add_argument("--functions", type=int, default=0, help="print the N functions running most lines")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
         demo_onnx(REPO / "data")
     trees = {"edged": REPO} | ({"base": args.base.resolve()} if args.base else {})
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label in trees}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
     for i in range(args.processes):
         for label, tree in trees.items() if i % 2 == 0 else reversed(trees.items()):
             res = _spawn(tree, args.requests)
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"(fused {res['fused_lines']:.0f})",
                 flush=True,
             )
+    if args.functions:
+        for label, rs in runs.items():
+            top = list(rs[-1]["app_functions"].items())[: args.functions]
+            print(f"{label}: lines per function, one request: " + ", ".join(f"{k} {v}" for k, v in top))
     summary = {label: _summary(rs) for label, rs in runs.items()}
     for label, s in summary.items():
         print(
@@ -76,14 +81,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"written to {args.out}")
 
 
-def _summary(rs: list[dict[str, float]]) -> dict[str, float]:
+def _summary(rs: list[dict[str, Any]]) -> dict[str, float]:
     app = statistics.median(r["app_us"] for r in rs)
     fused = statistics.median(r["fused_us"] for r in rs)
     above = statistics.median(r["app_us"] - r["fused_us"] for r in rs)
     return {"app_us": app, "fused_us": fused, "above_us": above, "ratio": app / fused, "app_lines": rs[0]["app_lines"]}
 
 
-def _spawn(tree: Path, requests: int) -> dict[str, float]:
+def _spawn(tree: Path, requests: int) -> dict[str, Any]:
     # Not ``-m``: that puts the working directory (this checkout) ahead of the tree measured.
     boot = (
         "import runpy, sys; sys.path[:0] = sys.argv[1:3]; sys.argv[:] = ['app_cost', *sys.argv[3:]]; "
@@ -93,7 +98,7 @@ def _spawn(tree: Path, requests: int) -> dict[str, float]:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S * 3, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("{"):
-            result: dict[str, float] = json.loads(line)
+            result: dict[str, Any] = json.loads(line)
             return result
     raise RuntimeError(f"child for {tree} gave no result (exit {done.returncode}): {done.stderr[-2000:]}")
 
@@ -147,12 +152,14 @@ async def _in_daemon(tmp: Path, requests: int) -> None:
             for _ in range(per):
                 await call()
             times[key].append((time.perf_counter() - t) / per * 1e6)
-    result = {
+    result: dict[str, Any] = {
         "app_us": statistics.median(times["app"]),
         "fused_us": statistics.median(times["fused"]),
-        "app_lines": await _lines(app_call),
         "fused_lines": await _lines(fused_call),
     }
+    where: dict[str, int] = {}
+    result["app_lines"] = await _lines(app_call, where)
+    result["app_functions"] = dict(sorted(where.items(), key=lambda kv: -kv[1]))
     print(json.dumps(result), flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     os._exit(0)  # not the daemon's drain: the figures are out
@@ -225,14 +232,19 @@ def _paths(daemon: Any) -> tuple[Call, Call]:
     return app_call, fused_call
 
 
-async def _lines(call: Call) -> float:
-    """Python lines run by one call (every function it calls included)."""
+async def _lines(call: Call, where: dict[str, int] | None = None) -> float:
+    """Python lines run by one call (every function it calls included); ``where``: filled with
+    the count per function (file:function)."""
     count = 0
+    where = {} if where is None else where
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
         nonlocal count
         if event == "line":
             count += 1
+            code = frame.f_code
+            key = f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_name}"
+            where[key] = where.get(key, 0) + 1
         return tracer
 
     sys.settrace(tracer)

@@ -50,9 +50,10 @@ def test_a_model_loaded_while_a_large_body_decodes_answers_from_the_loaded_model
         raw = {"models": {"m": {"path": str(tmp_path / "m.onnx"), "warmup": {"iterations": 1}}}}
         cfg = from_mapping(raw, base=tmp_path)
         reg = Registry(cfg, EngineCache(tmp_path / "cache"), BuildRunner(cfg.build, probe_meminfo), Metrics(), 1 << 30)
-        rt = ModelRuntime("m", cfg.models["m"])
-        reg.resolve(rt)
-        rt = stand_in(reg, rt)
+        resolved = ModelRuntime("m", cfg.models["m"])
+        reg.resolve(resolved)
+        rt = stand_in(reg, resolved)
+        assert rt is not None
         reg.models["m"] = rt
         reg.set_state(rt, ModelState.UNLOADED, "a test")
         svc = Service(reg, reg.metrics, loop, probe_meminfo(), plan([], 1 << 30))
