@@ -4,9 +4,12 @@ measured on a noisy host, where two daemons of the same code differ by 20% end t
 
 Each child process starts the daemon of one tree in process (the tiny model, one intra-op thread,
 its socket in a temporary folder), waits for readiness, then calls the daemon's ASGI app with the
-bench client's binary tiny request, in blocks alternated with the fused path (the body read,
-edged's decoder, the model's run, edged's encoder and the two sends, and nothing else: no checks,
-statistics, metrics or routing). The connection layer (uvicorn, the socket) is not in either. Per
+bench client's binary tiny request, in blocks alternated with the fused path (the body message
+taken as it is, edged's decoder, the model's run, edged's encoder and the two sends, and nothing
+else: no headers read, no checks, statistics, metrics or routing; leaner than the fused trial of
+bench/trials/fused, which reads the body and its headers as the app does). The connection layer
+(uvicorn, the socket) is not in either. The fused path is the same code in both trees, so its
+figure shows each child's noise: compare the app's own times as well as its cost above it. Per
 child it prints the medians of both, the app's cost above the fused path, and the Python lines
 each runs for one request (a count that no noise moves). Children of this tree and of ``--base``
 are alternated.
@@ -89,13 +92,19 @@ def _summary(rs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _spawn(tree: Path, requests: int) -> dict[str, Any]:
-    # Not ``-m``: that puts the working directory (this checkout) ahead of the tree measured.
+    # Not ``-m``: that puts the working directory (this checkout) ahead of the tree measured. Only
+    # the tree goes on the path, and this file runs by its path: a base that is a whole checkout
+    # brings its edged, never its bench.
     boot = (
-        "import runpy, sys; sys.path[:0] = sys.argv[1:3]; sys.argv[:] = ['app_cost', *sys.argv[3:]]; "
-        "runpy.run_module('bench.app_cost', run_name='__main__')"
+        "import runpy, sys; sys.path.insert(0, sys.argv[1]); script = sys.argv[2]; "
+        "sys.argv[:] = ['app_cost', *sys.argv[3:]]; runpy.run_path(script, run_name='__main__')"
     )
-    cmd = [sys.executable, "-c", boot, str(tree), str(REPO), "--child", str(tree), "--requests", str(requests)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S * 3, check=False)
+    cmd = [sys.executable, "-c", boot, str(tree), __file__, "--child", str(tree), "--requests", str(requests)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S * 3, check=False)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise RuntimeError(f"child for {tree} ran past {DEADLINE_S * 3:.0f} s: {err[-2000:]}") from None
     for line in done.stdout.splitlines():
         if line.startswith("{"):
             result: dict[str, Any] = json.loads(line)
@@ -108,14 +117,15 @@ def child(tree: Path, requests: int) -> None:
 
     if not Path(edged.__file__).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"edged imported from {edged.__file__}, not from {tree}")
+    try:  # the daemon's own loop (edged.daemon.serve)
+        import uvloop
+
+        run: Callable[[Any], Any] = uvloop.run
+    except ImportError:
+        run = asyncio.run
     tmp = Path(tempfile.mkdtemp(prefix="edged-app-"))
     try:
-        try:  # the daemon's own loop (edged.daemon.serve)
-            import uvloop
-
-            uvloop.run(_in_daemon(tmp, requests))
-        except ImportError:
-            asyncio.run(_in_daemon(tmp, requests))
+        run(_in_daemon(tmp, requests))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -128,7 +138,8 @@ async def _in_daemon(tmp: Path, requests: int) -> None:
 
     logging.disable(logging.WARNING)
     raw = {
-        "server": {"socket": str(tmp / "edged.sock")},
+        # Inline whatever the warm-up measures on a busy host: the fused path compares only then
+        "server": {"socket": str(tmp / "edged.sock"), "inline_threshold_us": 10**7},
         "cache": {"dir": str(tmp / "cache")},
         "models": {"tiny": {"path": str(MODEL), "threads": 1}},
     }
@@ -243,7 +254,7 @@ async def _lines(call: Call, where: dict[str, int] | None = None) -> float:
         if event == "line":
             count += 1
             code = frame.f_code
-            key = f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_name}"
+            key = f"{'/'.join(code.co_filename.rsplit('/', 2)[-2:])}:{code.co_name}"
             where[key] = where.get(key, 0) + 1
         return tracer
 

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from edged.background import stand_in
@@ -40,24 +41,34 @@ def test_infer_target_takes_only_the_plain_infer_path() -> None:
         assert infer_target(path) is None, path
 
 
+def _service(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> tuple[Registry, Service, ModelRuntime]:
+    """A real registry and service around the demo's tiny MLP, left UNLOADED (load it to serve)."""
+    make_tiny_mlp(tmp_path / "m.onnx")
+    raw = {
+        # Inline whatever the warm-up measures on a loaded machine: the case under test
+        "server": {"inline_threshold_us": 10**7},
+        "models": {"m": {"path": str(tmp_path / "m.onnx"), "warmup": {"iterations": 1}}},
+    }
+    cfg = from_mapping(raw, base=tmp_path)
+    reg = Registry(cfg, EngineCache(tmp_path / "cache"), BuildRunner(cfg.build, probe_meminfo), Metrics(), 1 << 30)
+    resolved = ModelRuntime("m", cfg.models["m"])
+    reg.resolve(resolved)
+    rt = stand_in(reg, resolved)
+    assert rt is not None
+    reg.models["m"] = rt
+    reg.set_state(rt, ModelState.UNLOADED, "a test")
+    svc = Service(reg, reg.metrics, loop, probe_meminfo(), plan([], 1 << 30))
+    svc.ready.set()
+    return reg, svc, rt
+
+
 def test_a_model_loaded_while_a_large_body_decodes_answers_from_the_loaded_model(tmp_path: Path) -> None:
     """A body over OFFLOAD_BYTES is decoded off the loop: the route's lookup made before that
     await must not be used after it (it held no rules for the then unloaded model: a 500)."""
 
     async def main() -> tuple[int, Any]:
         loop = asyncio.get_running_loop()
-        make_tiny_mlp(tmp_path / "m.onnx")
-        raw = {"models": {"m": {"path": str(tmp_path / "m.onnx"), "warmup": {"iterations": 1}}}}
-        cfg = from_mapping(raw, base=tmp_path)
-        reg = Registry(cfg, EngineCache(tmp_path / "cache"), BuildRunner(cfg.build, probe_meminfo), Metrics(), 1 << 30)
-        resolved = ModelRuntime("m", cfg.models["m"])
-        reg.resolve(resolved)
-        rt = stand_in(reg, resolved)
-        assert rt is not None
-        reg.models["m"] = rt
-        reg.set_state(rt, ModelState.UNLOADED, "a test")
-        svc = Service(reg, reg.metrics, loop, probe_meminfo(), plan([], 1 << 30))
-        svc.ready.set()
+        reg, svc, rt = _service(tmp_path, loop)
         decode = svc.decode_infer
 
         async def decode_then_load(*args: Any, **kwargs: Any) -> InferRequest:
@@ -75,11 +86,42 @@ def test_a_model_loaded_while_a_large_body_decodes_answers_from_the_loaded_model
 
         scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": []}
         route = InferRoute(svc, SharedMemoryRegistry(), 1 << 26)
-        status, answer, _ = await route("m", scope, receive)
-        assert rt.queue is not None and rt.queue.inline  # the case under test: an inline model
-        rt.queue.close()
+        try:
+            status, answer, _ = await route("m", scope, receive)
+            assert rt.queue is not None and rt.queue.inline  # the case under test: an inline model
+        finally:
+            if rt.queue is not None:
+                rt.queue.close()
         return status, answer
 
     status, answer = asyncio.run(main())
     assert status == 200
     assert isinstance(answer, bytes) and orjson.loads(answer)["outputs"][0]["shape"] == [1, 4]
+
+
+def test_infer_now_declines_a_lookup_the_registry_has_moved_past(tmp_path: Path) -> None:
+    """What a caller looked up before an await is used only while it is still the model's: a
+    plan made before the load (no rules), or a runtime a reload has replaced, gets None (the
+    caller then goes by name); the current pair gets the answer, counted once."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        reg, svc, rt = _service(tmp_path, loop)
+        stale_plan = svc.plan_for(rt)  # made while unloaded
+        await reg.load(rt, loop)
+        try:
+            x = {"x": np.full((1, 16), 0.5, np.float32)}
+            assert rt.queue is not None and rt.queue.inline
+            assert svc.infer_now(rt, stale_plan, x) is None
+            replaced = ModelRuntime("m", rt.cfg)
+            reg.models["m"] = replaced  # a reload's new runtime (not loaded here)
+            assert svc.infer_now(rt, svc.plan_for(rt), x) is None
+            reg.models["m"] = rt
+            out = svc.infer_now(rt, svc.plan_for(rt), x)
+            assert out is not None and [a.shape for a in out.values()] == [(1, 4)]
+            assert svc.metrics.model("m").requests == 1  # the two declines counted nothing
+        finally:
+            if rt.queue is not None:
+                rt.queue.close()
+
+    asyncio.run(main())
