@@ -436,6 +436,7 @@ def finish_decode(parsed: ParsedBody, shm: ShmResolver | None = None) -> InferRe
     req = InferRequest(rid, {}, None, plan.binary_all, dict(plan.parameters))
     inputs = req.inputs
     layout = plan.layout
+    # Never empty where set: plan_document refuses a request without inputs.
     if layout is not None and len(binary) == layout[-1][4]:
         for name, dtype, shape, start, end in layout:
             # As from_bytes does it: frombuffer holds the body while the array lives.

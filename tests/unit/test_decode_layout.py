@@ -81,3 +81,22 @@ def test_outputs_to_shared_memory_still_need_a_transport_with_it() -> None:
 
     req = decode_infer(body, hl, resolver, LIMITS)  # the layout path keeps the outputs' regions
     assert req.outputs is not None and req.outputs[0].shm_region == "r"
+
+
+def test_zero_sized_and_unaligned_inputs_decode_through_the_layout() -> None:
+    empty = np.zeros((0, 3), np.float32)
+    a = np.arange(4, dtype=np.int64).reshape(1, 4)
+    body, hl = _binary({"e": empty, "a": a})
+    for pad in range(1, 4):  # the binary part starting at odd offsets of the body
+        header = body[:hl] + b" " * pad
+        req = decode_infer(header + body[hl:], len(header), None, LIMITS)
+        assert req.inputs["e"].shape == (0, 3)
+        np.testing.assert_array_equal(req.inputs["a"], a)
+
+
+def test_a_cached_plan_is_checked_against_each_models_limits() -> None:
+    a, b = np.ones((1, 2), np.float32), np.ones((1, 3), np.float32)
+    body, hl = _binary({"a": a, "b": b})
+    decode_infer(body, hl, None, LIMITS)  # planned and cached under the default limits
+    with pytest.raises(BadRequestError, match="lists 2 inputs"):
+        decode_infer(body, hl, None, Limits(inputs=1, outputs=1, model="m"))
