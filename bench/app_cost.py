@@ -42,32 +42,32 @@ Call = Callable[[], Awaitable[None]]
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="bench app", description=__doc__.split("\n")[0])
-    ap.add_argument("--base", type=Path, help="a folder holding another edged/ to measure beside this tree's")
+    ap.add_argument("--base", help="a commit, or a folder holding an edged/, to measure beside this tree")
     ap.add_argument("--processes", type=int, default=4, help="child processes per tree, alternated")
     ap.add_argument("--requests", type=int, default=40000, help="requests per path in each child")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "app.json")
     ap.add_argument("--functions", type=int, default=0, help="print the N functions running most lines")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(Path(args.child), args.requests)
+        child(args.requests)
         return
     if not MODEL.exists():
         from bench.models import demo_onnx
 
         demo_onnx(REPO / "data")
-    trees = {"edged": REPO} | ({"base": args.base.resolve()} if args.base else {})
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
-    for i in range(args.processes):
-        for label, tree in trees.items() if i % 2 == 0 else reversed(trees.items()):
-            res = _spawn(tree, args.requests)
-            runs[label].append(res)
-            print(
-                f"{label:6} app {res['app_us']:7.1f} us  fused {res['fused_us']:6.1f} us  "
-                f"above fused {res['app_us'] - res['fused_us']:6.1f} us  lines {res['app_lines']:.0f} "
-                f"(fused {res['fused_lines']:.0f})",
-                flush=True,
-            )
+    trees: dict[str, Path] = {"edged": REPO}
+    if args.base:
+        from bench.overhead import export  # a commit or a folder, as overhead --base takes it
+
+        base = Path(tempfile.mkdtemp(prefix="edged-app-base-"))
+        export(args.base, base)
+        trees["base"] = base
+    try:
+        runs = _alternate(trees, args.processes, args.requests)
+    finally:
+        if "base" in trees:
+            shutil.rmtree(trees["base"], ignore_errors=True)
     if args.functions:
         for label, rs in runs.items():
             top = list(rs[-1]["app_functions"].items())[: args.functions]
@@ -84,6 +84,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"written to {args.out}")
 
 
+def _alternate(trees: dict[str, Path], processes: int, requests: int) -> dict[str, list[dict[str, Any]]]:
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+    for i in range(processes):
+        for label, tree in trees.items() if i % 2 == 0 else reversed(trees.items()):
+            res = _spawn(tree, requests)
+            runs[label].append(res)
+            print(
+                f"{label:6} app {res['app_us']:7.1f} us  fused {res['fused_us']:6.1f} us  "
+                f"above fused {res['app_us'] - res['fused_us']:6.1f} us  lines {res['app_lines']:.0f} "
+                f"(fused {res['fused_lines']:.0f})",
+                flush=True,
+            )
+    return runs
+
+
 def _summary(rs: list[dict[str, Any]]) -> dict[str, float]:
     app = statistics.median(r["app_us"] for r in rs)
     fused = statistics.median(r["fused_us"] for r in rs)
@@ -92,14 +107,12 @@ def _summary(rs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _spawn(tree: Path, requests: int) -> dict[str, Any]:
-    # Not ``-m``: that puts the working directory (this checkout) ahead of the tree measured. Only
-    # the tree goes on the path, and this file runs by its path: a base that is a whole checkout
-    # brings its edged, never its bench.
-    boot = (
-        "import runpy, sys; sys.path.insert(0, sys.argv[1]); script = sys.argv[2]; "
-        "sys.argv[:] = ['app_cost', *sys.argv[3:]]; runpy.run_path(script, run_name='__main__')"
-    )
-    cmd = [sys.executable, "-c", boot, str(tree), __file__, "--child", str(tree), "--requests", str(requests)]
+    from bench.overhead import tree_boot  # the parent's only: the child imports no bench module
+
+    # Not ``-m`` (it puts the working directory ahead of the tree measured); this file runs by its
+    # path, so a base that is a whole checkout brings its edged, never its bench.
+    boot = tree_boot("script = sys.argv.pop(1); sys.argv[0] = 'app_cost'; runpy.run_path(script, run_name='__main__')")
+    cmd = [sys.executable, "-c", boot, str(tree), __file__, "--requests", str(requests), "--child"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S * 3, check=False)
     except subprocess.TimeoutExpired as e:
@@ -112,11 +125,8 @@ def _spawn(tree: Path, requests: int) -> dict[str, Any]:
     raise RuntimeError(f"child for {tree} gave no result (exit {done.returncode}): {done.stderr[-2000:]}")
 
 
-def child(tree: Path, requests: int) -> None:
-    import edged
-
-    if not Path(edged.__file__).resolve().is_relative_to(tree.resolve()):
-        raise SystemExit(f"edged imported from {edged.__file__}, not from {tree}")
+def child(requests: int) -> None:
+    """In the child: edged is already the measured tree's (``tree_boot`` checked it)."""
     try:  # the daemon's own loop (edged.daemon.serve)
         import uvloop
 

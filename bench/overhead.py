@@ -126,13 +126,18 @@ class BaseEdged(EdgedServer):
         # sys.path, ahead of PYTHONPATH, so the daemon ran this tree's edged, not the base's (every
         # --base lane from 30 Nov to 1 Dec compared this tree with itself). The tree goes first
         # explicitly, and the daemon refuses to start if edged comes from anywhere else.
-        tree = str(self.tree)
-        boot = (
-            "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); import edged; "
-            "assert edged.__file__.startswith(sys.path[0] + '/'), ('base lane runs', edged.__file__); "
-            "sys.argv[0] = 'edged'; runpy.run_module('edged', run_name='__main__', alter_sys=True)"
-        )
-        return [self.python, "-c", boot, tree, *super().command()[3:]]
+        boot = tree_boot("sys.argv[0] = 'edged'; runpy.run_module('edged', run_name='__main__', alter_sys=True)")
+        return [self.python, "-c", boot, str(self.tree), *super().command()[3:]]
+
+
+def tree_boot(then: str) -> str:
+    """A ``python -c`` program that puts its first argument (a folder holding edged/) first on
+    sys.path, imports edged from there (refusing to go on if it came from anywhere else), drops
+    that argument and runs ``then`` (Python, with runpy and sys imported)."""
+    return (
+        "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); import edged; "
+        "assert edged.__file__.startswith(sys.path[0] + '/'), ('the tree measured runs', edged.__file__); " + then
+    )
 
 
 def export(commit: str, dest: Path) -> None:

@@ -55,9 +55,15 @@ def _wrap_async(owner: Any, attr: str, stage: str) -> None:
     @functools.wraps(fn)
     async def timed(*args: Any, **kwargs: Any) -> Any:
         rec, f0, t0 = _current.get(), _faults(), time.perf_counter()
+        if rec is not None and stage in rec.setdefault("open", set()):
+            return await fn(*args, **kwargs)  # inside the same stage (Service.infer trying infer_now)
+        if rec is not None:
+            rec["open"].add(stage)
         try:
             return await fn(*args, **kwargs)
         finally:
+            if rec is not None:
+                rec["open"].discard(stage)
             _add(rec, stage, time.perf_counter() - t0, _faults() - f0)
 
     setattr(owner, attr, timed)
@@ -69,6 +75,8 @@ def _wrap_sync(owner: Any, attr: str, stage: str, rec_of: Callable[[], Record | 
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         rec, f0, t0 = rec_of(), _faults(), time.perf_counter()
+        if rec is not None and stage in rec.get("open", ()):
+            return fn(*args, **kwargs)  # inside the same stage, timed by the outer call
         try:
             return fn(*args, **kwargs)
         finally:
@@ -82,7 +90,7 @@ def install() -> None:
 
     from edged.backends import onnxruntime as ort_backend
     from edged.service import Service
-    from edged.transports import http, shm_io
+    from edged.transports import http, http_infer, shm_io
 
     app_call = http.App.__call__
 
@@ -102,12 +110,17 @@ def install() -> None:
             _done.append(rec)
 
     http.App.__call__ = app  # type: ignore[method-assign]
+    # The infer route (edged/transports/http_infer.py) decodes, runs an inline model and encodes
+    # a small request without awaiting, and awaits the async forms otherwise: both are timed.
+    _wrap_sync(http_infer, "decode_now", "decode", _current.get)
     _wrap_async(Service, "decode_infer", "decode")
     _wrap_async(shm_io.ShmRequest, "fill", "fill")
     _wrap_async(shm_io.ShmRequest, "flush", "flush")
+    _wrap_sync(Service, "infer_now", "infer", _current.get)
     _wrap_async(Service, "infer", "infer")
-    _wrap_async(http, "encode_infer_async", "encode")
-    _wrap_async(http, "read_body", "read")  # the body from uvicorn (a wait, if it is still arriving)
+    _wrap_sync(http_infer, "encode_now", "encode", _current.get)
+    _wrap_async(http_infer, "encode_large_async", "encode")
+    _wrap_async(http_infer, "read_body", "read")  # the body from uvicorn (a wait, if it is still arriving)
     _wrap_async(RequestResponseCycle, "send", "send")  # uvicorn's writes of the answer's head and body
     # The copies and the model run on other threads: they find their request through the
     # context that run_in_executor and the scheduler's queue do not carry, so they record into
@@ -142,7 +155,7 @@ def _dump() -> None:
     if path:
         with open(path, "a") as f:
             for rec in _done:
-                f.write(json.dumps(rec) + "\n")
+                f.write(json.dumps({k: v for k, v in rec.items() if k != "open"}) + "\n")
 
 
 def keep_spinning() -> None:

@@ -181,14 +181,14 @@ def encode_infer(
     return b"".join(parts), header_length
 
 
-def encode_now(model: str, req: InferRequest, results: Mapping[str, np.ndarray]) -> tuple[bytes, int | None] | None:
-    """The answer as one body, encoded on the caller's thread, when it is small and no output
-    goes to shared memory; None otherwise (``encode_infer_async`` encodes those)."""
-    if req.outputs and any(o.shm_region is not None for o in req.outputs):
-        return None
+def encode_now(
+    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: ShmResolver | None = None
+) -> tuple[bytes, int | None] | None:
+    """The answer as one body, encoded on the caller's thread (outputs bound for shared memory
+    written through ``shm``), when it is small; None when it is not (``encode_large_async``)."""
     if sum(wire_nbytes(a) for a in results.values()) > OFFLOAD_BYTES:
         return None
-    return _encode_small(model, req, results, None)
+    return _encode_small(model, req, results, shm)
 
 
 async def encode_infer_async(
@@ -199,9 +199,20 @@ async def encode_infer_async(
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_parts`` for the event loop: results above OFFLOAD_BYTES are encoded on a
     worker thread. Outputs written to shared memory stay on the loop, where the regions live."""
-    if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
-        body, header_length = _encode_small(model, req, results, shm)
-        return [body], header_length
+    small = encode_now(model, req, results, shm)
+    if small is not None:
+        return [small[0]], small[1]
+    return await encode_large_async(model, req, results, shm)
+
+
+async def encode_large_async(
+    model: str,
+    req: InferRequest,
+    results: Mapping[str, np.ndarray],
+    shm: ShmResolver | None = None,
+) -> tuple[list[Part], int | None]:
+    """``encode_infer_async`` for results ``encode_now`` found above OFFLOAD_BYTES (not added up
+    again: a BYTES output's size is a walk of its elements)."""
     if shm is not None and any(o.shm_region for o in req.outputs or ()):
         resolved = _resolved_on_the_loop(model, req, results, shm)
         if resolved is None:

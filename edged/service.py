@@ -38,6 +38,7 @@ from edged.protocol import (
     v2_datatype,
 )
 from edged.registry import ModelRuntime, Registry
+from edged.scheduler import ModelQueue
 from edged.states import READY, ModelState
 from edged.stats import ModelStatistics, Statistics
 from edged.tensors import is_bytes
@@ -156,8 +157,8 @@ class Service:
         runs inline, serving, no larger than its warm-up's request. None for any other request,
         with no outcome counted (``infer`` serves it); a request that fails here is counted here.
         ``rt`` and ``plan``: the caller's lookup, used only while they are still the model's."""
-        queue = rt.queue
-        if queue is None or not queue.inline or rt.state is not READY or not (self.ready.is_set() or self.warming):
+        queue = self._serving_queue(rt)
+        if queue is None or not queue.inline:
             return None
         if not plan.current(self.registry.cfg, rt) or self.registry.models.get(rt.name) is not rt:
             return None  # a caller's lookup that a reload or a load has overtaken: ``infer`` looks again
@@ -198,9 +199,7 @@ class Service:
             self.metrics.reject(name, transport, ModelNotFoundError.code, known=False)
             raise ModelNotFoundError(f"unknown model '{name}'")
         try:
-            # Until READY=1 every request waits for readiness, even one for a model already warm
-            # (except the daemon's own warm-up requests, which are what readiness waits for).
-            queue = rt.queue if rt.state is READY and (self.ready.is_set() or self.warming) else None
+            queue = self._serving_queue(rt)
             if queue is None:
                 rt, queue = await self._await_model(rt)
             plan = self.plan_for(rt)
@@ -213,6 +212,12 @@ class Service:
             raise
         self._succeeded(name, transport, stats, received_ns or entered, entered)
         return out
+
+    def _serving_queue(self, rt: ModelRuntime) -> ModelQueue | None:
+        """The queue of a model that serves now; None while it must be waited for. Until READY=1
+        every request waits for readiness, even one for a model already warm (except the
+        daemon's own warm-up requests, which are what readiness waits for)."""
+        return rt.queue if rt.state is READY and (self.ready.is_set() or self.warming) else None
 
     def _succeeded(
         self, name: str, transport: str, stats: ModelStatistics | None, since_ns: int, entered_ns: int

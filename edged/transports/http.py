@@ -32,6 +32,7 @@ from edged.service import Service
 from edged.states import ModelState
 from edged.transports import openai_api, triton_ext
 from edged.transports.http_body import accepted_encoding, compress, read_body
+from edged.transports.http_infer import JSON_HEADERS as _JSON
 from edged.transports.http_infer import InferRoute, infer_target
 from edged.transports.http_methods import error_headers
 from edged.transports.http_methods import expect as _expect
@@ -45,8 +46,6 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Body = bytes | list[Part]
 
-_JSON = [(b"content-type", b"application/json")]
-_BINARY = b"application/octet-stream"
 # The largest body a control route takes (log settings, shared memory registration, load/unload).
 CONTROL_BODY = 64 * 1024
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from edged.encoding import OFFLOAD_BYTES, encode_infer_async, encode_now
+from edged.encoding import OFFLOAD_BYTES, encode_large_async, encode_now
 from edged.errors import EdgedError, ShuttingDownError
-from edged.protocol import InferRequest, Part, parse_header_length, resolve_pending_async
+from edged.protocol import InferRequest, Part, ShmResolver, parse_header_length, resolve_pending_async
 from edged.service import Service, decode_now
 from edged.transports.http_body import body_headers, read_body
 from edged.transports.peer import PEER_KEY, Peer
@@ -33,7 +33,7 @@ Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, Body, Headers]
 Tensors = Mapping[str, np.ndarray]
 
-_JSON: Headers = [(b"content-type", b"application/json")]
+JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
 _BINARY = b"application/octet-stream"
 _PREFIX, _SUFFIX = "/v2/models/", "/infer"
 
@@ -92,8 +92,10 @@ class InferRoute:
                 outputs = await svc.infer(name, req.inputs, req.id, received_ns=received, tried_now=not waited)
             ran = time.perf_counter_ns()
             try:
-                encoded: tuple[Body, int | None] | None = encode_now(name, req, outputs)  # the usual answer
-                answer, header_len = encoded or await _encode(name, req, outputs, shm.request())
+                encoded: tuple[Body, int | None] | None = encode_now(name, req, outputs, shm.output)  # the usual
+                answer, header_len = encoded or await _encode_large(name, req, outputs, shm.output)
+                if shm.held is not None and shm.held.writes:
+                    await shm.held.flush()
             except BaseException:
                 svc.stats.encode_failed(name, received, ran)
                 raise
@@ -101,7 +103,7 @@ class InferRoute:
         finally:
             shm.release()
         if header_len is None:
-            return 200, answer, _JSON
+            return 200, answer, JSON_HEADERS
         return 200, answer, [(b"content-type", _BINARY), (b"inference-header-content-length", str(header_len).encode())]
 
 
@@ -112,11 +114,8 @@ async def _fill(req: InferRequest, shm: _LazyShm) -> None:
         await resolve_pending_async(req)
 
 
-async def _encode(name: str, req: InferRequest, outputs: Tensors, shm: ShmRequest) -> tuple[Body, int | None]:
-    """An answer ``encode_now`` does not take: large, or with outputs in shared memory."""
-    parts, header_len = await encode_infer_async(name, req, outputs, shm.output)
-    if shm.writes:
-        await shm.flush()
+async def _encode_large(name: str, req: InferRequest, outputs: Tensors, shm: ShmResolver) -> tuple[Body, int | None]:
+    parts, header_len = await encode_large_async(name, req, outputs, shm)
     first = parts[0]
     return (first if len(parts) == 1 and isinstance(first, bytes) else parts), header_len
 
@@ -137,6 +136,9 @@ class _LazyShm:
 
     def input(self, name: str, offset: int, size: int) -> memoryview:
         return self.request().input(name, offset, size)
+
+    def output(self, name: str, offset: int, size: int) -> memoryview:
+        return self.request().output(name, offset, size)
 
     def release(self) -> None:
         if self.held is not None:
