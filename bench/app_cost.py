@@ -14,7 +14,7 @@ child it prints the medians of both, the app's cost above the fused path, and th
 each runs for one request (a count that no noise moves). Children of this tree and of ``--base``
 are alternated.
 
-    scripts/bench.sh app [--base FOLDER] [--processes 4] [--requests 40000] [--functions 20]
+    scripts/bench.sh app [--base COMMIT|FOLDER] [--processes 4] [--requests 40000] [--functions 20]
 """
 
 from __future__ import annotations
