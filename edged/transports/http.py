@@ -8,6 +8,7 @@ is a split of the path, not a framework, because the infer route is on every req
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -45,6 +46,9 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Body = bytes | list[Part]
+Headers = list[tuple[bytes, bytes]]
+Answer = tuple[int, Body, Headers]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # The largest body a control route takes (log settings, shared memory registration, load/unload).
 CONTROL_BODY = 64 * 1024
@@ -80,39 +84,87 @@ class App:
         await self._serve(scope, receive, send)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        answer = await self._answered(scope, self._route(scope, receive, send))
+        if answer is not None:
+            await _send(send, *answer)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> Answer | None:
+        """The request's answer; None from the generation routes, which stream (they own send)."""
+        door: Door | None = scope.get(DOOR_KEY)
+        if door is not None:
+            _check_door(door, scope)
+        path = scope["path"]
+        name = infer_target(path) if scope["method"] == "POST" else None
+        if name is not None:  # nearly every request: no routing beyond this
+            return await self.infer(name, scope, receive)
+        if openai_api.handles(path):  # language models: they stream, so they own send
+            await self.generation(scope, receive, send)  # answers its own errors
+            return None
+        return await self._dispatch(scope, receive)
+
+    async def _answered(self, scope: Scope, work: Awaitable[Answer | None]) -> Answer | None:
+        """``work``'s answer, compressed where the client asks for it, or the answer of its error."""
+        try:
+            answer = await work
+            if answer is None:
+                return None
+            status, body, headers = answer
+            if status == 200 and not (isinstance(body, bytes) and len(body) < self.compress_min):
+                body, headers = await self._encode(scope, body, headers)
+            return status, body, headers
+        except EdgedError as e:
+            return _error(e)
+        except Exception as e:  # a bug must answer 500, never drop the connection silently
+            return _internal(scope, e)
+
+    def wants(self, scope: Scope) -> bool:
+        """Whether ``now`` may answer this request, from its head alone (the connection then
+        keeps its body until it is whole, rather than starting the ASGI call at once)."""
+        if scope["method"] != "POST" or self.service.warming:
+            return False
+        name = infer_target(scope["path"])
+        if name is None or not self.infer.inline(name):
+            return False  # an unknown model, say, is answered before its body, as ever
+        door: Door | None = scope.get(DOOR_KEY)
+        try:
+            if door is not None:
+                _check_door(door, scope)
+        except EdgedError:
+            return False  # refused at once by __call__
+        return True
+
+    def now(self, scope: Scope, body: bytes) -> Answer | ASGIApp | None:
+        """The answer of a request whose whole body is in hand, made at once on the connection's
+        parser callback (connection.py): an infer request to a model that runs inline, answered
+        small. Where only the answer's encoding or compression awaits, an ASGI app that finishes
+        it. None, with nothing done, for every other request (served through ``__call__``)."""
+        if scope["method"] != "POST" or self.service.warming:  # the warm-up is uncounted: __call__
+            return None
+        name = infer_target(scope["path"])
+        if name is None:
+            return None
         try:
             door: Door | None = scope.get(DOOR_KEY)
             if door is not None:
                 _check_door(door, scope)
-            path = scope["path"]
-            name = infer_target(path) if scope["method"] == "POST" else None
-            if name is not None:  # nearly every request: no routing beyond this
-                status, body, headers = await self.infer(name, scope, receive)
-            elif openai_api.handles(path):  # language models: they stream, so they own send
-                await self.generation(scope, receive, send)  # answers its own errors
-                return
-            else:
-                status, body, headers = await self._dispatch(scope, receive)
-            if status == 200 and not (isinstance(body, bytes) and len(body) < self.compress_min):
-                body, headers = await self._encode(scope, body, headers)
+            answer = self.infer.now(name, scope, body)
         except EdgedError as e:
-            status, body, headers = e.http_status, orjson.dumps(e.to_dict()), error_headers(e, _JSON)
-            if status == 401:
-                headers = [*_JSON, (b"www-authenticate", b"Bearer")]
+            return _error(e)
         except Exception as e:  # a bug must answer 500, never drop the connection silently
-            log.exception("unhandled error on %s", scope.get("path"))
-            status, body, headers = 500, orjson.dumps({"error": str(e), "code": "internal"}), _JSON
-        if isinstance(body, list):  # a large infer response, in parts
-            await self._send_parts(send, status, headers, body)
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*headers, (b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+            return _internal(scope, e)
+        if answer is None:
+            return None
+        if isinstance(answer, tuple) and (
+            answer[0] != 200 or (isinstance(answer[1], bytes) and len(answer[1]) < self.compress_min)
+        ):
+            return answer
+        return functools.partial(self._finish, answer)
+
+    async def _finish(self, answer: Answer | Awaitable[Answer], scope: Scope, receive: Receive, send: Send) -> None:
+        """The rest of an answer ``now`` began: encoded or compressed, then sent (an ASGI app)."""
+        done = await self._answered(scope, _ready(answer) if isinstance(answer, tuple) else answer)
+        assert done is not None
+        await _send(send, *done)
 
     async def _encode(
         self, scope: Scope, body: Body, headers: list[tuple[bytes, bytes]]
@@ -133,18 +185,6 @@ class App:
             return body, [*headers, vary]
         out: list[Part] = [*packed]
         return out, [*headers, (b"content-encoding", encoding.encode()), vary]
-
-    async def _send_parts(self, send: Send, status: int, headers: list[tuple[bytes, bytes]], parts: list[Part]) -> None:
-        length = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*headers, (b"content-length", str(length).encode())],
-            }
-        )
-        for i, part in enumerate(parts):
-            await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(parts)})
 
     async def _read_small(self, scope: Scope, receive: Receive) -> bytes | memoryview:
         """The body of a control route (settings, registrations): a few hundred bytes, parsed on
@@ -322,3 +362,34 @@ def _group_id(name: str) -> int:
 def _own(peer: Peer | None) -> bool:
     """A connection from the daemon itself (its warm-up of the socket path)."""
     return peer is not None and peer.pid == os.getpid()
+
+
+async def _ready(answer: Answer) -> Answer:
+    return answer
+
+
+def _error(e: EdgedError) -> Answer:
+    headers = error_headers(e, _JSON)
+    if e.http_status == 401:
+        headers = [*_JSON, (b"www-authenticate", b"Bearer")]
+    return e.http_status, orjson.dumps(e.to_dict()), headers
+
+
+def _internal(scope: Scope, e: Exception) -> Answer:
+    log.exception("unhandled error on %s", scope.get("path"), exc_info=e)
+    return 500, orjson.dumps({"error": str(e), "code": "internal"}), _JSON
+
+
+async def _send(send: Send, status: int, body: Body, headers: Headers) -> None:
+    if isinstance(body, list):  # a large infer response, in parts
+        length = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in body)
+        await send({"type": "http.response.start", "status": status, "headers": [*headers, _length(length)]})
+        for i, part in enumerate(body):
+            await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(body)})
+        return
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, _length(len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _length(n: int) -> tuple[bytes, bytes]:
+    return (b"content-length", str(n).encode())

@@ -21,7 +21,7 @@ from edged.encoding import OFFLOAD_BYTES, encode_large_async, encode_now
 from edged.errors import EdgedError, ShuttingDownError
 from edged.protocol import InferRequest, Part, ShmResolver, parse_header_length, resolve_pending_async
 from edged.service import Service, decode_now
-from edged.transports.http_body import body_headers, read_body
+from edged.transports.http_body import BodyHeaders, body_headers, read_body
 from edged.transports.peer import PEER_KEY, Peer
 from edged.transports.shm import SharedMemoryRegistry
 from edged.transports.shm_io import ShmRequest
@@ -69,9 +69,7 @@ class InferRoute:
                 # The statistics' compute_input starts once the body is in, as Triton's does: a
                 # slow upload is not the daemon's time.
                 received = time.perf_counter_ns()
-                header_len = None
-                for value in headers.header_lengths:
-                    header_len = parse_header_length(value, "Inference-Header-Content-Length")
+                header_len = _header_length(headers)
                 rt = svc.model(name)  # again: a reload may have swapped it during the read
                 plan = svc.plan_for(rt)
                 if len(body) <= OFFLOAD_BYTES:
@@ -90,21 +88,102 @@ class InferRoute:
             outputs = None if waited else svc.infer_now(rt, plan, req.inputs, req.id, "http", received)
             if outputs is None:
                 outputs = await svc.infer(name, req.inputs, req.id, received_ns=received, tried_now=not waited)
-            ran = time.perf_counter_ns()
+            answer = self._encode(name, req, outputs, shm, received)
+            return answer if isinstance(answer, tuple) else await answer
+        finally:
+            shm.release()
+
+    def inline(self, name: str) -> bool:
+        """Whether ``name`` is a model that runs inline, served now (what ``now`` answers)."""
+        rt = self.service.registry.models.get(name)
+        return self.accepting and rt is not None and rt.queue is not None and rt.queue.inline
+
+    def now(self, name: str, scope: Scope, body: bytes) -> Answer | Awaitable[Answer] | None:
+        """The answer of a request whose whole body is in hand, made at once by the caller (the
+        connection's parser callback: no task, no ASGI call) when nothing before the model's run
+        awaits: a model that runs inline, tensors in the body, no Content-Encoding. When only the
+        answer's encoding awaits (large, or written to shared memory), the rest of it, to await.
+        None, with nothing done or counted, for any other request: ``__call__`` serves it, with
+        the same checks and errors."""
+        svc = self.service
+        rt = svc.registry.models.get(name)
+        queue = None if rt is None else rt.queue
+        if queue is None or not queue.inline or not self.accepting or len(body) > min(self.max_body, OFFLOAD_BYTES):
+            return None
+        assert rt is not None
+        headers = body_headers(scope)
+        if headers.encodings:
+            return None
+        received = time.perf_counter_ns()
+        shm = _LazyShm(self.regions, scope.get(PEER_KEY))
+        try:
             try:
-                encoded: tuple[Body, int | None] | None = encode_now(name, req, outputs, shm.output)  # the usual
+                plan = svc.plan_for(rt)
+                req = decode_now(plan, body, _header_length(headers), shm.input)
+            except EdgedError as e:
+                svc.metrics.reject(name, "http", e.code, known=True)
+                raise
+            if shm.held is not None or req.pending:
+                return None  # inputs to copy or read before the run
+            outputs = svc.infer_now(rt, plan, req.inputs, req.id, "http", received)
+            if outputs is None:
+                return None
+            return self._encode(name, req, outputs, shm, received)
+        finally:
+            shm.release()  # after the rest of the answer, where there is one (it holds the request)
+
+    def _encode(
+        self, name: str, req: InferRequest, outputs: Tensors, shm: _LazyShm, received: int
+    ) -> Answer | Awaitable[Answer]:
+        """The answer, at once when it is small and nothing is to be written to shared memory;
+        else the rest of its encoding, to await (it releases ``shm``: the caller's release is
+        then a no-op)."""
+        ran = time.perf_counter_ns()
+        try:
+            encoded: tuple[Body, int | None] | None = encode_now(name, req, outputs, shm.output)  # the usual
+        except BaseException:
+            self.service.stats.encode_failed(name, received, ran)
+            raise
+        if encoded is None or (shm.held is not None and shm.held.writes):
+            return self._encode_late(name, req, outputs, shm.take(), received, ran, encoded)
+        self.service.stats.encoded(name, ran)
+        return _answer(*encoded)
+
+    async def _encode_late(
+        self,
+        name: str,
+        req: InferRequest,
+        outputs: Tensors,
+        shm: _LazyShm,
+        received: int,
+        ran: int,
+        encoded: tuple[Body, int | None] | None,
+    ) -> Answer:
+        try:
+            try:
                 answer, header_len = encoded or await _encode_large(name, req, outputs, shm.output)
                 if shm.held is not None and shm.held.writes:
                     await shm.held.flush()
             except BaseException:
-                svc.stats.encode_failed(name, received, ran)
+                self.service.stats.encode_failed(name, received, ran)
                 raise
-            svc.stats.encoded(name, ran)
+            self.service.stats.encoded(name, ran)
+            return _answer(answer, header_len)
         finally:
             shm.release()
-        if header_len is None:
-            return 200, answer, JSON_HEADERS
-        return 200, answer, [(b"content-type", _BINARY), (b"inference-header-content-length", str(header_len).encode())]
+
+
+def _header_length(headers: BodyHeaders) -> int | None:
+    header_len = None
+    for value in headers.header_lengths:  # each one checked, the last one used
+        header_len = parse_header_length(value, "Inference-Header-Content-Length")
+    return header_len
+
+
+def _answer(body: Body, header_len: int | None) -> Answer:
+    if header_len is None:
+        return 200, body, JSON_HEADERS
+    return 200, body, [(b"content-type", _BINARY), (b"inference-header-content-length", str(header_len).encode())]
 
 
 async def _fill(req: InferRequest, shm: _LazyShm) -> None:
@@ -139,6 +218,12 @@ class _LazyShm:
 
     def output(self, name: str, offset: int, size: int) -> memoryview:
         return self.request().output(name, offset, size)
+
+    def take(self) -> _LazyShm:
+        """A holder of this request's ShmRequest, for the rest of the answer; this one then holds none."""
+        taken = _LazyShm(self.regions, self.peer)
+        taken.held, self.held = self.held, None
+        return taken
 
     def release(self) -> None:
         if self.held is not None:

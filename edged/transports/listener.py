@@ -187,13 +187,17 @@ async def start(app: Any, cfg: Config, listeners: list[Listener]) -> uvicorn.Ser
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
     gate = Gate(ConnectionLimits.from_config(cfg))
+    # The app's answers made at once on the connection (connection.Direct), where it has them.
+    direct = app if hasattr(app, "wants") and hasattr(app, "now") else None
     loop = asyncio.get_running_loop()
     server.servers = []
     for listener in listeners:
 
         def protocol(door: Door = listener.door) -> EdgedProtocol:
             state = server.server_state
-            return EdgedProtocol(config=config, server_state=state, app_state={}, _loop=loop, gate=gate, door=door)
+            return EdgedProtocol(
+                config=config, server_state=state, app_state={}, _loop=loop, gate=gate, door=door, direct=direct
+            )
 
         server.servers.append(await loop.create_server(protocol, sock=listener.sock, backlog=config.backlog))
         log.info("serving on %s", listener.door.label)
