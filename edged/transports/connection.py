@@ -17,7 +17,7 @@ clients needs and uvicorn does not do (design section 2):
   it is whole; the app then answers it on the parser's callback (``Direct.now``), written here as
   uvicorn's cycle would write it, with no task, no ASGI call and no loop iteration. Where the app
   declines, or only the rest of the answer awaits, the cycle's task starts as uvicorn would have
-  started it (the body then whole). A tiny model's request costs less than half as much Python.
+  started it (the body then whole). A tiny model's request runs a fifth less Python (docs/performance.md).
 
 uvicorn is driven through internals it does not promise to keep (HttpToolsProtocol's parser
 callbacks and fields, Server.servers/lifespan/shutdown): pyproject.toml bounds its version and
@@ -223,9 +223,10 @@ class EdgedProtocol(HttpToolsProtocol):
         return f"request headers exceed {self._limits.max_header_size} bytes (server.max_header_size)"
 
     def on_message_begin(self) -> None:
-        # The connection is not idle: a keep-alive timer armed by an answer made at once, with
-        # this request already in the same read, must not close it (uvicorn cancels it only in
-        # data_received).
+        # The connection is not idle. An answer made at once arms the keep-alive timer from
+        # inside the parse; a request following it in the same read must cancel it, or it
+        # closes the connection while that request is served (uvicorn cancels it only when data
+        # is read or an answer completes: its own answers never complete inside a parse).
         self._unset_keepalive_if_required()
         super().on_message_begin()
         self.scope[PEER_KEY] = self._peer  # type: ignore[literal-required]

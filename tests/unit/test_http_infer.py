@@ -41,12 +41,15 @@ def test_infer_target_takes_only_the_plain_infer_path() -> None:
         assert infer_target(path) is None, path
 
 
-def _service(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> tuple[Registry, Service, ModelRuntime]:
-    """A real registry and service around the demo's tiny MLP, left UNLOADED (load it to serve)."""
+def inline_service(
+    tmp_path: Path, loop: asyncio.AbstractEventLoop, **server: Any
+) -> tuple[Registry, Service, ModelRuntime]:
+    """A real registry and service around the demo's tiny MLP (model "m"), left UNLOADED (load it
+    to serve); ``server``: more of the server table."""
     make_tiny_mlp(tmp_path / "m.onnx")
     raw = {
         # Inline whatever the warm-up measures on a loaded machine: the case under test
-        "server": {"inline_threshold_us": 10**7},
+        "server": {"inline_threshold_us": 10**7, **server},
         "models": {"m": {"path": str(tmp_path / "m.onnx"), "warmup": {"iterations": 1}}},
     }
     cfg = from_mapping(raw, base=tmp_path)
@@ -68,7 +71,7 @@ def test_a_model_loaded_while_a_large_body_decodes_answers_from_the_loaded_model
 
     async def main() -> tuple[int, Any]:
         loop = asyncio.get_running_loop()
-        reg, svc, rt = _service(tmp_path, loop)
+        reg, svc, rt = inline_service(tmp_path, loop)
         decode = svc.decode_infer
 
         async def decode_then_load(*args: Any, **kwargs: Any) -> InferRequest:
@@ -106,7 +109,7 @@ def test_infer_now_declines_a_lookup_the_registry_has_moved_past(tmp_path: Path)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        reg, svc, rt = _service(tmp_path, loop)
+        reg, svc, rt = inline_service(tmp_path, loop)
         stale_plan = svc.plan_for(rt)  # made while unloaded
         await reg.load(rt, loop)
         try:

@@ -1,0 +1,277 @@
+"""Answers made at once on the connection (transports/connection.py's ``Direct``), on the daemon's
+real stack in process: uvicorn with edged's protocol on a real Unix socket, a real registry and
+ONNX Runtime model (the demo's tiny MLP, made to run inline). Each answer made at once must be
+byte for byte the answer of the ASGI call it replaces (the versioned path never takes the
+shortcut), on the same connection, pipelined or not."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from edged.service import Service
+from edged.transports.http import App
+from edged.transports.listener import Listener, start
+from edged.transports.peer import Door
+from edged.transports.shm import SharedMemoryRegistry
+from tests.unit.test_http_infer import inline_service
+
+DIRECT = "/v2/models/m/infer"
+ROUTED = "/v2/models/m/versions/1/infer"  # the same route, always through the ASGI call
+
+
+class Served:
+    """The daemon's HTTP stack in this process, and what its app answered at once."""
+
+    def __init__(self, app: App, sock: Path, svc: Service) -> None:
+        self.app, self.sock, self.svc = app, sock, svc
+        self.kinds: list[str] = []  # per request ``now`` was asked: "answer", "rest" or "declined"
+        now = app.now
+
+        def spy(scope: dict[str, Any], body: bytes) -> Any:
+            out = now(scope, body)
+            self.kinds.append("declined" if out is None else "answer" if isinstance(out, tuple) else "rest")
+            return out
+
+        app.now = spy  # type: ignore[method-assign]
+        wants = app.wants
+        self.wanted: list[bool] = []  # per request ``wants`` was asked, its answer
+
+        def wants_spy(scope: dict[str, Any]) -> bool:
+            self.wanted.append(wants(scope))
+            return self.wanted[-1]
+
+        app.wants = wants_spy  # type: ignore[method-assign]
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(str(self.sock))
+
+
+@contextlib.asynccontextmanager
+async def served(tmp_path: Path, **server: Any) -> AsyncIterator[Served]:
+    loop = asyncio.get_running_loop()
+    reg, svc, rt = inline_service(tmp_path, loop, **server)
+    await reg.load(rt, loop)
+    assert rt.queue is not None and rt.queue.inline  # the case under test
+    app = App(svc, SharedMemoryRegistry(), 1 << 20)
+    path = tmp_path / "s.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(16)
+    stack = await start(app, reg.cfg, [Listener(sock, Door(str(path)))])
+    try:
+        yield Served(app, path, svc)
+    finally:
+        await stack.shutdown()
+        rt.queue.close()
+
+
+def http(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
+    head = [f"POST {path} HTTP/{version}", "Host: x", f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def binary(x: np.ndarray, output: bool = True) -> tuple[bytes, str]:
+    """The tiny model's request with its tensor in the binary part; its header length header."""
+    doc: dict[str, Any] = {
+        "id": "r1",
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": list(x.shape), "parameters": {"binary_data_size": x.nbytes}}
+        ],
+    }
+    if output:
+        doc["outputs"] = [{"name": "probs", "parameters": {"binary_data": True}}]
+    head = orjson.dumps(doc)
+    return head + x.tobytes(), f"Inference-Header-Content-Length: {len(head)}"
+
+
+def as_json(x: np.ndarray) -> bytes:
+    return orjson.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+    )
+
+
+async def answer(reader: asyncio.StreamReader) -> bytes:
+    """One whole answer: its head, and a body of its Content-Length."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    length = next(int(v) for k, _, v in (h.partition(b": ") for h in head.split(b"\r\n")) if k == b"content-length")
+    return head + await reader.readexactly(length)
+
+
+async def exchange(s: Served, *requests: bytes) -> list[bytes]:
+    """The answers of ``requests``, each on a connection of its own."""
+    out = []
+    for request in requests:
+        reader, writer = await s.connect()
+        writer.write(request)
+        out.append(await answer(reader))
+        writer.close()
+    return out
+
+
+def run(tmp_path: Path, test: Callable[[Served], Any], **server: Any) -> None:
+    async def main() -> None:
+        async with served(tmp_path, **server) as s:
+            await test(s)
+
+    asyncio.run(main())
+
+
+X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+
+
+def test_answers_made_at_once_are_the_asgi_calls_answers_byte_for_byte(tmp_path: Path) -> None:
+    body, length = binary(X)
+    cases = {
+        "binary": (body, [length]),
+        "json": (as_json(X), []),
+        "binary input, json output": (binary(X, output=False)[0], [binary(X, output=False)[1]]),
+        "connection close": (body, [length, "Connection: close"]),
+        "wrong shape (400)": (as_json(np.zeros((1, 15), np.float32)), []),
+        "malformed (400)": (b'{"inputs": [', []),
+        "header length past the body (400)": (body, ["Inference-Header-Content-Length: 99999"]),
+    }
+
+    async def test(s: Served) -> None:
+        stats = s.svc.metrics.model("m")
+        for name, (data, headers) in cases.items():
+            before = (stats.requests, stats.failures)
+            at_once, routed = await exchange(s, http(DIRECT, data, *headers), http(ROUTED, data, *headers))
+            assert at_once == routed, name
+            assert s.kinds.pop() == "answer", name  # the first went through ``now``, the second did not
+            assert not s.kinds
+            once = (stats.requests - before[0], stats.failures - before[1])
+            assert once[0] == 2 or once == (0, 0), (name, once)  # each counted as the other was
+        # HTTP/1.0: no keep-alive, so the answer says connection: close and the socket closes
+        at_once, routed = await exchange(
+            s, http(DIRECT, body, length, version="1.0"), http(ROUTED, body, length, version="1.0")
+        )
+        assert at_once == routed and b"connection: close" in at_once
+
+    run(tmp_path, test)
+
+
+def test_pipelined_requests_in_one_write_are_answered_in_order(tmp_path: Path) -> None:
+    body, length = binary(X)
+    health = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    requests = [http(DIRECT, body, length), http(ROUTED, body, length), health, http(DIRECT, as_json(X))] * 8
+
+    async def test(s: Served) -> None:
+        reader, writer = await s.connect()
+        writer.write(b"".join(requests))
+        got = [await answer(reader) for _ in requests]
+        writer.close()
+        # The first is answered at once; those behind the ASGI call it then meets are queued by
+        # uvicorn and served by tasks (a read arriving after the queue drained may go at once).
+        assert s.kinds.count("answer") >= 1 and "declined" not in s.kinds
+        s.kinds.clear()
+        alone = await exchange(s, *requests[:4])
+        assert got == alone * 8
+        assert s.kinds == ["answer"] * 2
+        s.kinds.clear()
+        reader, writer = await s.connect()  # answered at once one after the other, in one parse
+        writer.write(http(DIRECT, body, length) * 20)
+        got = [await answer(reader) for _ in range(20)]
+        writer.close()
+        assert got == [alone[0]] * 20 and s.kinds == ["answer"] * 20
+
+    run(tmp_path, test)
+
+
+def test_an_answer_made_at_once_arms_no_keepalive_timer_over_the_next_request(tmp_path: Path) -> None:
+    """An answer made at once, with the next request's head in the same read: that request's
+    body comes later than keepalive_s. The answer's keep-alive timer must not close the
+    connection meanwhile (uvicorn cancels it only when data is read or an answer completes)."""
+    body, length = binary(X)
+    nxt = http(ROUTED, body, length)
+    cut = nxt.index(b"\r\n\r\n") + 4
+
+    async def test(s: Served) -> None:
+        (expected,) = await exchange(s, nxt)
+        reader, writer = await s.connect()
+        writer.write(http(DIRECT, body, length) + nxt[:cut])
+        await answer(reader)
+        await asyncio.sleep(1.5)  # time passing is what is tested: past keepalive_s, within read_timeout_s
+        writer.write(nxt[cut:])
+        assert await answer(reader) == expected
+        writer.close()
+
+    run(tmp_path, test, keepalive_s=1)
+
+
+def test_a_body_in_pieces_and_a_client_gone_mid_body(tmp_path: Path) -> None:
+    body, length = binary(X)
+    request = http(DIRECT, body, length)
+    cut = request.index(b"\r\n\r\n") + 10
+
+    async def test(s: Served) -> None:
+        (expected,) = await exchange(s, request)
+        reader, writer = await s.connect()
+        writer.write(request[:cut])
+        await writer.drain()
+        await asyncio.sleep(0.05)  # not synchronisation: the rest may come in the same read or not
+        writer.write(request[cut:])
+        assert await answer(reader) == expected
+        writer.close()
+        reader, writer = await s.connect()
+        writer.write(request[:cut])  # then gone: nothing was started for it, nothing is left
+        await writer.drain()
+        writer.close()
+        assert await exchange(s, request) == [expected]
+        assert s.kinds == ["answer"] * 3
+
+    run(tmp_path, test)
+
+
+def test_a_request_declined_at_its_body_is_served_by_the_asgi_call(tmp_path: Path) -> None:
+    """``wants`` said yes at the head; by the body the daemon is stopping: ``now`` declines, having
+    done nothing, and the ASGI call answers 503, counted once."""
+    body, length = binary(X)
+    request = http(DIRECT, body, length)
+    cut = request.index(b"\r\n\r\n") + 4
+
+    async def test(s: Served) -> None:
+        reader, writer = await s.connect()
+        writer.write(request[:cut])
+        await writer.drain()
+        deadline = asyncio.get_running_loop().time() + 30
+        while not s.wanted:  # until the daemon has read the head and kept the connection for its body
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.001)
+        assert s.wanted == [True]
+        s.app.accepting = False
+        writer.write(request[cut:])
+        got = await answer(reader)
+        writer.close()
+        assert got.startswith(b"HTTP/1.1 503"), got
+        assert orjson.loads(got.partition(b"\r\n\r\n")[2])["code"] == "shutting_down"
+        assert s.kinds == ["declined"]
+
+    run(tmp_path, test)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", None])
+def test_an_answer_to_compress_is_finished_by_a_task(tmp_path: Path, encoding: str | None) -> None:
+    body, length = binary(X)
+    accept = [f"Accept-Encoding: {encoding}"] if encoding else []
+
+    async def test(s: Served) -> None:
+        at_once, routed = await exchange(s, http(DIRECT, body, length, *accept), http(ROUTED, body, length, *accept))
+        assert at_once == routed
+        assert s.kinds == ["rest"]
+        head, _, data = at_once.partition(b"\r\n\r\n")
+        assert b"vary: accept-encoding" in head
+        assert (b"content-encoding: gzip" in head) == (encoding == "gzip")
+        if encoding:
+            assert gzip.decompress(data).startswith(b'{"model_name":"m"')
+
+    run(tmp_path, test, compress_min_size="1B")
