@@ -7,7 +7,8 @@ clients needs and uvicorn does not do (design section 2):
   (or of the first byte of a following request). Connections that never send a byte, or stall
   mid-headers or mid-body, are answered 408 and closed; idle keep-alive uses ``keepalive_s``;
 - header bounds: the request line plus headers above ``max_header_size`` bytes, or more than
-  ``max_headers`` fields, are answered 431 before httptools buffers more;
+  ``max_headers`` fields, are answered 431: checked once the section is parsed, and while it is
+  incomplete on the bytes fed so far, so no more than one read of it is ever parsed;
 - a connection limit shared by every listener: one more is answered 503 and closed, the others
   keep being served;
 - the peer's credentials (SO_PEERCRED and a pidfd) in the ASGI scope as ``edged.peer``, which the
@@ -31,6 +32,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol
 
 import httptools
@@ -80,9 +82,9 @@ ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 class Direct(Protocol):
     """What the app answers at once (transports/http.py's App)."""
 
-    def wants(self, scope: dict[str, Any]) -> bool: ...
+    def wants(self, scope: dict[str, Any]) -> str | None: ...
 
-    def now(self, scope: dict[str, Any], body: bytes) -> Answer | ASGIApp | None: ...
+    def now(self, scope: dict[str, Any], body: bytes, name: str) -> Answer | ASGIApp | None: ...
 
 
 class _Reject(Exception):
@@ -110,7 +112,7 @@ class EdgedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kw)
         self._direct = direct
         self._at_headers = False
-        self._deferred: tuple[RequestResponseCycle, Any] | None = None
+        self._deferred: tuple[RequestResponseCycle, Any, str] | None = None
         self._gate = gate
         self._door = door
         self._limits = gate.limits
@@ -119,8 +121,6 @@ class EdgedProtocol(HttpToolsProtocol):
         self._read_timer: asyncio.TimerHandle | None = None
         self._in_headers = True  # between requests counts as the header phase of the next one
         self._raw_header_bytes = 0
-        self._header_bytes = 0
-        self._header_count = 0
 
     # --- connection ---
 
@@ -231,26 +231,19 @@ class EdgedProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.scope[PEER_KEY] = self._peer  # type: ignore[literal-required]
         self.scope[DOOR_KEY] = self._door  # type: ignore[literal-required]
-        self._header_bytes = 0
-        self._header_count = 0
         self._arm_read_timer()
 
-    def on_url(self, url: bytes) -> None:
-        self._header_bytes += len(url)
-        if self._header_bytes > self._limits.max_header_size:
-            raise _Reject(431, "header_too_large", self._too_large())
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_count += 1
-        self._header_bytes += len(name) + len(value) + 4
-        if self._header_count > self._limits.max_headers:
-            raise _Reject(431, "too_many_headers", f"more than {self._limits.max_headers} headers (server.max_headers)")
-        if self._header_bytes > self._limits.max_header_size:
-            raise _Reject(431, "header_too_large", self._too_large())
-        super().on_header(name, value)
-
     def on_headers_complete(self) -> None:
+        # The header section's bounds, checked once it is parsed: one read at most (the raw
+        # bound in data_received stops a section that spans reads), so the work is bounded.
+        headers = self.headers
+        if len(headers) > self._limits.max_headers:
+            raise _Reject(431, "too_many_headers", f"more than {self._limits.max_headers} headers (server.max_headers)")
+        if (
+            len(self.url) + sum(map(len, chain.from_iterable(headers))) + 4 * len(headers)
+            > self._limits.max_header_size
+        ):
+            raise _Reject(431, "header_too_large", self._too_large())
         self._in_headers = False
         self._at_headers = True  # uvicorn starts the cycle's task in here, unless it is pipelined
         try:
@@ -270,27 +263,29 @@ class EdgedProtocol(HttpToolsProtocol):
     # --- answers made at once ---
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        if self._at_headers and self._direct is not None and self._may_wait_for_body(cycle):
-            self._deferred = (cycle, app)  # started, or answered, once the body is whole
+        name = self._wanted(cycle) if self._at_headers and self._direct is not None else None
+        if name is not None:
+            self._deferred = (cycle, app, name)  # started, or answered, once the body is whole
             return
         super()._start_asgi_task(cycle, app)
 
-    def _may_wait_for_body(self, cycle: RequestResponseCycle) -> bool:
-        """A request the app may answer at once, whose body fits below uvicorn's high-water mark
-        (above it, reading pauses until the app reads: it would never come whole)."""
+    def _wanted(self, cycle: RequestResponseCycle) -> str | None:
+        """The app's word for a request it may answer at once (``Direct.wants``), whose body fits
+        below uvicorn's high-water mark (above it, reading pauses until the app reads: it would
+        never come whole); None for any other."""
         if cycle.waiting_for_100_continue:
-            return False  # the client waits for the app's first read before sending its body
+            return None  # the client waits for the app's first read before sending its body
         length = dict(cycle.scope["headers"]).get(b"content-length")
         if length is None or not length.isdigit() or int(length) > HIGH_WATER_LIMIT:
-            return False
+            return None
         assert self._direct is not None
         return self._direct.wants(cycle.scope)  # type: ignore[arg-type]
 
-    def _answer_now(self, cycle: RequestResponseCycle, app: Any) -> None:
+    def _answer_now(self, cycle: RequestResponseCycle, app: Any, name: str) -> None:
         assert self._direct is not None
         answer = None
         if not (cycle.disconnected or self.flow.write_paused):  # else the task waits for the client
-            answer = self._direct.now(cycle.scope, bytes(cycle.body))  # type: ignore[arg-type]
+            answer = self._direct.now(cycle.scope, bytes(cycle.body), name)  # type: ignore[arg-type]
         if answer is None:
             super()._start_asgi_task(cycle, app)
         elif isinstance(answer, tuple):
@@ -322,8 +317,6 @@ _PROTOCOL_ATTRS = (
     "connection_lost",
     "data_received",
     "on_message_begin",
-    "on_url",
-    "on_header",
     "on_headers_complete",
     "on_message_complete",
     "on_response_complete",

@@ -117,36 +117,29 @@ class App:
         except Exception as e:  # a bug must answer 500, never drop the connection silently
             return _internal(scope, e)
 
-    def wants(self, scope: Scope) -> bool:
-        """Whether ``now`` may answer this request, from its head alone (the connection then
-        keeps its body until it is whole, rather than starting the ASGI call at once)."""
-        if scope["method"] != "POST" or self.service.warming:
-            return False
+    def wants(self, scope: Scope) -> str | None:
+        """The model of a request ``now`` may answer, from its head alone (the connection then
+        keeps its body until it is whole, rather than starting the ASGI call at once): an infer
+        request to a model that runs inline, let in by its listener. None for any other."""
+        if scope["method"] != "POST" or self.service.warming:  # the warm-up is uncounted: __call__
+            return None
         name = infer_target(scope["path"])
         if name is None or not self.infer.inline(name):
-            return False  # an unknown model, say, is answered before its body, as ever
+            return None  # an unknown model, say, is answered before its body, as ever
         door: Door | None = scope.get(DOOR_KEY)
         try:
             if door is not None:
                 _check_door(door, scope)
         except EdgedError:
-            return False  # refused at once by __call__
-        return True
+            return None  # refused at once by __call__
+        return name
 
-    def now(self, scope: Scope, body: bytes) -> Answer | ASGIApp | None:
+    def now(self, scope: Scope, body: bytes, name: str) -> Answer | ASGIApp | None:
         """The answer of a request whose whole body is in hand, made at once on the connection's
-        parser callback (connection.py): an infer request to a model that runs inline, answered
-        small. Where only the answer's encoding or compression awaits, an ASGI app that finishes
-        it. None, with nothing done, for every other request (served through ``__call__``)."""
-        if scope["method"] != "POST" or self.service.warming:  # the warm-up is uncounted: __call__
-            return None
-        name = infer_target(scope["path"])
-        if name is None:
-            return None
+        parser callback (connection.py), for a request ``wants`` took (``name``: its answer).
+        Where only the answer's encoding or compression awaits, an ASGI app that finishes it.
+        None, with nothing done, where the route declines (served through ``__call__``)."""
         try:
-            door: Door | None = scope.get(DOOR_KEY)
-            if door is not None:
-                _check_door(door, scope)
             answer = self.infer.now(name, scope, body)
         except EdgedError as e:
             return _error(e)

@@ -37,16 +37,16 @@ class Served:
         self.kinds: list[str] = []  # per request ``now`` was asked: "answer", "rest" or "declined"
         now = app.now
 
-        def spy(scope: dict[str, Any], body: bytes) -> Any:
-            out = now(scope, body)
+        def spy(scope: dict[str, Any], body: bytes, name: str) -> Any:
+            out = now(scope, body, name)
             self.kinds.append("declined" if out is None else "answer" if isinstance(out, tuple) else "rest")
             return out
 
         app.now = spy  # type: ignore[method-assign]
         wants = app.wants
-        self.wanted: list[bool] = []  # per request ``wants`` was asked, its answer
+        self.wanted: list[str | None] = []  # per request ``wants`` was asked, its answer
 
-        def wants_spy(scope: dict[str, Any]) -> bool:
+        def wants_spy(scope: dict[str, Any]) -> str | None:
             self.wanted.append(wants(scope))
             return self.wanted[-1]
 
@@ -247,7 +247,7 @@ def test_a_request_declined_at_its_body_is_served_by_the_asgi_call(tmp_path: Pat
         while not s.wanted:  # until the daemon has read the head and kept the connection for its body
             assert asyncio.get_running_loop().time() < deadline
             await asyncio.sleep(0.001)
-        assert s.wanted == [True]
+        assert s.wanted == ["m"]
         s.app.accepting = False
         writer.write(request[cut:])
         got = await answer(reader)
