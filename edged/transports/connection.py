@@ -104,6 +104,10 @@ def error_response(status: int, code: str, message: str, reason: str) -> bytes:
     return head.encode() + body
 
 
+# Answers made at once per read: a client pipelining hundreds of requests in one write must not
+# hold the loop for all of them (the rest are queued as uvicorn queues them, one task each).
+_ANSWERS_PER_READ = 4
+
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
@@ -112,6 +116,7 @@ class EdgedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kw)
         self._direct = direct
         self._at_headers = False
+        self._answers_left = 0  # answers made at once left to this read (data_received sets it)
         self._deferred: tuple[RequestResponseCycle, Any, str] | None = None
         self._gate = gate
         self._door = door
@@ -150,8 +155,8 @@ class EdgedProtocol(HttpToolsProtocol):
         self._cancel_read_timer()
         close_peer(self._peer)
         self._peer = None
-        self._deferred = None  # a body that never came whole: nothing was started for it
         super().connection_lost(exc)
+        self._start_deferred()  # a body that never came whole: the app reads the disconnect, as ever
 
     def _answer(self, status: int, code: str, message: str) -> None:
         if not self.transport.is_closing():
@@ -194,6 +199,7 @@ class EdgedProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return  # refused or timed out: whatever else arrives is not read
         self._unset_keepalive_if_required()
+        self._answers_left = _ANSWERS_PER_READ
         if self._in_headers:
             self._raw_header_bytes += len(data)
         try:
@@ -263,17 +269,30 @@ class EdgedProtocol(HttpToolsProtocol):
     # --- answers made at once ---
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        name = self._wanted(cycle) if self._at_headers and self._direct is not None else None
+        name = self._wanted(cycle) if self._at_headers and self._answers_left > 0 else None
         if name is not None:
+            self._answers_left -= 1
             self._deferred = (cycle, app, name)  # started, or answered, once the body is whole
             return
         super()._start_asgi_task(cycle, app)
+
+    def _start_deferred(self) -> None:
+        """The ASGI task of a request kept for its body, started as uvicorn would have started it."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            super()._start_asgi_task(deferred[0], deferred[1])
+
+    def shutdown(self) -> None:
+        # A request waiting for its body is in flight: its task, waiting in receive, is what the
+        # drain waits for and, at the drain's end, cancels (a 500 and the connection closed).
+        self._start_deferred()
+        super().shutdown()
 
     def _wanted(self, cycle: RequestResponseCycle) -> str | None:
         """The app's word for a request it may answer at once (``Direct.wants``), whose body fits
         below uvicorn's high-water mark (above it, reading pauses until the app reads: it would
         never come whole); None for any other."""
-        if cycle.waiting_for_100_continue:
+        if self._direct is None or cycle.waiting_for_100_continue:
             return None  # the client waits for the app's first read before sending its body
         length = dict(cycle.scope["headers"]).get(b"content-length")
         if length is None or not length.isdigit() or int(length) > HIGH_WATER_LIMIT:
@@ -321,6 +340,7 @@ _PROTOCOL_ATTRS = (
     "on_message_complete",
     "on_response_complete",
     "_start_asgi_task",
+    "shutdown",
     "_unset_keepalive_if_required",
 )
 # And of the module and the request's cycle: the status lines written, and what _write sets.

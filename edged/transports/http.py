@@ -34,7 +34,7 @@ from edged.states import ModelState
 from edged.transports import openai_api, triton_ext
 from edged.transports.http_body import accepted_encoding, compress, read_body
 from edged.transports.http_infer import JSON_HEADERS as _JSON
-from edged.transports.http_infer import InferRoute, infer_target
+from edged.transports.http_infer import InferRoute, Rest, infer_target
 from edged.transports.http_methods import error_headers
 from edged.transports.http_methods import expect as _expect
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
@@ -153,9 +153,9 @@ class App:
             return answer
         return functools.partial(self._finish, answer)
 
-    async def _finish(self, answer: Answer | Awaitable[Answer], scope: Scope, receive: Receive, send: Send) -> None:
+    async def _finish(self, answer: Answer | Rest, scope: Scope, receive: Receive, send: Send) -> None:
         """The rest of an answer ``now`` began: encoded or compressed, then sent (an ASGI app)."""
-        done = await self._answered(scope, _ready(answer) if isinstance(answer, tuple) else answer)
+        done = await self._answered(scope, _ready(answer) if isinstance(answer, tuple) else answer())
         assert done is not None
         await _send(send, *done)
 

@@ -11,6 +11,7 @@ plan lookup) cost a tiny model's request more than its run (docs/performance.md)
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -31,6 +32,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Body = bytes | list[Part]
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, Body, Headers]
+Rest = Callable[[], Awaitable[Answer]]  # the rest of an answer, made when it is called
 Tensors = Mapping[str, np.ndarray]
 
 JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
@@ -89,7 +91,7 @@ class InferRoute:
             if outputs is None:
                 outputs = await svc.infer(name, req.inputs, req.id, received_ns=received, tried_now=not waited)
             answer = self._encode(name, req, outputs, shm, received)
-            return answer if isinstance(answer, tuple) else await answer
+            return answer if isinstance(answer, tuple) else await answer()
         finally:
             shm.release()
 
@@ -98,17 +100,18 @@ class InferRoute:
         rt = self.service.registry.models.get(name)
         return self.accepting and rt is not None and rt.queue is not None and rt.queue.inline
 
-    def now(self, name: str, scope: Scope, body: bytes) -> Answer | Awaitable[Answer] | None:
+    def now(self, name: str, scope: Scope, body: bytes) -> Answer | Rest | None:
         """The answer of a request whose whole body is in hand, made at once by the caller (the
-        connection's parser callback: no task, no ASGI call) when nothing before the model's run
-        awaits: a model that runs inline, tensors in the body, no Content-Encoding. When only the
-        answer's encoding awaits (large, or written to shared memory), the rest of it, to await.
-        None, with nothing done or counted, for any other request: ``__call__`` serves it, with
-        the same checks and errors."""
+        connection's parser callback: no task, no ASGI call) when nothing in it awaits but,
+        perhaps, its encoding: a model that runs inline, tensors in the body, no shared memory,
+        no Content-Encoding. When the encoding awaits (a large answer), the rest of it, to call
+        and await. None, with nothing done or counted, for any other request: ``__call__``
+        serves it, with the same checks and errors. Only for a request admitted at its head
+        (``inline``): as in ``__call__``, a daemon that began to stop since then still serves it."""
         svc = self.service
         rt = svc.registry.models.get(name)
         queue = None if rt is None else rt.queue
-        if queue is None or not queue.inline or not self.accepting or len(body) > min(self.max_body, OFFLOAD_BYTES):
+        if queue is None or not queue.inline or len(body) > min(self.max_body, OFFLOAD_BYTES):
             return None
         assert rt is not None
         headers = body_headers(scope)
@@ -123,21 +126,19 @@ class InferRoute:
             except EdgedError as e:
                 svc.metrics.reject(name, "http", e.code, known=True)
                 raise
-            if shm.held is not None or req.pending:
-                return None  # inputs to copy or read before the run
+            if shm.held is not None or req.pending or _to_shm(req):
+                return None  # copies to or from shared memory, or BYTES to read: awaited
             outputs = svc.infer_now(rt, plan, req.inputs, req.id, "http", received)
             if outputs is None:
                 return None
             return self._encode(name, req, outputs, shm, received)
         finally:
-            shm.release()  # after the rest of the answer, where there is one (it holds the request)
+            shm.release()  # it holds nothing here: the rest of an answer never needs it
 
-    def _encode(
-        self, name: str, req: InferRequest, outputs: Tensors, shm: _LazyShm, received: int
-    ) -> Answer | Awaitable[Answer]:
+    def _encode(self, name: str, req: InferRequest, outputs: Tensors, shm: _LazyShm, received: int) -> Answer | Rest:
         """The answer, at once when it is small and nothing is to be written to shared memory;
-        else the rest of its encoding, to await (it releases ``shm``: the caller's release is
-        then a no-op)."""
+        else the rest of its encoding, to call and await (it releases ``shm``: the caller's
+        release is then a no-op)."""
         ran = time.perf_counter_ns()
         try:
             encoded: tuple[Body, int | None] | None = encode_now(name, req, outputs, shm.output)  # the usual
@@ -145,7 +146,7 @@ class InferRoute:
             self.service.stats.encode_failed(name, received, ran)
             raise
         if encoded is None or (shm.held is not None and shm.held.writes):
-            return self._encode_late(name, req, outputs, shm.take(), received, ran, encoded)
+            return functools.partial(self._encode_late, name, req, outputs, shm.take(), received, ran, encoded)
         self.service.stats.encoded(name, ran)
         return _answer(*encoded)
 
@@ -171,6 +172,10 @@ class InferRoute:
             return _answer(answer, header_len)
         finally:
             shm.release()
+
+
+def _to_shm(req: InferRequest) -> bool:
+    return req.outputs is not None and any(o.shm_region is not None for o in req.outputs)
 
 
 def _header_length(headers: BodyHeaders) -> int | None:

@@ -32,8 +32,8 @@ ROUTED = "/v2/models/m/versions/1/infer"  # the same route, always through the A
 class Served:
     """The daemon's HTTP stack in this process, and what its app answered at once."""
 
-    def __init__(self, app: App, sock: Path, svc: Service) -> None:
-        self.app, self.sock, self.svc = app, sock, svc
+    def __init__(self, app: App, sock: Path, svc: Service, stack: Any) -> None:
+        self.app, self.sock, self.svc, self.stack = app, sock, svc, stack
         self.kinds: list[str] = []  # per request ``now`` was asked: "answer", "rest" or "declined"
         now = app.now
 
@@ -69,7 +69,7 @@ async def served(tmp_path: Path, **server: Any) -> AsyncIterator[Served]:
     sock.listen(16)
     stack = await start(app, reg.cfg, [Listener(sock, Door(str(path)))])
     try:
-        yield Served(app, path, svc)
+        yield Served(app, path, svc, stack)
     finally:
         await stack.shutdown()
         rt.queue.close()
@@ -178,11 +178,12 @@ def test_pipelined_requests_in_one_write_are_answered_in_order(tmp_path: Path) -
         assert got == alone * 8
         assert s.kinds == ["answer"] * 2
         s.kinds.clear()
-        reader, writer = await s.connect()  # answered at once one after the other, in one parse
-        writer.write(http(DIRECT, body, length) * 20)
+        reader, writer = await s.connect()
+        writer.write(http(DIRECT, body, length) * 20)  # one read: a few at once, the rest queued
         got = [await answer(reader) for _ in range(20)]
         writer.close()
-        assert got == [alone[0]] * 20 and s.kinds == ["answer"] * 20
+        assert got == [alone[0]] * 20
+        assert 1 <= len(s.kinds) < 20 and set(s.kinds) == {"answer"}  # the loop is not held for all
 
     run(tmp_path, test)
 
@@ -232,29 +233,108 @@ def test_a_body_in_pieces_and_a_client_gone_mid_body(tmp_path: Path) -> None:
     run(tmp_path, test)
 
 
-def test_a_request_declined_at_its_body_is_served_by_the_asgi_call(tmp_path: Path) -> None:
-    """``wants`` said yes at the head; by the body the daemon is stopping: ``now`` declines, having
-    done nothing, and the ASGI call answers 503, counted once."""
+async def head_then(s: Served, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """A connection that has sent ``request``'s head, once the daemon has kept it for its body."""
+    cut = request.index(b"\r\n\r\n") + 4
+    s.wanted.clear()
+    reader, writer = await s.connect()
+    writer.write(request[:cut])
+    await writer.drain()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not s.wanted:  # until the daemon has read the head
+        assert loop.time() < deadline
+        await asyncio.sleep(0.001)
+    assert s.wanted == ["m"]
+    return reader, writer, cut
+
+
+def test_a_request_admitted_at_its_head_is_served_by_a_daemon_stopping_since(tmp_path: Path) -> None:
+    """The drain serves what it admitted: acceptance is decided at the head, as the ASGI call
+    decides it when it starts there."""
     body, length = binary(X)
     request = http(DIRECT, body, length)
-    cut = request.index(b"\r\n\r\n") + 4
 
     async def test(s: Served) -> None:
-        reader, writer = await s.connect()
-        writer.write(request[:cut])
-        await writer.drain()
-        deadline = asyncio.get_running_loop().time() + 30
-        while not s.wanted:  # until the daemon has read the head and kept the connection for its body
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.001)
-        assert s.wanted == ["m"]
+        (expected,) = await exchange(s, request)
+        s.kinds.clear()
+        closing = http(DIRECT, body, length, "Connection: close")
+        reader, writer, cut = await head_then(s, closing)
         s.app.accepting = False
-        writer.write(request[cut:])
+        writer.write(closing[cut:])
         got = await answer(reader)
         writer.close()
-        assert got.startswith(b"HTTP/1.1 503"), got
-        assert orjson.loads(got.partition(b"\r\n\r\n")[2])["code"] == "shutting_down"
-        assert s.kinds == ["declined"]
+        assert got.partition(b"\r\n\r\n")[2] == expected.partition(b"\r\n\r\n")[2]
+        assert s.kinds == ["answer"]
+        assert (await exchange(s, request))[0].startswith(b"HTTP/1.1 503")  # a new one is refused
+
+    run(tmp_path, test)
+
+
+def test_a_request_declined_at_its_body_is_served_by_the_asgi_call(tmp_path: Path) -> None:
+    """The model's instance busy when the body comes (a larger request runs on it): ``now``
+    declines, having done nothing, and the ASGI call queues the request for the worker."""
+    body, length = binary(X)
+    request = http(DIRECT, body, length)
+
+    async def test(s: Served) -> None:
+        (expected,) = await exchange(s, request)
+        s.kinds.clear()
+        stats = s.svc.metrics.model("m")
+        before = stats.requests
+        queue = s.svc.registry.models["m"].queue
+        assert queue is not None
+        reader, writer, cut = await head_then(s, request)
+        queue._inline_lock.acquire()  # what a larger request running on the instance holds
+        try:
+            writer.write(request[cut:])
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while not s.kinds:
+                assert loop.time() < deadline
+                await asyncio.sleep(0.001)
+        finally:
+            queue._inline_lock.release()
+        assert await answer(reader) == expected
+        writer.close()
+        assert s.kinds == ["declined"] and stats.requests == before + 1
+
+    run(tmp_path, test)
+
+
+def test_a_client_gone_mid_body_is_counted_as_before(tmp_path: Path) -> None:
+    """A request kept for its body whose client leaves: the ASGI call reads the disconnect and
+    counts it (client_disconnected), as when it started at the head."""
+    body, length = binary(X)
+
+    async def test(s: Served) -> None:
+        stats = s.svc.metrics.model("m")
+        before = (stats.requests, stats.failures)
+        _, writer, _ = await head_then(s, http(DIRECT, body, length))
+        writer.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while (stats.requests, stats.failures) == before:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.001)
+        assert (stats.requests, stats.failures) == (before[0] + 1, before[1] + 1)
+        assert not s.kinds
+
+    run(tmp_path, test)
+
+
+def test_a_stop_with_a_body_still_to_come_drains_then_closes(tmp_path: Path) -> None:
+    """The drain waits for a request kept for its body, then ends it as it ends any request
+    still running: a 500 and the connection closed (not left open, unanswered)."""
+    body, length = binary(X)
+
+    async def test(s: Served) -> None:
+        reader, writer, _ = await head_then(s, http(DIRECT, body, length))
+        s.stack.config.timeout_graceful_shutdown = 0.5
+        await asyncio.wait_for(s.stack.shutdown(), 30)
+        got = await asyncio.wait_for(reader.read(), 30)  # to the end: the daemon closed it
+        writer.close()
+        assert got.startswith(b"HTTP/1.1 500"), got
 
     run(tmp_path, test)
 
