@@ -441,6 +441,7 @@ def finish_decode(parsed: ParsedBody, shm: ShmResolver | None = None) -> InferRe
         for name, dtype, shape, start, end in layout:
             # As from_bytes does it: frombuffer holds the body while the array lives.
             inputs[name] = np.frombuffer(binary[start:end], dtype=dtype).reshape(shape)
+        req.shapes = plan
         return _finish(parsed, plan, req, shm)
     offset = 0
     for p in plan.inputs:

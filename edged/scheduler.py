@@ -156,16 +156,19 @@ class ModelQueue:
 
     # --- submitting (on the loop) ---
 
-    def run_now(self, inputs: Tensors, stats: ModelStatistics | None = None) -> dict[str, np.ndarray] | None:
+    def run_now(
+        self, inputs: Tensors, stats: ModelStatistics | None = None, elements: int | None = None
+    ) -> dict[str, np.ndarray] | None:
         """The answer at once, on the loop, for a request an inline model runs there (no larger
         than the warm-up's, the instance free, a slot of queue_depth left); None for any other
         request, which ``submit`` queues (or refuses). Callers on the loop try this first, so a
-        request answered at once pays for no coroutine and no future."""
+        request answered at once pays for no coroutine and no future. ``elements``: the inputs'
+        ``elements_of``, where the caller has it."""
         inst = self._inline_instance
         if (
             inst is None
             or self._backlog >= self.depth
-            or _elements(inputs) > self.inline_max_elements
+            or (elements_of(inputs) if elements is None else elements) > self.inline_max_elements
             or not self._inline_lock.acquire(False)
         ):
             return None
@@ -382,7 +385,7 @@ def _cancelling() -> bool:
     return bool(cancelling()) if cancelling is not None else False
 
 
-def _elements(inputs: Tensors) -> int:
+def elements_of(inputs: Tensors) -> int:
     """What the inline bound compares; a BYTES tensor never runs on the loop (one element may
     hold megabytes, which its conversion walks: 181 ms for one 32 MiB element)."""
     total = 0

@@ -69,6 +69,10 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     # BYTES inputs in shared memory: (name, the daemon's buffer, shape), read once it is filled.
     pending: list[tuple[str, memoryview, tuple[int, ...]]] = field(default_factory=list)
+    # What fixed every input's name, datatype and shape (the decoder's plan of a header whose
+    # tensors are all laid out in the binary part), so that a check of them can be remembered
+    # by it; None where they were read from the request itself.
+    shapes: object = None
 
 
 # A float in JSON data beyond float16/float32 becomes inf, as a C cast would: not worth a warning

@@ -87,7 +87,7 @@ class InferRoute:
                 svc.metrics.reject(name, "http", e.code, known=name in svc.registry.models)
                 raise
             # At once where it can (an inline model, the runtime and plan of this very moment).
-            outputs = None if waited else svc.infer_now(rt, plan, req.inputs, req.id, "http", received)
+            outputs = None if waited else svc.infer_now(rt, plan, req.inputs, req.id, "http", received, req.shapes)
             if outputs is None:
                 outputs = await svc.infer(name, req.inputs, req.id, received_ns=received, tried_now=not waited)
             answer = self._encode(name, req, outputs, shm, received)
@@ -128,7 +128,7 @@ class InferRoute:
                 raise
             if shm.held is not None or req.pending or _to_shm(req):
                 return None  # copies to or from shared memory, or BYTES to read: awaited
-            outputs = svc.infer_now(rt, plan, req.inputs, req.id, "http", received)
+            outputs = svc.infer_now(rt, plan, req.inputs, req.id, "http", received, req.shapes)
             if outputs is None:
                 return None
             return self._encode(name, req, outputs, shm, received)
