@@ -4,25 +4,29 @@ while its body is decoded off the loop (a real ONNX Runtime model, a real regist
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
+import pytest
 
 from edged.background import stand_in
 from edged.build.runner import BuildRunner
 from edged.cache import EngineCache
 from edged.config import from_mapping
 from edged.demo import make_tiny_mlp
+from edged.errors import InvalidInputError
 from edged.memory import plan, probe_meminfo
 from edged.metrics import Metrics
 from edged.protocol import OFFLOAD_BYTES, InferRequest
 from edged.registry import ModelRuntime, Registry
-from edged.service import Service
+from edged.service import Service, decode_now
 from edged.states import ModelState
 from edged.transports.http_infer import InferRoute, infer_target
 from edged.transports.shm import SharedMemoryRegistry
+from edged.validate import InputRules
 
 
 def test_infer_target_takes_only_the_plain_infer_path() -> None:
@@ -123,6 +127,71 @@ def test_infer_now_declines_a_lookup_the_registry_has_moved_past(tmp_path: Path)
             out = svc.infer_now(rt, svc.plan_for(rt), x)
             assert out is not None and [a.shape for a in out.values()] == [(1, 4)]
             assert svc.metrics.model("m").requests == 1  # the two declines counted nothing
+        finally:
+            if rt.queue is not None:
+                rt.queue.close()
+
+    asyncio.run(main())
+
+
+def test_a_header_seen_before_has_its_inputs_checked_once_per_model_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests whose inputs the decoder's plan laid out (one header, tensors in the binary part)
+    are checked against the model's rules once per model plan; JSON data is checked each time,
+    and a wrong shape is refused however often its header was seen."""
+    checks: list[int] = []
+    check = InputRules.check
+
+    def counted(self: InputRules, inputs: Any) -> None:
+        checks.append(1)
+        check(self, inputs)
+
+    monkeypatch.setattr(InputRules, "check", counted)
+
+    def binary(x: np.ndarray) -> tuple[bytes, int]:
+        head = orjson.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "x",
+                        "datatype": "FP32",
+                        "shape": list(x.shape),
+                        "parameters": {"binary_data_size": x.nbytes},
+                    }
+                ]
+            }
+        )
+        return head + x.tobytes(), len(head)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        reg, svc, rt = inline_service(tmp_path, loop)
+        await reg.load(rt, loop)
+        try:
+            mplan = svc.plan_for(rt)
+            checks.clear()  # the warm-up's
+            body, n = binary(np.full((1, 16), 0.5, np.float32))
+            for _ in range(3):
+                req = decode_now(mplan, body, n, None)
+                assert req.shapes is not None and svc.infer_now(rt, mplan, req.inputs, shapes=req.shapes) is not None
+            assert len(checks) == 1
+            doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}
+            for _ in range(2):
+                req = decode_now(mplan, orjson.dumps(doc), None, None)
+                assert req.shapes is None and svc.infer_now(rt, mplan, req.inputs, shapes=req.shapes) is not None
+            assert len(checks) == 3
+            wrong, wrong_n = binary(np.full((1, 15), 0.5, np.float32))
+            for _ in range(2):
+                req = decode_now(mplan, wrong, wrong_n, None)
+                with pytest.raises(InvalidInputError, match="input 'x'"):
+                    svc.infer_now(rt, mplan, req.inputs, shapes=req.shapes)
+            assert len(checks) == 5
+            fresh = replace(mplan, passed={})  # a reload's new model plan remembers nothing
+            req = decode_now(fresh, body, n - 0 if False else binary(np.full((1, 16), 0.5, np.float32))[1], None)
+            svc._plans["m"] = fresh
+            assert svc.infer_now(rt, fresh, req.inputs, shapes=req.shapes) is not None
+            assert len(checks) == 6
         finally:
             if rt.queue is not None:
                 rt.queue.close()
