@@ -13,12 +13,9 @@ clients needs and uvicorn does not do (design section 2):
   keep being served;
 - the peer's credentials (SO_PEERCRED and a pidfd) in the ASGI scope as ``edged.peer``, which the
   shared memory extension and ``admin_group`` use;
-- answers made at once: a request the app says it may answer from its head (``Direct.wants``: an
-  infer request to a model that runs inline) keeps its body, at most HIGH_WATER_LIMIT bytes, until
-  it is whole; the app then answers it on the parser's callback (``Direct.now``), written here as
-  uvicorn's cycle would write it, with no task, no ASGI call and no loop iteration. Where the app
-  declines, or only the rest of the answer awaits, the cycle's task starts as uvicorn would have
-  started it (the body then whole). A tiny model's request runs a fifth less Python (docs/performance.md).
+- answers made at once (answer_now.py, the class this one extends): an infer request to a model
+  that runs inline is answered on the parser's callback once its body is whole, with no task and
+  no ASGI call.
 
 uvicorn is driven through internals it does not promise to keep (HttpToolsProtocol's parser
 callbacks and fields, Server.servers/lifespan/shutdown): pyproject.toml bounds its version and
@@ -30,20 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Protocol
+from typing import Any
 
 import httptools
 import orjson
 import uvicorn
-from uvicorn.protocols.http import httptools_impl
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from edged.config import Config, parse_size
 from edged.ratelog import RateLimitedLog
+from edged.transports.answer_now import ANSWERS_PER_READ, AnswersNow, missing_internals
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, close_peer, peer_of
 
 log = logging.getLogger(__name__)
@@ -75,18 +70,6 @@ class Gate:
         self._log.note(logging.WARNING, kind, "%s", message)
 
 
-Answer = tuple[int, Any, list[tuple[bytes, bytes]]]
-ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
-
-
-class Direct(Protocol):
-    """What the app answers at once (transports/http.py's App)."""
-
-    def wants(self, scope: dict[str, Any]) -> str | None: ...
-
-    def now(self, scope: dict[str, Any], body: bytes, name: str) -> Answer | ASGIApp | None: ...
-
-
 class _Reject(Exception):
     """Raised from a parser callback to stop parsing; data_received answers it."""
 
@@ -104,20 +87,12 @@ def error_response(status: int, code: str, message: str, reason: str) -> bytes:
     return head.encode() + body
 
 
-# Answers made at once per read: a client pipelining hundreds of requests in one write must not
-# hold the loop for all of them (the rest are queued as uvicorn queues them, one task each).
-_ANSWERS_PER_READ = 4
-
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
-class EdgedProtocol(HttpToolsProtocol):
-    def __init__(self, *args: Any, gate: Gate, door: Door, direct: Direct | None = None, **kw: Any) -> None:
+class EdgedProtocol(AnswersNow):
+    def __init__(self, *args: Any, gate: Gate, door: Door, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self._direct = direct
-        self._at_headers = False
-        self._answers_left = 0  # answers made at once left to this read (data_received sets it)
-        self._deferred: tuple[RequestResponseCycle, Any, str] | None = None
         self._gate = gate
         self._door = door
         self._limits = gate.limits
@@ -156,7 +131,6 @@ class EdgedProtocol(HttpToolsProtocol):
         close_peer(self._peer)
         self._peer = None
         super().connection_lost(exc)
-        self._start_deferred()  # a body that never came whole: the app reads the disconnect, as ever
 
     def _answer(self, status: int, code: str, message: str) -> None:
         if not self.transport.is_closing():
@@ -199,7 +173,7 @@ class EdgedProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return  # refused or timed out: whatever else arrives is not read
         self._unset_keepalive_if_required()
-        self._answers_left = _ANSWERS_PER_READ
+        self._answers_left = ANSWERS_PER_READ
         if self._in_headers:
             self._raw_header_bytes += len(data)
         try:
@@ -251,82 +225,13 @@ class EdgedProtocol(HttpToolsProtocol):
         ):
             raise _Reject(431, "header_too_large", self._too_large())
         self._in_headers = False
-        self._at_headers = True  # uvicorn starts the cycle's task in here, unless it is pipelined
-        try:
-            super().on_headers_complete()
-        finally:
-            self._at_headers = False
+        super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._cancel_read_timer()
         self._in_headers = True
         self._raw_header_bytes = 0
-        super().on_message_complete()
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            self._answer_now(*deferred)
-
-    # --- answers made at once ---
-
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        name = self._wanted(cycle) if self._at_headers and self._answers_left > 0 else None
-        if name is not None:
-            self._answers_left -= 1
-            self._deferred = (cycle, app, name)  # started, or answered, once the body is whole
-            return
-        super()._start_asgi_task(cycle, app)
-
-    def _start_deferred(self) -> None:
-        """The ASGI task of a request kept for its body, started as uvicorn would have started it."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            super()._start_asgi_task(deferred[0], deferred[1])
-
-    def shutdown(self) -> None:
-        # A request waiting for its body is in flight: its task, waiting in receive, is what the
-        # drain waits for and, at the drain's end, cancels (a 500 and the connection closed).
-        self._start_deferred()
-        super().shutdown()
-
-    def _wanted(self, cycle: RequestResponseCycle) -> str | None:
-        """The app's word for a request it may answer at once (``Direct.wants``), whose body fits
-        below uvicorn's high-water mark (above it, reading pauses until the app reads: it would
-        never come whole); None for any other."""
-        if self._direct is None or cycle.waiting_for_100_continue:
-            return None  # the client waits for the app's first read before sending its body
-        length = dict(cycle.scope["headers"]).get(b"content-length")
-        if length is None or not length.isdigit() or int(length) > HIGH_WATER_LIMIT:
-            return None
-        assert self._direct is not None
-        return self._direct.wants(cycle.scope)  # type: ignore[arg-type]
-
-    def _answer_now(self, cycle: RequestResponseCycle, app: Any, name: str) -> None:
-        assert self._direct is not None
-        answer = None
-        if not (cycle.disconnected or self.flow.write_paused):  # else the task waits for the client
-            answer = self._direct.now(cycle.scope, bytes(cycle.body), name)  # type: ignore[arg-type]
-        if answer is None:
-            super()._start_asgi_task(cycle, app)
-        elif isinstance(answer, tuple):
-            self._write(cycle, *answer)
-        else:  # the rest of the answer awaits: an ASGI app of its own, run as uvicorn runs one
-            super()._start_asgi_task(cycle, answer)  # type: ignore[arg-type]
-
-    def _write(self, cycle: RequestResponseCycle, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        """What the cycle's send writes for a whole answer of this app (no default headers: edged
-        sends neither Server nor Date), then what it does once the answer is complete."""
-        out = [httptools_impl.STATUS_LINE[status]]
-        for name, value in headers:
-            out += (name, b": ", value, b"\r\n")
-        out.append(b"content-length: %d\r\n" % len(body))
-        if not cycle.keep_alive:
-            out.append(b"connection: close\r\n")
-        out += (b"\r\n", body)
-        cycle.response_started = cycle.response_complete = True
-        self.transport.write(b"".join(out))
-        if not cycle.keep_alive:
-            self.transport.close()
-        self.on_response_complete()
+        super().on_message_complete()  # where a kept request is answered at once (answer_now.py)
 
 
 # --- uvicorn internals relied on ---------------------------------------------------------------
@@ -339,21 +244,14 @@ _PROTOCOL_ATTRS = (
     "on_headers_complete",
     "on_message_complete",
     "on_response_complete",
-    "_start_asgi_task",
-    "shutdown",
     "_unset_keepalive_if_required",
 )
-# And of the module and the request's cycle: the status lines written, and what _write sets.
-_MODULE_ATTRS = ("STATUS_LINE",)
-_CYCLE_ATTRS = ("keep_alive", "response_started", "response_complete", "waiting_for_100_continue", "disconnected")
 
 
 def check_uvicorn() -> None:
     """Fail at start, naming what moved, if uvicorn no longer has what this module relies on."""
     missing = [a for a in _PROTOCOL_ATTRS if not hasattr(HttpToolsProtocol, a)]
-    missing += [f"httptools_impl.{a}" for a in _MODULE_ATTRS if not hasattr(httptools_impl, a)]
-    probe = RequestResponseCycle.__init__.__code__.co_names  # the attributes its __init__ sets
-    missing += [f"RequestResponseCycle.{a}" for a in _CYCLE_ATTRS if a not in probe]
+    missing += missing_internals()
     missing += [f"Server.{a}" for a in ("startup", "shutdown") if not hasattr(uvicorn.Server, a)]
     if missing:
         raise RuntimeError(f"uvicorn {uvicorn.__version__} lacks what edged relies on: {', '.join(missing)}")
