@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import shutil
@@ -70,13 +71,15 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(trees["base"], ignore_errors=True)
     if args.functions:
         for label, rs in runs.items():
-            top = list(rs[-1]["app_functions"].items())[: args.functions]
-            print(f"{label}: lines per function, one request: " + ", ".join(f"{k} {v}" for k, v in top))
+            for path in ("app", "conn"):
+                top = list(rs[-1][f"{path}_functions"].items())[: args.functions]
+                print(f"{label} {path}: lines per function, one request: " + ", ".join(f"{k} {v}" for k, v in top))
     summary = {label: _summary(rs) for label, rs in runs.items()}
     for label, s in summary.items():
         print(
             f"{label:6} median of {args.processes}: app {s['app_us']:.1f} us, fused {s['fused_us']:.1f} us, "
-            f"above fused {s['above_us']:.1f} us ({s['ratio']:.2f}x fused), lines {s['app_lines']:.0f}"
+            f"above fused {s['above_us']:.1f} us ({s['ratio']:.2f}x fused), lines {s['app_lines']:.0f}; "
+            f"on a connection {s['conn_us']:.1f} us, lines {s['conn_lines']:.0f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"cores": len(os.sched_getaffinity(0)), "requests": args.requests, "runs": runs, "summary": summary}
@@ -93,7 +96,7 @@ def _alternate(trees: dict[str, Path], processes: int, requests: int) -> dict[st
             print(
                 f"{label:6} app {res['app_us']:7.1f} us  fused {res['fused_us']:6.1f} us  "
                 f"above fused {res['app_us'] - res['fused_us']:6.1f} us  lines {res['app_lines']:.0f} "
-                f"(fused {res['fused_lines']:.0f})",
+                f"(fused {res['fused_lines']:.0f})  connection {res['conn_us']:6.1f} us  lines {res['conn_lines']:.0f}",
                 flush=True,
             )
     return runs
@@ -103,7 +106,16 @@ def _summary(rs: list[dict[str, Any]]) -> dict[str, float]:
     app = statistics.median(r["app_us"] for r in rs)
     fused = statistics.median(r["fused_us"] for r in rs)
     above = statistics.median(r["app_us"] - r["fused_us"] for r in rs)
-    return {"app_us": app, "fused_us": fused, "above_us": above, "ratio": app / fused, "app_lines": rs[0]["app_lines"]}
+    conn = statistics.median(r["conn_us"] for r in rs)
+    return {
+        "app_us": app,
+        "fused_us": fused,
+        "above_us": above,
+        "ratio": app / fused,
+        "app_lines": rs[0]["app_lines"],
+        "conn_us": conn,
+        "conn_lines": rs[0]["conn_lines"],
+    }
 
 
 def _spawn(tree: Path, requests: int) -> dict[str, Any]:
@@ -161,42 +173,36 @@ async def _in_daemon(tmp: Path, requests: int) -> None:
             raise RuntimeError("the daemon did not become ready")
         await asyncio.sleep(0.01)
     app_call, fused_call = _paths(daemon)
+    calls = {"app": app_call, "fused": fused_call, "conn": await _connection(daemon, _request(daemon)[0])}
     for _ in range(2000):
-        await app_call()
-        await fused_call()
-    times: dict[str, list[float]] = {"app": [], "fused": []}
+        for call in calls.values():
+            await call()
+    times: dict[str, list[float]] = {key: [] for key in calls}
     per = max(1, requests // BLOCKS)
     for b in range(BLOCKS):
-        order = [("app", app_call), ("fused", fused_call)]
+        order = list(calls.items())
         for key, call in order if b % 2 == 0 else order[::-1]:
             t = time.perf_counter()
             for _ in range(per):
                 await call()
             times[key].append((time.perf_counter() - t) / per * 1e6)
-    result: dict[str, Any] = {
-        "app_us": statistics.median(times["app"]),
-        "fused_us": statistics.median(times["fused"]),
-        "fused_lines": await _lines(fused_call),
-    }
-    where: dict[str, int] = {}
-    result["app_lines"] = await _lines(app_call, where)
-    result["app_functions"] = dict(sorted(where.items(), key=lambda kv: -kv[1]))
+    result: dict[str, Any] = {f"{key}_us": statistics.median(ts) for key, ts in times.items()}
+    result["fused_lines"] = await _lines(fused_call)
+    for key in ("app", "conn"):
+        where: dict[str, int] = {}
+        result[f"{key}_lines"] = await _lines(calls[key], where)
+        result[f"{key}_functions"] = dict(sorted(where.items(), key=lambda kv: -kv[1]))
     print(json.dumps(result), flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     os._exit(0)  # not the daemon's drain: the figures are out
 
 
-def _paths(daemon: Any) -> tuple[Call, Call]:
-    """The app's call and the fused path's, both on the same request and the same instance."""
+def _request(daemon: Any) -> tuple[bytes, bytes]:
+    """The bench client's binary tiny request, whole (head and body), and its header part."""
     import numpy as np
     import orjson
 
-    from edged.encoding import _encode_small
-    from edged.protocol import decode_infer
-
-    svc = daemon.service
-    rt = svc.registry.models["tiny"]
-    spec = rt.inputs[0]
+    spec = daemon.service.registry.models["tiny"].inputs[0]
     shape = [max(d, 1) for d in spec.shape]
     x = np.linspace(-1, 1, int(np.prod(shape)), dtype=np.float32).reshape(shape)
     doc = {
@@ -207,6 +213,97 @@ def _paths(daemon: Any) -> tuple[Call, Call]:
     }
     header = orjson.dumps(doc)
     body = header + x.tobytes()
+    head = (
+        f"POST /v2/models/tiny/infer HTTP/1.1\r\nhost: localhost\r\ncontent-length: {len(body)}\r\n"
+        f"inference-header-content-length: {len(header)}\r\n\r\n"
+    )
+    return head.encode() + body, header
+
+
+async def _connection(daemon: Any, request: bytes) -> Call:
+    """The whole request on a connection of the daemon's own protocol (as its listener makes it),
+    fed from a transport that only counts what is written: the bytes in, the answer out."""
+    import socket
+
+    from edged.transports import connection
+    from edged.transports.peer import Door
+
+    sock, peer = socket.socketpair()  # the protocol reads the peer's credentials from it
+    server = daemon.server
+    gate = connection.Gate(connection.ConnectionLimits.from_config(daemon.cfg))
+    kw: dict[str, Any] = {"gate": gate, "door": Door("bench")}
+    if "direct" in inspect.signature(connection.EdgedProtocol.__init__).parameters or hasattr(
+        connection.EdgedProtocol, "_keep"
+    ):
+        kw["direct"] = daemon.app  # answers made at once, where the tree has them
+    loop = asyncio.get_running_loop()
+    proto = connection.EdgedProtocol(
+        config=server.config, server_state=server.server_state, app_state={}, _loop=loop, **kw
+    )
+    out = _Counting(sock)
+    proto.connection_made(out)
+    proto.data_received(request)
+    while not out.whole():
+        await asyncio.sleep(0)
+    want, out.keep = out.written, False
+
+    async def conn_call() -> None:
+        out.written = 0
+        proto.data_received(request)
+        while out.written < want:  # answered at once: no turn of the loop
+            await asyncio.sleep(0)
+
+    conn_call.keep = (sock, peer)  # type: ignore[attr-defined]
+    return conn_call
+
+
+class _Counting(asyncio.Transport):
+    """A transport that counts the bytes written (the first answer parsed, to know its size)."""
+
+    def __init__(self, sock: Any) -> None:
+        super().__init__()
+        self.sock, self.written, self.first, self.keep = sock, 0, b"", True
+
+    def whole(self) -> bool:
+        head, sep, body = self.first.partition(b"\r\n\r\n")
+        length = next(
+            (int(v) for k, _, v in (h.partition(b": ") for h in head.split(b"\r\n")) if k == b"content-length"), -1
+        )
+        return bool(sep) and len(body) >= length >= 0
+
+    def write(self, data: Any) -> None:
+        self.written += len(data)
+        if self.keep:  # the first answer only
+            self.first += bytes(data)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"socket": self.sock, "peername": "", "sockname": "bench"}.get(name, default)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        return None
+
+    def pause_reading(self) -> None:
+        return None
+
+    def resume_reading(self) -> None:
+        return None
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def _paths(daemon: Any) -> tuple[Call, Call]:
+    """The app's call and the fused path's, both on the same request and the same instance."""
+    from edged.encoding import _encode_small
+    from edged.protocol import decode_infer
+
+    svc = daemon.service
+    rt = svc.registry.models["tiny"]
+    request, header = _request(daemon)
+    body = request.partition(b"\r\n\r\n")[2]
     scope = {
         "type": "http",
         "method": "POST",
