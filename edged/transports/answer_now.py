@@ -82,6 +82,11 @@ class AnswersNow(HttpToolsProtocol):
         self._answers_left = 0  # set per read by the subclass's data_received
 
     def on_headers_complete(self) -> None:
+        if type(self.cycle) is _Kept and self.transport.is_closing():
+            # An answer made at once in this read closed the connection (HTTP/1.0, say): what the
+            # parser still finds in the read is never served (as uvicorn queues, and never starts,
+            # requests behind a cycle whose answer closes the connection).
+            return
         kept = self._keep()
         if kept is None:
             super().on_headers_complete()
@@ -103,7 +108,7 @@ class AnswersNow(HttpToolsProtocol):
         ):
             return None
         length = dict(self.headers).get(b"content-length")
-        if length is None or not length.isdigit() or int(length) > HIGH_WATER_LIMIT:
+        if length is None or len(length) > 9 or not length.isdigit() or int(length) > HIGH_WATER_LIMIT:
             return None  # above the mark, uvicorn pauses reading until the app reads: never whole
         url = httptools.parse_url(self.url)
         if url.query is not None or b"%" in url.path:

@@ -33,8 +33,8 @@ from edged.service import Service
 from edged.states import ModelState
 from edged.transports import openai_api, triton_ext
 from edged.transports.http_body import accepted_encoding, compress, read_body
+from edged.transports.http_infer import ADMITTED, InferRoute, Rest, infer_target
 from edged.transports.http_infer import JSON_HEADERS as _JSON
-from edged.transports.http_infer import InferRoute, Rest, infer_target
 from edged.transports.http_methods import error_headers
 from edged.transports.http_methods import expect as _expect
 from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
@@ -132,6 +132,7 @@ class App:
                 _check_door(door, scope)
         except EdgedError:
             return None  # refused at once by __call__
+        scope[ADMITTED] = True  # also when the ASGI call serves it after all (a decline, a stop)
         return name
 
     def now(self, scope: Scope, body: bytes, name: str) -> Answer | ASGIApp | None:

@@ -38,6 +38,9 @@ Tensors = Mapping[str, np.ndarray]
 JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
 _BINARY = b"application/octet-stream"
 _PREFIX, _SUFFIX = "/v2/models/", "/infer"
+# In the scope of a request the app took at its head to answer at once (App.wants): admitted
+# then, it is served by a daemon that began to stop since, as one whose ASGI call began there.
+ADMITTED = "edged.admitted"
 
 
 def infer_target(path: str) -> str | None:
@@ -63,7 +66,7 @@ class InferRoute:
         shm = _LazyShm(self.regions, scope.get(PEER_KEY))
         try:
             try:
-                if not self.accepting:
+                if not (self.accepting or scope.get(ADMITTED)):
                     raise ShuttingDownError("edged is shutting down")
                 svc.model(name)  # an unknown model is a 404 whatever the body holds
                 headers = body_headers(scope)  # one pass over the headers for everything the route reads

@@ -233,6 +233,15 @@ def test_a_body_in_pieces_and_a_client_gone_mid_body(tmp_path: Path) -> None:
     run(tmp_path, test)
 
 
+async def until(cond: Callable[[], object], timeout: float = 30) -> None:
+    """Wait for ``cond`` on the loop, with a deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
 async def head_then(s: Served, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
     """A connection that has sent ``request``'s head, once the daemon has kept it for its body."""
     cut = request.index(b"\r\n\r\n") + 4
@@ -240,33 +249,86 @@ async def head_then(s: Served, request: bytes) -> tuple[asyncio.StreamReader, as
     reader, writer = await s.connect()
     writer.write(request[:cut])
     await writer.drain()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while not s.wanted:  # until the daemon has read the head
-        assert loop.time() < deadline
-        await asyncio.sleep(0.001)
+    await until(lambda: s.wanted)
     assert s.wanted == ["m"]
     return reader, writer, cut
 
 
-def test_a_request_admitted_at_its_head_is_served_by_a_daemon_stopping_since(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["answered at once", "declined at the body", "a real stop"])
+def test_a_request_admitted_at_its_head_is_served_by_a_daemon_stopping_since(tmp_path: Path, how: str) -> None:
     """The drain serves what it admitted: acceptance is decided at the head, as the ASGI call
-    decides it when it starts there."""
+    decides it when it starts there, whether the request is then answered at once, declined at
+    its body (the instance busy) or promoted by the stop itself (the body still to come)."""
     body, length = binary(X)
     request = http(DIRECT, body, length)
 
     async def test(s: Served) -> None:
         (expected,) = await exchange(s, request)
         s.kinds.clear()
-        closing = http(DIRECT, body, length, "Connection: close")
-        reader, writer, cut = await head_then(s, closing)
-        s.app.accepting = False
-        writer.write(closing[cut:])
+        queue = s.svc.registry.models["m"].queue
+        assert queue is not None
+        reader, writer, cut = await head_then(s, request)
+        s.app.accepting = False  # the daemon's stop begins (Daemon._stop's first step)
+        stopping = None
+        if how == "a real stop":
+            s.stack.config.timeout_graceful_shutdown = 30
+            stopping = asyncio.create_task(s.stack.shutdown())  # then uvicorn's drain
+            await asyncio.sleep(0)
+        if how == "declined at the body":
+            queue._inline_lock.acquire()  # what a larger request running on the instance holds
+        try:
+            writer.write(request[cut:])
+            if how == "declined at the body":
+                await until(lambda: s.kinds)
+        finally:
+            if how == "declined at the body":
+                queue._inline_lock.release()
         got = await answer(reader)
         writer.close()
+        assert got.startswith(b"HTTP/1.1 200"), got
         assert got.partition(b"\r\n\r\n")[2] == expected.partition(b"\r\n\r\n")[2]
-        assert s.kinds == ["answer"]
-        assert (await exchange(s, request))[0].startswith(b"HTTP/1.1 503")  # a new one is refused
+        assert s.kinds == {"answered at once": ["answer"], "declined at the body": ["declined"], "a real stop": []}[how]
+        if stopping is not None:
+            await asyncio.wait_for(stopping, 30)
+        else:
+            assert (await exchange(s, request))[0].startswith(b"HTTP/1.1 503")  # a new one is refused
+
+    run(tmp_path, test)
+
+
+def test_what_follows_an_answer_that_closed_the_connection_is_never_run(tmp_path: Path) -> None:
+    """HTTP/1.0 asking for keep-alive, three requests in one write: uvicorn answers the first with
+    connection: close and closes; the parser still finds the other two in the read. Neither may
+    run (nobody would get its answer), as behind a cycle whose answer closes the connection."""
+    body, length = binary(X)
+    request = http(DIRECT, body, length, "Connection: keep-alive", version="1.0")
+
+    async def test(s: Served) -> None:
+        stats = s.svc.metrics.model("m")
+        before = stats.requests
+        reader, writer = await s.connect()
+        writer.write(request * 3)
+        got = await asyncio.wait_for(reader.read(), 30)  # to the end: the daemon closed it
+        writer.close()
+        assert got.count(b"HTTP/1.1 200") == 1 and b"connection: close" in got
+        assert stats.requests == before + 1 and s.kinds == ["answer"]
+
+    run(tmp_path, test)
+
+
+def test_an_absurd_content_length_is_read_as_uvicorn_reads_it(tmp_path: Path) -> None:
+    """Thousands of leading zeros (llhttp takes them): the same answer on both paths, not a 400
+    for an integer too long to convert."""
+    body, length = binary(X)
+    head = f"Content-Length: {'0' * 5000}{len(body)}"
+
+    def odd(path: str) -> bytes:
+        return ("\r\n".join([f"POST {path} HTTP/1.1", "Host: x", head, length]) + "\r\n\r\n").encode() + body
+
+    async def test(s: Served) -> None:
+        at_once, routed = await exchange(s, odd(DIRECT), odd(ROUTED))
+        assert at_once == routed
+        assert b"invalid HTTP request" not in at_once, at_once  # the head was read, not refused
 
     run(tmp_path, test)
 
@@ -288,11 +350,7 @@ def test_a_request_declined_at_its_body_is_served_by_the_asgi_call(tmp_path: Pat
         queue._inline_lock.acquire()  # what a larger request running on the instance holds
         try:
             writer.write(request[cut:])
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 30
-            while not s.kinds:
-                assert loop.time() < deadline
-                await asyncio.sleep(0.001)
+            await until(lambda: s.kinds)
         finally:
             queue._inline_lock.release()
         assert await answer(reader) == expected
@@ -312,11 +370,7 @@ def test_a_client_gone_mid_body_is_counted_as_before(tmp_path: Path) -> None:
         before = (stats.requests, stats.failures)
         _, writer, _ = await head_then(s, http(DIRECT, body, length))
         writer.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while (stats.requests, stats.failures) == before:
-            assert loop.time() < deadline
-            await asyncio.sleep(0.001)
+        await until(lambda: (stats.requests, stats.failures) != before)
         assert (stats.requests, stats.failures) == (before[0] + 1, before[1] + 1)
         assert not s.kinds
 
