@@ -16,7 +16,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -214,6 +214,9 @@ class _RequestPlan:
     # (a stream of frames, tiny's requests): (name, dtype, shape, start, end) of each in the
     # binary part, checked once here, so that a cached plan decodes without the per-input steps.
     layout: tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...] | None = None
+    # The last model's limits (validate.Limits, immutable) this plan was found within: a stream
+    # of requests with one header is checked against its model's limits once, not per request.
+    within: list[Limits | None] = field(default_factory=lambda: [None], compare=False, repr=False)
 
 
 def _unique(names: Sequence[str], what: str) -> None:
@@ -372,9 +375,10 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
     key = header.tobytes() if header_length <= PLANS.max_header and bytes(header[:1]) != b"\x00" else None
     if plain and key is not None and _DATA_MEMBER in key:
         key = None
-    # Before the lookup: its object count is bounded by this model's limits, whoever cached it.
-    check_json_size(body, header_length, limits)
     cached = PLANS.get(key) if key is not None else None
+    within = cached is not None and cached.within[0] is limits  # the same header seen by this model
+    if not within:  # before parsing: its object count is bounded by this model's limits
+        check_json_size(body, header_length, limits)
     if cached is None:
         found = _without_id(key) if key is not None and _ID_MEMBER in key else None
         if found is None:
@@ -383,9 +387,11 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
             key, rid, doc = found
             cached = PLANS.get(key)
             plan = cached if cached is not None else plan_document(doc, limits)
-    if cached is not None:  # planned under another model's limits, maybe
-        check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
-        check_bytes_inputs(((p.name, is_bytes(p.dtype)) for p in cached.inputs), limits)
+    if cached is not None:
+        if not within:  # planned under another model's limits, maybe
+            check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
+            check_bytes_inputs(((p.name, is_bytes(p.dtype)) for p in cached.inputs), limits)
+            cached.within[0] = limits
         plan, key = cached, None
     binary = view[header_length:]
     if plan.layout is not None:  # no JSON data, no BYTES: nothing to read here

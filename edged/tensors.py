@@ -18,7 +18,7 @@ import math
 import struct
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,19 +60,32 @@ class OutputRequest:
         return OutputRequest(self.name, self.binary, self.shm_region, self.shm_offset, self.shm_size)
 
 
-@dataclass
+@dataclass(init=False)
 class InferRequest:
-    id: str = ""
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)
-    outputs: list[OutputRequest] | None = None  # None: every output, as JSON unless binary_all
-    binary_all: bool = False
-    parameters: dict[str, Any] = field(default_factory=dict)
+    id: str
+    inputs: dict[str, np.ndarray]
+    outputs: list[OutputRequest] | None  # None: every output, as JSON unless binary_all
+    binary_all: bool
+    parameters: dict[str, Any]
     # BYTES inputs in shared memory: (name, the daemon's buffer, shape), read once it is filled.
-    pending: list[tuple[str, memoryview, tuple[int, ...]]] = field(default_factory=list)
+    pending: list[tuple[str, memoryview, tuple[int, ...]]]
     # What fixed every input's name, datatype and shape (the decoder's plan of a header whose
     # tensors are all laid out in the binary part), so that a check of them can be remembered
     # by it; None where they were read from the request itself.
-    shapes: object = None
+    shapes: object
+
+    def __init__(
+        self,
+        id: str = "",
+        inputs: dict[str, np.ndarray] | None = None,
+        outputs: list[OutputRequest] | None = None,
+        binary_all: bool = False,
+        parameters: dict[str, Any] | None = None,
+    ) -> None:
+        # Written out: one per request, and dataclass's own (default factories) ran three times
+        # as many lines.
+        self.id, self.inputs, self.outputs, self.binary_all = id, {} if inputs is None else inputs, outputs, binary_all
+        self.parameters, self.pending, self.shapes = {} if parameters is None else parameters, [], None
 
 
 # A float in JSON data beyond float16/float32 becomes inf, as a C cast would: not worth a warning

@@ -98,5 +98,13 @@ def test_a_cached_plan_is_checked_against_each_models_limits() -> None:
     a, b = np.ones((1, 2), np.float32), np.ones((1, 3), np.float32)
     body, hl = _binary({"a": a, "b": b})
     decode_infer(body, hl, None, LIMITS)  # planned and cached under the default limits
+    narrow = Limits(inputs=1, outputs=1, model="m")
     with pytest.raises(BadRequestError, match="lists 2 inputs"):
-        decode_infer(body, hl, None, Limits(inputs=1, outputs=1, model="m"))
+        decode_infer(body, hl, None, narrow)
+    # Found within the default limits again, then within the narrow ones again: each model's
+    # limits are checked, whichever a plan was last found within (it remembers only that one).
+    for _ in range(2):
+        assert decode_infer(body, hl, None, LIMITS).inputs.keys() == {"a", "b"}
+        assert decode_infer(body, hl, None, LIMITS).inputs.keys() == {"a", "b"}
+        with pytest.raises(BadRequestError, match="lists 2 inputs"):
+            decode_infer(body, hl, None, narrow)
