@@ -121,7 +121,7 @@ class App:
         """The model of a request ``now`` may answer, from its head alone (the connection then
         keeps its body until it is whole, rather than starting the ASGI call at once): an infer
         request to a model that runs inline, let in by its listener. None for any other."""
-        if scope["method"] != "POST" or self.service.warming:  # the warm-up is uncounted: __call__
+        if scope["method"] != "POST":
             return None
         name = infer_target(scope["path"])
         if name is None or not self.infer.inline(name):
@@ -140,6 +140,13 @@ class App:
         parser callback (connection.py), for a request ``wants`` took (``name``: its answer).
         Where only the answer's encoding or compression awaits, an ASGI app that finishes it.
         None, with nothing done, where the route declines (served through ``__call__``)."""
+        if self.service.warming and _own(scope.get(PEER_KEY)):
+            with uncounted():  # the daemon's warm-up through its own socket is not traffic
+                answer = self._now(scope, body, name)
+            return answer if answer is None or isinstance(answer, tuple) else functools.partial(_uncounted, answer)
+        return self._now(scope, body, name)
+
+    def _now(self, scope: Scope, body: bytes, name: str) -> Answer | ASGIApp | None:
         try:
             answer = self.infer.now(name, scope, body)
         except EdgedError as e:
@@ -356,6 +363,11 @@ def _group_id(name: str) -> int:
 def _own(peer: Peer | None) -> bool:
     """A connection from the daemon itself (its warm-up of the socket path)."""
     return peer is not None and peer.pid == os.getpid()
+
+
+async def _uncounted(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    with uncounted():
+        await app(scope, receive, send)
 
 
 async def _ready(answer: Answer) -> Answer:

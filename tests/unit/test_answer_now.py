@@ -409,3 +409,31 @@ def test_an_answer_to_compress_is_finished_by_a_task(tmp_path: Path, encoding: s
             assert gzip.decompress(data).startswith(b'{"model_name":"m"')
 
     run(tmp_path, test, compress_min_size="1B")
+
+
+def test_the_daemons_own_warm_up_is_answered_at_once_and_counted_nowhere(tmp_path: Path) -> None:
+    """Before READY=1 the daemon warms the path through its own socket: answered at once (so that
+    no client's request runs that code first), left out of metrics and statistics; a request from
+    this process is the daemon's own here (the stack runs in the test's process)."""
+    body, length = binary(X)
+    request = http(DIRECT, body, length)
+
+    async def test(s: Served) -> None:
+        stats = s.svc.metrics.model("m")
+
+        def counts() -> tuple[int, int]:
+            model_stats = s.svc.stats.report("m")["model_stats"][0]
+            return stats.requests, model_stats["inference_stats"]["success"]["count"]
+
+        before = counts()
+        s.svc.warming = True
+        try:
+            (warm,) = await exchange(s, request)
+        finally:
+            s.svc.warming = False
+        assert warm.startswith(b"HTTP/1.1 200") and s.kinds == ["answer"]
+        assert counts() == before
+        assert await exchange(s, request) == [warm]
+        assert counts() == (before[0] + 1, before[1] + 1)
+
+    run(tmp_path, test)
