@@ -27,7 +27,7 @@ from edged.errors import (
 )
 from edged.jsonchild import decode_infer_async
 from edged.memory import MemoryInfo, Plan, probe
-from edged.metrics import Metrics
+from edged.metrics import Metrics, counted
 from edged.protocol import (
     MAX_TENSORS,
     OFFLOAD_BYTES,
@@ -239,7 +239,9 @@ class Service:
         """The queue of a model that serves now; None while it must be waited for. Until READY=1
         every request waits for readiness, even one for a model already warm (except the
         daemon's own warm-up requests, which are what readiness waits for)."""
-        return rt.queue if rt.state is READY and (self.ready.is_set() or self.warming) else None
+        # The daemon's own warm-up requests are the ones run uncounted (a client's request that
+        # arrives during the warm-up waits, in _await_model, as any before READY=1).
+        return rt.queue if rt.state is READY and (self.ready.is_set() or (self.warming and not counted())) else None
 
     def _succeeded(
         self, name: str, transport: str, stats: ModelStatistics | None, since_ns: int, entered_ns: int

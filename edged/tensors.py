@@ -18,7 +18,7 @@ import math
 import struct
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -71,8 +71,8 @@ class InferRequest:
     pending: list[tuple[str, memoryview, tuple[int, ...]]]
     # What fixed every input's name, datatype and shape (the decoder's plan of a header whose
     # tensors are all laid out in the binary part), so that a check of them can be remembered
-    # by it; None where they were read from the request itself.
-    shapes: object
+    # by it; None where they were read from the request itself. Not part of a request's value.
+    shapes: object = field(default=None, compare=False, repr=False)
 
     def __init__(
         self,

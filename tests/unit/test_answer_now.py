@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gzip
 import socket
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -435,5 +436,46 @@ def test_the_daemons_own_warm_up_is_answered_at_once_and_counted_nowhere(tmp_pat
         assert counts() == before
         assert await exchange(s, request) == [warm]
         assert counts() == (before[0] + 1, before[1] + 1)
+
+    run(tmp_path, test)
+
+
+CLIENT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(60)
+s.connect(sys.argv[1])
+s.sendall(sys.stdin.buffer.read())
+print(s.recv(200).split(b"\\r\\n")[0].decode())
+"""
+
+
+@pytest.mark.parametrize("path", [DIRECT, ROUTED])
+def test_a_clients_request_during_the_warm_up_waits_for_readiness(tmp_path: Path, path: str) -> None:
+    """While the daemon warms (before READY=1) only its own requests are served: a client's (from
+    another process) waits for readiness, uncounted until then, whichever path it takes."""
+    body, length = binary(X)
+
+    async def test(s: Served) -> None:
+        stats = s.svc.metrics.model("m")
+        before = stats.requests
+        s.svc.ready.clear()
+        s.svc.warming = True
+        try:
+            client = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", CLIENT, str(s.sock), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
+            assert client.stdin is not None and client.stdout is not None
+            client.stdin.write(http(path, body, length))
+            client.stdin.close()
+            await until(lambda: s.stack.server_state.tasks)  # the request is in, its ASGI call running
+            await asyncio.sleep(0.3)  # time passing is what is tested: no answer, nothing counted
+            assert client.returncode is None and stats.requests == before
+        finally:
+            s.svc.warming = False
+            s.svc.ready.set()
+        line = (await asyncio.wait_for(client.stdout.read(), 60)).decode().strip()
+        assert line == "HTTP/1.1 200 OK" and stats.requests == before + 1
+        assert s.kinds == (["declined"] if path == DIRECT else [])
 
     run(tmp_path, test)
