@@ -203,7 +203,9 @@ def _decode_output(raw: Any, binary_all: bool, idx: int) -> OutputRequest:
     return req
 
 
-@dataclass(frozen=True)
+# Compared and hashed by identity: a plan is one object shared by every request with its header
+# (the model's plan remembers the ones whose inputs passed its check, service.ModelPlan.checked).
+@dataclass(frozen=True, eq=False)
 class _RequestPlan:
     id: str
     binary_all: bool

@@ -62,23 +62,22 @@ class ModelPlan:
     outputs: frozenset[str]  # the model's output names (empty: not loaded)
     rules: InputRules | None  # its inputs' names, datatypes and shapes (None: not loaded)
     timeout_s: float
-    # The decoder's plans (InferRequest.shapes) whose inputs passed ``rules``, by identity (each
-    # held by its entry, so that its id is not reused), with their element count: a stream of
-    # requests with one header is checked once.
-    passed: dict[int, tuple[object, int]] = field(default_factory=dict, compare=False)
+    # The decoder's plans (InferRequest.shapes, hashed by identity) whose inputs passed
+    # ``rules``, with their element count: a stream of requests with one header is checked once.
+    passed: dict[object, int] = field(default_factory=dict, compare=False)
 
     def checked(self, inputs: Mapping[str, np.ndarray], shapes: object) -> int:
         """``rules.check(inputs)``, remembered by ``shapes`` (see above); the inputs' elements."""
-        seen = self.passed.get(id(shapes))
-        if seen is not None and seen[0] is shapes:
-            return seen[1]
+        elements = self.passed.get(shapes)  # never stored under None
+        if elements is not None:
+            return elements
         assert self.rules is not None  # READY with a queue: loaded
         self.rules.check(inputs)
         elements = elements_of(inputs)
         if shapes is not None:
             if len(self.passed) >= _PASSED:
                 self.passed.clear()
-            self.passed[id(shapes)] = (shapes, elements)
+            self.passed[shapes] = elements
         return elements
 
     def current(self, cfg: Config, rt: ModelRuntime) -> bool:

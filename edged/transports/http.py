@@ -109,7 +109,7 @@ class App:
             if answer is None:
                 return None
             status, body, headers = answer
-            if status == 200 and not (isinstance(body, bytes) and len(body) < self.compress_min):
+            if not self._as_is(answer):
                 body, headers = await self._encode(scope, body, headers)
             return status, body, headers
         except EdgedError as e:
@@ -155,11 +155,14 @@ class App:
             return _internal(scope, e)
         if answer is None:
             return None
-        if isinstance(answer, tuple) and (
-            answer[0] != 200 or (isinstance(answer[1], bytes) and len(answer[1]) < self.compress_min)
-        ):
+        if isinstance(answer, tuple) and self._as_is(answer):
             return answer
         return functools.partial(self._finish, answer)
+
+    def _as_is(self, answer: Answer) -> bool:
+        """An answer sent as it is: an error, or a body too small to compress (``_encode``)."""
+        status, body, _ = answer
+        return status != 200 or (isinstance(body, bytes) and len(body) < self.compress_min)
 
     async def _finish(self, answer: Answer | Rest, scope: Scope, receive: Receive, send: Send) -> None:
         """The rest of an answer ``now`` began: encoded or compressed, then sent (an ASGI app)."""

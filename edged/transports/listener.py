@@ -187,7 +187,7 @@ async def start(app: Any, cfg: Config, listeners: list[Listener]) -> uvicorn.Ser
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
     gate = Gate(ConnectionLimits.from_config(cfg))
-    # The app's answers made at once on the connection (connection.Direct), where it has them.
+    # The app's answers made at once on the connection (answer_now.Direct), where it has them.
     direct = app if hasattr(app, "wants") and hasattr(app, "now") else None
     loop = asyncio.get_running_loop()
     server.servers = []
