@@ -21,7 +21,7 @@ from edged.errors import BadRequestError
 from edged.tensors import (
     InferRequest,
     OutputRequest,
-    ShmResolver,
+    OutputResolver,
     datatype_of,
     is_bytes,
     json_strings,
@@ -63,7 +63,7 @@ def _json_values(flat: np.ndarray) -> list[Part]:
     return parts
 
 
-def _to_shm(out: OutputRequest, arr: np.ndarray, shm: ShmResolver) -> dict[str, Any]:
+def _to_shm(out: OutputRequest, arr: np.ndarray, shm: OutputResolver) -> dict[str, Any]:
     """A BYTES output goes in its serialised form: the size reported is what was written."""
     assert out.shm_region is not None
     data = np.frombuffer(tensor_bytes(arr), dtype=np.uint8)
@@ -71,8 +71,9 @@ def _to_shm(out: OutputRequest, arr: np.ndarray, shm: ShmResolver) -> dict[str, 
         raise BadRequestError(
             f"output '{out.name}' needs {data.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
         )
-    dest = np.frombuffer(shm(out.shm_region, out.shm_offset, data.nbytes), dtype=np.uint8)
-    dest[:] = data
+    dest = shm(out.shm_region, out.shm_offset, data.nbytes)
+    if dest is not None:  # None: the model's worker has written it
+        np.frombuffer(dest, dtype=np.uint8)[:] = data
     return {"shared_memory_region": out.shm_region, "shared_memory_byte_size": data.nbytes}
 
 
@@ -95,7 +96,7 @@ def _output(model: str, out: OutputRequest, results: Mapping[str, np.ndarray]) -
 
 
 def _encode_small(
-    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: ShmResolver | None
+    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: OutputResolver | None
 ) -> tuple[bytes, int | None]:
     """The hot path: one orjson call for the whole JSON document."""
     entries: list[dict[str, Any]] = []
@@ -130,7 +131,7 @@ def encode_infer_parts(
     model: str,
     req: InferRequest,
     results: Mapping[str, np.ndarray],
-    shm: ShmResolver | None = None,
+    shm: OutputResolver | None = None,
 ) -> tuple[list[Part], int | None]:
     """(the body as parts, header length or None when the body is plain JSON)."""
     if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
@@ -172,7 +173,7 @@ def encode_infer(
     model: str,
     req: InferRequest,
     results: Mapping[str, np.ndarray],
-    shm: ShmResolver | None = None,
+    shm: OutputResolver | None = None,
 ) -> tuple[bytes, int | None]:
     """(body, header length or None when the body is plain JSON)."""
     if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
@@ -182,7 +183,7 @@ def encode_infer(
 
 
 def encode_now(
-    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: ShmResolver | None = None
+    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: OutputResolver | None = None
 ) -> tuple[bytes, int | None] | None:
     """The answer as one body, encoded on the caller's thread (outputs bound for shared memory
     written through ``shm``), when it is small; None when it is not (``encode_large_async``)."""
@@ -195,7 +196,7 @@ async def encode_infer_async(
     model: str,
     req: InferRequest,
     results: Mapping[str, np.ndarray],
-    shm: ShmResolver | None = None,
+    shm: OutputResolver | None = None,
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_parts`` for the event loop: results above OFFLOAD_BYTES are encoded on a
     worker thread. Outputs written to shared memory stay on the loop, where the regions live."""
@@ -209,10 +210,17 @@ async def encode_large_async(
     model: str,
     req: InferRequest,
     results: Mapping[str, np.ndarray],
-    shm: ShmResolver | None = None,
+    shm: OutputResolver | None = None,
+    written: bool = False,
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_async`` for results ``encode_now`` found above OFFLOAD_BYTES (not added up
-    again: a BYTES output's size is a walk of its elements)."""
+    again: a BYTES output's size is a walk of its elements). ``written``: every output bound for
+    shared memory is there already (shm_io.EarlyWrites). On the loop when what is left to do is
+    small: a binary output goes out as a view of its array, so a frame-sized answer in binary or
+    in shared memory costs its header, and a thread's two wake-ups would cost more (a
+    detector's 1.6 MB answer: 0.55 ms of its request on a 16-core host, docs/performance.md)."""
+    if _loop_cost(req, results, written) <= OFFLOAD_BYTES:
+        return encode_infer_parts(model, req, results, shm)
     if shm is not None and any(o.shm_region for o in req.outputs or ()):
         resolved = _resolved_on_the_loop(model, req, results, shm)
         if resolved is None:
@@ -221,15 +229,30 @@ async def encode_large_async(
     return await asyncio.to_thread(encode_infer_parts, model, req, results, shm)
 
 
+def _loop_cost(req: InferRequest, results: Mapping[str, np.ndarray], written: bool) -> int:
+    """About how many bytes encoding the answer copies or serialises: the values of JSON
+    outputs, BYTES, copies into shared memory not yet made, a non-contiguous array's copy."""
+    cost = 0
+    for out in _wanted(req, results):
+        arr = results.get(out.name)
+        if arr is None:  # an error, raised by the encoder
+            continue
+        if out.shm_region is not None:
+            cost += 0 if written else wire_nbytes(arr)
+        elif not out.binary or arr.dtype.kind == "O" or not arr.flags.c_contiguous:
+            cost += wire_nbytes(arr)
+    return cost
+
+
 def _resolved_on_the_loop(
-    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: ShmResolver
-) -> ShmResolver | None:
+    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: OutputResolver
+) -> OutputResolver | None:
     """The shared-memory destinations taken here, on the loop (region lookups and their use
     counts live there), handed to the worker thread in the order ``encode_infer_parts`` asks for
     them, so that the JSON of the other outputs is not encoded on the loop. None (encode all
     on the loop, as before) when a BYTES output goes to shared memory: its size is known only
     once it is serialised."""
-    bufs: list[memoryview] = []
+    bufs: list[memoryview | None] = []
     for out in _wanted(req, results):
         if out.shm_region is None:
             continue

@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 WORKER_THREAD_PREFIX = "edged-worker-"
 
 Tensors = Mapping[str, np.ndarray]
+# A step the worker takes with a request's results right after its run, on its own thread (the
+# outputs bound for shared memory written there: transports/early_writes.py). It must not raise.
+After = Callable[[dict[str, np.ndarray]], None]
 
 
 @dataclass(eq=False)
@@ -64,6 +67,7 @@ class _Work:
     enqueued_ns: int = 0
     queue_ns: int = 0
     infer_ns: int = 0
+    after: After | None = None
 
 
 # A finished request: its work item, and its result or its error.
@@ -184,8 +188,14 @@ class ModelQueue:
         return out
 
     async def submit(
-        self, inputs: Tensors, timeout: float, request_id: str = "", stats: ModelStatistics | None = None
+        self,
+        inputs: Tensors,
+        timeout: float,
+        request_id: str = "",
+        stats: ModelStatistics | None = None,
+        after: After | None = None,
     ) -> dict[str, np.ndarray]:
+        """``after``: the worker's step with the results (not taken by a run made here, on the loop)."""
         out = self.run_now(inputs, stats)
         if out is not None:
             return out
@@ -194,7 +204,9 @@ class ModelQueue:
         if self._backlog >= self.depth:
             raise BusyError(f"model '{self.model}' queue is full ({self.depth} requests)")
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
-        work = _Work(inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns())
+        work = _Work(
+            inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns(), after=after
+        )
         if self.max_batch > 1:
             work.signature = tuple((k, v.shape[1:], v.dtype.str) for k, v in inputs.items())
             work.rows = next(iter(inputs.values())).shape[0] if inputs else 1
@@ -320,6 +332,8 @@ class ModelQueue:
             if len(batch) == 1:
                 out = inst.infer(batch[0].inputs, checked=True)
                 batch[0].infer_ns = ran = perf_counter_ns() - t0
+                if batch[0].after is not None:
+                    batch[0].after(out)
                 return [(batch[0], out, None)], (batch[0].rows, 0, ran, 0)
             names = list(batch[0].inputs)
             joined = {n: np.concatenate([w.inputs[n] for w in batch]) for n in names}
@@ -331,7 +345,10 @@ class ModelQueue:
             for w in batch:
                 end = start + w.rows
                 w.infer_ns = t2 - t1
-                results.append((w, {k: v[start:end] for k, v in out.items()}, None))
+                mine = {k: v[start:end] for k, v in out.items()}
+                if w.after is not None:
+                    w.after(mine)
+                results.append((w, mine, None))
                 start = end
             return results, (start, t1 - t0, t2 - t1, perf_counter_ns() - t2)
         except EdgedError as e:

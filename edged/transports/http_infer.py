@@ -20,7 +20,7 @@ import numpy as np
 
 from edged.encoding import OFFLOAD_BYTES, encode_large_async, encode_now
 from edged.errors import EdgedError, ShuttingDownError
-from edged.protocol import InferRequest, Part, ShmResolver, parse_header_length, resolve_pending_async
+from edged.protocol import InferRequest, Part, parse_header_length, resolve_pending_async
 from edged.service import Service, decode_now
 from edged.transports.http_body import BodyHeaders, body_headers, read_body
 from edged.transports.peer import PEER_KEY, Peer
@@ -92,7 +92,16 @@ class InferRoute:
             # At once where it can (an inline model, the runtime and plan of this very moment).
             outputs = None if waited else svc.infer_now(rt, plan, req.inputs, req.id, "http", received, req.shapes)
             if outputs is None:
-                outputs = await svc.infer(name, req.inputs, req.id, received_ns=received, tried_now=not waited)
+                # Outputs bound for shared memory are written by the model's worker, after its run.
+                early = shm.request().write_early(req.outputs) if req.outputs and _to_shm(req) else None
+                outputs = await svc.infer(
+                    name,
+                    req.inputs,
+                    req.id,
+                    received_ns=received,
+                    tried_now=not waited,
+                    after=None if early is None else early.run,
+                )
             answer = self._encode(name, req, outputs, shm, received)
             return answer if isinstance(answer, tuple) else await answer()
         finally:
@@ -165,7 +174,7 @@ class InferRoute:
     ) -> Answer:
         try:
             try:
-                answer, header_len = encoded or await _encode_large(name, req, outputs, shm.output)
+                answer, header_len = encoded or await _encode_large(name, req, outputs, shm)
                 if shm.held is not None and shm.held.writes:
                     await shm.held.flush()
             except BaseException:
@@ -201,8 +210,10 @@ async def _fill(req: InferRequest, shm: _LazyShm) -> None:
         await resolve_pending_async(req)
 
 
-async def _encode_large(name: str, req: InferRequest, outputs: Tensors, shm: ShmResolver) -> tuple[Body, int | None]:
-    parts, header_len = await encode_large_async(name, req, outputs, shm)
+async def _encode_large(name: str, req: InferRequest, outputs: Tensors, shm: _LazyShm) -> tuple[Body, int | None]:
+    early = None if shm.held is None else shm.held.early
+    written = early is not None and early.complete
+    parts, header_len = await encode_large_async(name, req, outputs, shm.output, written)
     first = parts[0]
     return (first if len(parts) == 1 and isinstance(first, bytes) else parts), header_len
 
@@ -224,7 +235,7 @@ class _LazyShm:
     def input(self, name: str, offset: int, size: int) -> memoryview:
         return self.request().input(name, offset, size)
 
-    def output(self, name: str, offset: int, size: int) -> memoryview:
+    def output(self, name: str, offset: int, size: int) -> memoryview | None:
         return self.request().output(name, offset, size)
 
     def take(self) -> _LazyShm:

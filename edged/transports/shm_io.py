@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from edged.errors import SharedMemoryError, SharedMemoryTruncatedError
+from edged.errors import EdgedError, SharedMemoryError, SharedMemoryTruncatedError
+from edged.tensors import OutputRequest
+from edged.transports.early_writes import EarlyWrites, Target
 from edged.transports.memfd import submit_populate
 from edged.transports.peer import Peer
 from edged.transports.shm import Region
@@ -50,6 +52,7 @@ class ShmRequest:
         self.writes: list[Job] = []
         self._held: list[Region] = []
         self._busy: asyncio.Future[None] | None = None  # a thread still copying
+        self.early: EarlyWrites | None = None  # outputs the model's worker writes (``write_early``)
 
     def _take(self, name: str, offset: int, size: int) -> Region:
         region = self._lookup(name)
@@ -74,9 +77,12 @@ class ShmRequest:
         self.reads.append((region, region.offset + offset, buf))
         return buf.data
 
-    def output(self, name: str, offset: int, size: int) -> memoryview:
-        """Resolver for encode_infer: the mapped bytes of a sealed memfd (written in place), else
-        a daemon-owned buffer that ``flush`` writes out."""
+    def output(self, name: str, offset: int, size: int) -> memoryview | None:
+        """Resolver for encode_infer: None for an output the model's worker has written
+        (``write_early``), else the mapped bytes of a sealed memfd (written in place), else a
+        daemon-owned buffer that ``flush`` writes out."""
+        if self.early is not None and self.early.claim(name, offset, size):
+            return None
         region = self._take(name, offset, size)
         if region.mapping is not None:
             if not region.writable:
@@ -88,6 +94,30 @@ class ShmRequest:
         buf = np.empty(size, np.uint8)
         self.writes.append((region, region.offset + offset, buf))
         return buf.data
+
+    def write_early(self, outputs: Sequence[OutputRequest]) -> EarlyWrites:
+        """The writes of the outputs bound for shared memory, for the model's worker to make
+        right after its run (``EarlyWrites.run``). Each destination is taken here, on the loop,
+        for the size the request gave; one that cannot be (an unknown region, too small, sealed
+        against writing) is left to the encoder, which says why as it always has."""
+        targets: list[Target | None] = []
+        for out in outputs:
+            if out.shm_region is None:
+                continue
+            try:
+                region = self._lookup(out.shm_region)
+            except EdgedError:
+                targets.append(None)
+                continue
+            if out.shm_offset + out.shm_size > region.byte_size or (region.mapping is not None and not region.writable):
+                targets.append(None)
+                continue
+            region = self._take(out.shm_region, out.shm_offset, out.shm_size)
+            start = region.offset + out.shm_offset
+            view = None if region.mapping is None else memoryview(region.mapping)[start : start + out.shm_size]
+            targets.append(Target(out.name, out.shm_region, out.shm_offset, out.shm_size, region, view))
+        self.early = EarlyWrites(asyncio.get_running_loop(), targets, _write_all)
+        return self.early
 
     async def fill(self) -> None:
         await self._run(self.reads, _read_all)
@@ -115,6 +145,10 @@ class ShmRequest:
         if self._busy is not None and not self._busy.done():
             self._busy.add_done_callback(self._release_later)
             return
+        if self.early is not None:
+            if not self.early.drop(self.release):  # the worker is writing: released when it is done
+                return
+            self.early = None
         for region in self._held:
             region.users -= 1
             region.close_if_idle()
