@@ -412,11 +412,14 @@ def _segment(
             check(s, spec, x, want)
         for c in concs:
             runs[(s.name, c)] = Lane(server_runner(s, spec, x, c), budget)
-    first = next((s for s in servers if isinstance(s, EdgedServer)), None)
-    if spec.frame and first is not None:  # the producer writes its frame in the region in place: no copy
+    # The producer writes its frame in the region in place (no copy), for every edged daemon (a
+    # twin or a base beside edged: a change to the frame path compared side by side).
+    for s in servers if spec.frame else []:
+        if not isinstance(s, EdgedServer):
+            continue
         for c in concs:
-            runs[("edged, frame in place", c)] = Lane(_no_copy(first, spec, x, c), budget)
-            runs[("edged, answer in place", c)] = Lane(_in_place(first, spec, x, want, c), budget)
+            runs[(f"{s.name}, frame in place", c)] = Lane(_no_copy(s, spec, x, c), budget)
+            runs[(f"{s.name}, answer in place", c)] = Lane(_in_place(s, spec, x, want, c), budget)
     timed = {key: Lane(_windowed(f"{key[0]} c={key[1]}", lane.run, windows), lane.budget) for key, lane in runs.items()}
     try:
         return interleave(timed, rounds)
