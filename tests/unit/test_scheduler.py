@@ -7,7 +7,7 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -341,3 +341,54 @@ def test_a_run_that_ends_after_the_loop_closed_drops_its_answer_quietly() -> Non
             loop.close()
     assert failures == []
     assert inst.batches == [1]
+
+
+def test_the_workers_step_after_a_run_gets_that_requests_results_on_the_worker() -> None:
+    inst = ThreadRecordingInstance()
+    loop_thread = threading.get_ident()
+    seen: list[tuple[int, dict[str, np.ndarray]]] = []
+
+    def step(results: dict[str, np.ndarray]) -> None:
+        seen.append((threading.get_ident(), results))
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=8)
+        q.start(inline=True, inline_max_elements=4)
+        await q.submit({"x": np.ones((2, 2))}, 10, after=step)  # run on the loop: no worker, no step
+        assert seen == []
+        out = await q.submit({"x": np.ones((3, 2))}, 10, after=step)
+        assert len(seen) == 1 and seen[0][1] is out
+        assert seen[0][0] == inst.ran_on[-1] != loop_thread
+        q.close()
+
+    run(main())
+
+
+def test_each_request_of_a_batch_gets_its_own_slice_in_the_workers_step() -> None:
+    inst = FakeInstance()
+    seen: dict[int, dict[str, np.ndarray]] = {}
+
+    async def main() -> None:
+        q = ModelQueue(
+            "m", [inst], asyncio.get_running_loop(), depth=64, max_batch=4, max_queue_delay_us=200_000, batchable=True
+        )
+        inst.gate.clear()
+        q.start()
+
+        def step_for(i: int) -> Callable[[dict[str, np.ndarray]], None]:
+            return lambda results: seen.__setitem__(i, results)
+
+        tasks = [
+            asyncio.ensure_future(q.submit({"x": np.full((1, 2), i, np.float32)}, 10, after=step_for(i)))
+            for i in range(4)
+        ]
+        while q.backlog < 4:
+            await asyncio.sleep(0)
+        inst.gate.set()
+        outs = await asyncio.gather(*tasks)
+        q.close()
+        assert max(inst.batches) > 1, "the requests were not batched"
+        for i, out in enumerate(outs):
+            assert seen[i] is out and seen[i]["y"].tolist() == [[2.0 * i, 2.0 * i]]
+
+    run(main())

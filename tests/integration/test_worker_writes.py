@@ -1,0 +1,86 @@
+"""Outputs bound for shared memory on a model that runs on its worker thread (the worker writes
+them right after the run, edged/transports/early_writes.py): both kinds of region, several
+outputs into one region, a region too small, and a frame-sized answer, on a real daemon."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import orjson
+import pytest
+
+from edged.client import Client, MemfdRegion, ShmRegion
+from tests.helpers import DaemonProcess
+
+pytestmark = pytest.mark.integration
+
+
+def reference(model: Path, x: np.ndarray) -> np.ndarray:
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+@pytest.fixture(params=[MemfdRegion, ShmRegion], ids=["memfd", "posix"])
+def on_worker(
+    request: pytest.FixtureRequest, daemon_factory: Callable[..., DaemonProcess], model_dir: Path
+) -> tuple[DaemonProcess, type]:
+    # inline_threshold_us = 0: no model runs on the loop, every request goes to its worker.
+    server = {"inline_threshold_us": 0, "memfd_socket": request.param is MemfdRegion}
+    return daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}}, {"server": server}).start(), request.param
+
+
+def infer(c: Client, doc: dict[str, Any]) -> tuple[int, Any]:
+    status, data, _ = c.request(
+        "POST", "/v2/models/tiny/infer", orjson.dumps(doc), {"Content-Type": "application/json"}
+    )
+    return status, orjson.loads(data)
+
+
+def to_region(region: str, offset: int, size: int) -> dict[str, Any]:
+    return {
+        "name": "probs",
+        "parameters": {"shared_memory_region": region, "shared_memory_offset": offset, "shared_memory_byte_size": size},
+    }
+
+
+def test_a_worker_run_writes_its_answer_into_either_kind_of_region(
+    on_worker: tuple[DaemonProcess, type], model_dir: Path
+) -> None:
+    daemon, kind = on_worker
+    rng = np.random.default_rng(3)
+    with daemon.client() as c:
+        out = c.shm_region("out", 4096)
+        assert isinstance(out, kind)
+        for rows in (1, 7, 64):  # 64 rows of 4 floats: 1 KiB at offset 1024
+            x = rng.standard_normal((rows, 16)).astype(np.float32)
+            doc = {
+                "inputs": [{"name": "x", "shape": [rows, 16], "datatype": "FP32", "data": x.ravel().tolist()}],
+                "outputs": [to_region("out", 1024, rows * 16)],
+            }
+            status, answer = infer(c, doc)
+            assert status == 200, answer
+            assert answer["outputs"][0]["parameters"] == {
+                "shared_memory_region": "out",
+                "shared_memory_byte_size": rows * 16,
+            }
+            got = out.read(np.float32, (rows, 4), offset=1024)
+            np.testing.assert_allclose(got, reference(model_dir / "tiny.onnx", x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_region_too_small_is_the_same_error_and_writes_nothing(on_worker: tuple[DaemonProcess, type]) -> None:
+    with on_worker[0].client() as c:
+        out = c.shm_region("out", 64)
+        x = np.ones((2, 16), np.float32)
+        doc = {
+            "inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32", "data": x.ravel().tolist()}],
+            "outputs": [to_region("out", 0, 16)],
+        }
+        status, answer = infer(c, doc)
+        assert status == 400 and "needs 32 bytes, region 'out' was given 16" in answer["error"], answer
+        assert out.read(np.uint8, (64,)).tobytes() == bytes(64)
+        status, answer = infer(c, {**doc, "outputs": [to_region("nowhere", 0, 32)]})
+        assert status == 400 and "'nowhere' is not registered" in answer["error"], answer
