@@ -66,15 +66,19 @@ def _json_values(flat: np.ndarray) -> list[Part]:
 def _to_shm(out: OutputRequest, arr: np.ndarray, shm: OutputResolver) -> dict[str, Any]:
     """A BYTES output goes in its serialised form: the size reported is what was written."""
     assert out.shm_region is not None
-    data = np.frombuffer(tensor_bytes(arr), dtype=np.uint8)
-    if data.nbytes > out.shm_size:
+    # A fixed-size output's bytes are made only to be copied (none when the worker wrote them).
+    data = np.frombuffer(tensor_bytes(arr), dtype=np.uint8) if is_bytes(arr.dtype) else None
+    nbytes = arr.nbytes if data is None else data.nbytes
+    if nbytes > out.shm_size:
         raise BadRequestError(
-            f"output '{out.name}' needs {data.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
+            f"output '{out.name}' needs {nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
         )
-    dest = shm(out.shm_region, out.shm_offset, data.nbytes)
+    dest = shm(out.shm_region, out.shm_offset, nbytes)
     if dest is not None:  # None: the model's worker has written it
+        if data is None:
+            data = np.frombuffer(tensor_bytes(arr), dtype=np.uint8)
         np.frombuffer(dest, dtype=np.uint8)[:] = data
-    return {"shared_memory_region": out.shm_region, "shared_memory_byte_size": data.nbytes}
+    return {"shared_memory_region": out.shm_region, "shared_memory_byte_size": nbytes}
 
 
 def _json_data(name: str, flat: np.ndarray) -> Any:
@@ -237,9 +241,10 @@ def _loop_cost(req: InferRequest, results: Mapping[str, np.ndarray], written: bo
         arr = results.get(out.name)
         if arr is None:  # an error, raised by the encoder
             continue
+        copied = is_bytes(arr.dtype) or not arr.flags.c_contiguous
         if out.shm_region is not None:
-            cost += 0 if written else wire_nbytes(arr)
-        elif not out.binary or arr.dtype.kind == "O" or not arr.flags.c_contiguous:
+            cost += wire_nbytes(arr) if copied or not written else 0
+        elif copied or not out.binary:
             cost += wire_nbytes(arr)
     return cost
 
@@ -252,13 +257,13 @@ def _resolved_on_the_loop(
     them, so that the JSON of the other outputs is not encoded on the loop. None (encode all
     on the loop, as before) when a BYTES output goes to shared memory: its size is known only
     once it is serialised."""
+    wanted = [out for out in _wanted(req, results) if out.shm_region is not None]
+    if any(is_bytes(_output(model, out, results).dtype) for out in wanted):
+        return None  # before any destination is taken: the encoder takes them all, in order
     bufs: list[memoryview | None] = []
-    for out in _wanted(req, results):
-        if out.shm_region is None:
-            continue
+    for out in wanted:
+        assert out.shm_region is not None
         arr = _output(model, out, results)
-        if is_bytes(arr.dtype):
-            return None
         if arr.nbytes > out.shm_size:  # as _to_shm says it, before the region is touched
             raise BadRequestError(
                 f"output '{out.name}' needs {arr.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"

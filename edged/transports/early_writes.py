@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edged.errors import EdgedError
 from edged.handoff import to_loop
+from edged.tensors import is_bytes
 from edged.transports.shm import Region
 
 # (region, position in its object, bytes): the kernel's write to a region that is not mapped.
@@ -55,7 +57,7 @@ class EarlyWrites:
         # Per output bound for shared memory, in the request's order: its destination (None: left
         # to the encoder), then what the worker did: bytes written, or the error of its write.
         self._targets = list(targets)
-        self._asked = [None if t is None else (t.region_name, t.offset) for t in self._targets]
+        self._asked = [None if t is None else (t.region_name, t.offset, t.region) for t in self._targets]
         self._done: list[int | BaseException | None] = [None] * len(self._targets)
         self._next = 0  # the encoder's next claim
 
@@ -73,7 +75,9 @@ class EarlyWrites:
             self._state = _WRITING
         try:
             for i, target in enumerate(self._targets):
-                if target is not None:
+                # One unregistered since (the client gave it up) is not written; the encoder
+                # finds its name gone, or naming another region, and answers as it always has.
+                if target is not None and not target.region.released:
                     self._done[i] = self._write_one(target, results.get(target.output))
         finally:
             with self._lock:
@@ -84,7 +88,7 @@ class EarlyWrites:
                 to_loop(self._loop, then)
 
     def _write_one(self, target: Target, arr: np.ndarray | None) -> int | BaseException | None:
-        if arr is None or arr.dtype.kind == "O" or arr.nbytes > target.size:
+        if arr is None or is_bytes(arr.dtype) or arr.nbytes > target.size:
             return None  # the encoder serialises a BYTES output, or says what is wrong
         try:
             data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
@@ -94,17 +98,23 @@ class EarlyWrites:
                 self._write(target.region, target.region.offset + target.offset, data)
             return int(data.nbytes)
         except Exception as e:  # raised by the encoder, on the loop, for this output
-            return e
+            return e.with_traceback(None)  # no frame of this thread kept (nor this object, in a cycle)
 
-    def claim(self, region: str, offset: int, size: int) -> bool:
+    def claim(self, region: str, offset: int, size: int, lookup: Callable[[str], Region]) -> bool:
         """The encoder's next output bound for shared memory (the request's order): True when the
-        worker wrote exactly these bytes there; raises the worker's error for it."""
+        worker wrote exactly these bytes into the region the name still stands for (``lookup``,
+        the request's own); raises the worker's error for it."""
         if self._state != _DONE or self._next >= len(self._done):
             return False
         i, self._next = self._next, self._next + 1
-        done = self._done[i]
-        if self._asked[i] != (region, offset):
+        done, asked = self._done[i], self._asked[i]
+        if asked is None or asked[:2] != (region, offset):
             return False
+        try:
+            if lookup(region) is not asked[2]:
+                return False  # registered again meanwhile: the encoder writes the new one
+        except EdgedError:
+            return False  # unregistered meanwhile: the encoder says so
         if isinstance(done, BaseException):
             raise done
         return done == size

@@ -81,7 +81,7 @@ class ShmRequest:
         """Resolver for encode_infer: None for an output the model's worker has written
         (``write_early``), else the mapped bytes of a sealed memfd (written in place), else a
         daemon-owned buffer that ``flush`` writes out."""
-        if self.early is not None and self.early.claim(name, offset, size):
+        if self.early is not None and self.early.claim(name, offset, size, self._lookup):
             return None
         region = self._take(name, offset, size)
         if region.mapping is not None:

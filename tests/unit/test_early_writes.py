@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from edged import encoding
 from edged.encoding import encode_infer_parts
 from edged.errors import BadRequestError, SharedMemoryNotFoundError, SharedMemoryTruncatedError
 from edged.tensors import InferRequest, OutputRequest
@@ -23,7 +24,7 @@ from edged.transports.shm import Region
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create on this platform")
 
-SIZE = 1 << 16
+SIZE = 1 << 20
 
 
 @pytest.fixture
@@ -135,7 +136,6 @@ def test_a_release_during_the_writes_holds_the_regions_until_they_end(
 
     monkeypatch.setattr(shm_io, "_write_all", held_write)
     posix = regions["posix"]
-    posix.released = True  # unregistered meanwhile: the last user closes its descriptor
 
     async def main() -> None:
         shm = shm_io.ShmRequest(lookup(regions), None)
@@ -143,6 +143,7 @@ def test_a_release_during_the_writes_holds_the_regions_until_they_end(
         worker = threading.Thread(target=early.run, args=({"z": np.full(16, 7, np.float32)},))
         worker.start()
         await until(inside.is_set, "the worker's write")
+        posix.released = True  # unregistered meanwhile: the last user closes its descriptor
         shm.release()  # the request gives up while the worker writes
         assert posix.users == 1 and posix.fd >= 0, "the region was let go under a running write"
         go.set()
@@ -223,3 +224,78 @@ def test_a_bytes_output_and_a_run_on_the_loop_are_written_by_the_encoder(regions
     asyncio.run(main())
     assert contents(regions["posix"], 0, 4) == (4).to_bytes(4, "little")  # BYTES: length-prefixed
     assert np.frombuffer(contents(regions["mapped"], 0, 16), np.float32).tolist() == [-3.0] * 4
+
+
+@pytest.mark.parametrize("when", ["before the worker writes", "after the worker wrote"])
+def test_a_region_registered_again_under_its_name_gets_the_answer(regions: dict[str, Region], when: str) -> None:
+    outs = outputs(("y", "posix", 0, 64))
+    req = InferRequest("", {}, outs)
+    y = np.arange(16, dtype=np.float32)
+    fd = os.memfd_create("edged-unit-again", os.MFD_CLOEXEC)
+    os.ftruncate(fd, SIZE)
+    again = Region("posix", "memfd", 0, SIZE, fd, os.getuid(), os.getpid())
+    old = regions["posix"]
+
+    def register_again() -> None:
+        old.released = True
+        regions["posix"] = again
+
+    async def main() -> None:
+        shm = shm_io.ShmRequest(lookup(regions), None)
+        early = shm.write_early(outs)
+        if when == "before the worker writes":
+            register_again()
+        on_a_thread(functools.partial(early.run, {"y": y}))
+        if when == "after the worker wrote":
+            register_again()
+        encode_infer_parts("m", req, {"y": y}, shm.output)
+        await shm.flush()
+        shm.release()
+
+    try:
+        asyncio.run(main())
+        assert contents(again, 0, 64) == y.tobytes(), "the region the name stands for now did not get the answer"
+    finally:
+        regions["posix"] = old
+        os.close(fd)
+
+
+def test_a_region_unregistered_during_the_run_is_not_found(regions: dict[str, Region]) -> None:
+    outs = outputs(("y", "mapped", 0, 64))
+
+    async def main() -> None:
+        shm = shm_io.ShmRequest(lookup(regions), None)
+        early = shm.write_early(outs)
+        gone = regions.pop("mapped")
+        try:
+            gone.released = True
+            on_a_thread(functools.partial(early.run, {"y": np.ones(16, np.float32)}))
+            with pytest.raises(SharedMemoryNotFoundError, match="'mapped' is not registered"):
+                encode_infer_parts("m", InferRequest("", {}, outs), {"y": np.ones(16, np.float32)}, shm.output)
+            assert contents(gone, 0, 64) == bytes(64), "a region given up was written"
+        finally:
+            gone.released = False  # the fixture closes it
+            regions["mapped"] = gone
+        shm.release()
+
+    asyncio.run(main())
+
+
+def test_a_large_answer_with_a_bytes_output_copies_nothing_twice(regions: dict[str, Region]) -> None:
+    big = np.arange(100_000, dtype=np.float32)  # over OFFLOAD_BYTES: the large path
+    words = np.array([b"abcd"], dtype="S4")  # fixed-width bytes: BYTES too, never written raw
+    outs = outputs(("y", "posix", 0, big.nbytes), ("w", "mapped", 0, 64))
+    req = InferRequest("", {}, outs)
+
+    async def main() -> None:
+        shm = shm_io.ShmRequest(lookup(regions), None)
+        early = shm.write_early(outs)
+        results = {"y": big, "w": words}
+        on_a_thread(functools.partial(early.run, results))
+        await encoding.encode_large_async("m", req, results, shm.output, early.complete)
+        assert shm.writes == [], "the worker's write was made again"
+        shm.release()
+
+    asyncio.run(main())
+    assert contents(regions["posix"], 0, big.nbytes) == big.tobytes()
+    assert contents(regions["mapped"], 0, 8) == (4).to_bytes(4, "little") + b"abcd"
