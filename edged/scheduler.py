@@ -25,10 +25,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter_ns
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -46,9 +46,25 @@ log = logging.getLogger(__name__)
 WORKER_THREAD_PREFIX = "edged-worker-"
 
 Tensors = Mapping[str, np.ndarray]
-# A step the worker takes with a request's results right after its run, on its own thread (the
-# outputs bound for shared memory written there: transports/early_writes.py). It must not raise.
-After = Callable[[dict[str, np.ndarray]], None]
+# Expected outputs of a run: name -> (shape, type), as the last run of the same input shapes gave.
+Shapes = Mapping[str, tuple[tuple[int, ...], "np.dtype[Any]"]]
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go from the worker thread (transports/early_writes.py: outputs
+    bound for shared memory). Neither method raises."""
+
+    def bind(self, shapes: Shapes) -> dict[str, np.ndarray]:
+        """Before the run: arrays to run outputs straight into (Instance.infer_into)."""
+        ...
+
+    def run(self, results: Mapping[str, np.ndarray]) -> None:
+        """After the run, on the worker, whenever ``bind`` was called (results empty if it failed)."""
+        ...
+
+
+# Input signatures whose output shapes a queue remembers (for OutputSink.bind); past this, forgotten.
+_SHAPES_KEPT = 64
 
 
 @dataclass(eq=False)
@@ -67,7 +83,7 @@ class _Work:
     enqueued_ns: int = 0
     queue_ns: int = 0
     infer_ns: int = 0
-    after: After | None = None
+    sink: OutputSink | None = None
 
 
 # A finished request: its work item, and its result or its error.
@@ -114,6 +130,8 @@ class ModelQueue:
         # waits for it (a busy worker sends the request to the queue instead).
         self._inline_lock = threading.Lock()
         self.workers = [WorkerState(f"{model}#{i}") for i in range(len(self._instances))]
+        # Output shapes per input signature, learnt from runs with an OutputSink (its ``bind``).
+        self._out_shapes: dict[tuple[tuple[str, tuple[int, ...], str], ...], Shapes] = {}
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle ---
@@ -193,9 +211,9 @@ class ModelQueue:
         timeout: float,
         request_id: str = "",
         stats: ModelStatistics | None = None,
-        after: After | None = None,
+        sink: OutputSink | None = None,
     ) -> dict[str, np.ndarray]:
-        """``after``: the worker's step with the results (not taken by a run made here, on the loop)."""
+        """``sink``: where the worker puts the outputs (not used by a run made here, on the loop)."""
         out = self.run_now(inputs, stats)
         if out is not None:
             return out
@@ -205,7 +223,7 @@ class ModelQueue:
             raise BusyError(f"model '{self.model}' queue is full ({self.depth} requests)")
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
         work = _Work(
-            inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns(), after=after
+            inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns(), sink=sink
         )
         if self.max_batch > 1:
             work.signature = tuple((k, v.shape[1:], v.dtype.str) for k, v in inputs.items())
@@ -328,13 +346,9 @@ class ModelQueue:
         """The batch's results, and the time spent joining its inputs, running the backend and
         splitting its outputs (None when it failed)."""
         try:
-            t0 = perf_counter_ns()
             if len(batch) == 1:
-                out = inst.infer(batch[0].inputs, checked=True)
-                batch[0].infer_ns = ran = perf_counter_ns() - t0
-                if batch[0].after is not None:
-                    batch[0].after(out)
-                return [(batch[0], out, None)], (batch[0].rows, 0, ran, 0)
+                return self._run_one(inst, batch[0])
+            t0 = perf_counter_ns()
             names = list(batch[0].inputs)
             joined = {n: np.concatenate([w.inputs[n] for w in batch]) for n in names}
             t1 = perf_counter_ns()
@@ -346,8 +360,8 @@ class ModelQueue:
                 end = start + w.rows
                 w.infer_ns = t2 - t1
                 mine = {k: v[start:end] for k, v in out.items()}
-                if w.after is not None:
-                    w.after(mine)
+                if w.sink is not None:
+                    w.sink.run(mine)
                 results.append((w, mine, None))
                 start = end
             return results, (start, t1 - t0, t2 - t1, perf_counter_ns() - t2)
@@ -356,6 +370,44 @@ class ModelQueue:
         except Exception as e:  # never let one request kill a worker
             log.exception("worker failed", extra={"model": self.model})
             return [(w, None, e) for w in batch], None
+
+    def _run_one(self, inst: Instance, w: _Work) -> tuple[list[_Done], _Timing | None]:
+        sink = w.sink
+        into = sink.bind(self._out_shapes.get(_signature(w.inputs), {})) if sink is not None and inst.runs_into else {}
+        t0 = perf_counter_ns()
+        try:
+            out = self._run_into(inst, w.inputs, into) if into else inst.infer(w.inputs, checked=True)
+        except BaseException:
+            if sink is not None:
+                sink.run({})  # the regions it held for the run are let go
+            raise
+        w.infer_ns = ran = perf_counter_ns() - t0
+        if sink is not None:
+            self._learn(w.inputs, out)
+            sink.run(out)
+        return [(w, out, None)], (w.rows, 0, ran, 0)
+
+    def _run_into(self, inst: Instance, inputs: Tensors, into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            return inst.infer_into(inputs, into)
+        except Exception as e:
+            out = inst.infer(inputs, checked=True)  # raises again for a request the model cannot run
+            # It runs, but not into arrays of the shapes the last run of these inputs gave: the
+            # model's output shapes depend on more than its input shapes. No more guesses.
+            # Its text only: the error's frames hold the arrays over a client's mapping.
+            log.warning(
+                "outputs are copied from now on: a run into them failed (%s)", str(e), extra={"model": self.model}
+            )
+            inst.runs_into = False
+            return out
+
+    def _learn(self, inputs: Tensors, out: Mapping[str, np.ndarray]) -> None:
+        key = _signature(inputs)
+        if key in self._out_shapes:
+            return
+        if len(self._out_shapes) >= _SHAPES_KEPT:
+            self._out_shapes.clear()
+        self._out_shapes[key] = {n: (a.shape, a.dtype) for n, a in out.items() if not is_bytes(a.dtype)}
 
     def _resolve(self, w: _Work, result: dict[str, np.ndarray] | None, err: BaseException | None) -> None:
         self._resolve_all([(w, result, err)])
@@ -387,6 +439,10 @@ class ModelQueue:
 
     def batch_stats(self) -> dict[str, int]:
         return {"batches": sum(w.batches for w in self.workers), "rows": sum(w.rows for w in self.workers)}
+
+
+def _signature(inputs: Tensors) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    return tuple((name, arr.shape, arr.dtype.str) for name, arr in inputs.items())
 
 
 def _expire(work: _Work) -> None:

@@ -38,7 +38,7 @@ from edged.protocol import (
     v2_datatype,
 )
 from edged.registry import ModelRuntime, Registry
-from edged.scheduler import After, ModelQueue, elements_of
+from edged.scheduler import ModelQueue, OutputSink, elements_of
 from edged.states import READY, ModelState
 from edged.stats import ModelStatistics, Statistics
 from edged.tensors import is_bytes
@@ -205,12 +205,12 @@ class Service:
         transport: str = "http",
         received_ns: int = 0,
         tried_now: bool = False,
-        after: After | None = None,
+        sink: OutputSink | None = None,
     ) -> dict[str, np.ndarray]:
         """``received_ns``: when the transport took the request (perf_counter_ns), so its
         decoding counts in the statistics; 0 when there was nothing to decode. ``tried_now``:
-        the caller has just had None from ``infer_now`` for it (not tried again). ``after``: the
-        model's worker's step with the results (ModelQueue.submit)."""
+        the caller has just had None from ``infer_now`` for it (not tried again). ``sink``: where
+        the model's worker puts the outputs (ModelQueue.submit)."""
         rt = self.registry.models.get(name)
         if rt is not None and not tried_now and rt.queue is not None and rt.queue.inline:
             now = self.infer_now(rt, self.plan_for(rt), inputs, request_id, transport, received_ns)
@@ -229,7 +229,7 @@ class Service:
             assert plan.rules is not None  # READY with a queue: loaded
             plan.rules.check(inputs)  # the one check of this request's tensors
             rt.last_used = time.monotonic()
-            out = await queue.submit(inputs, plan.timeout_s, request_id, stats, after)
+            out = await queue.submit(inputs, plan.timeout_s, request_id, stats, sink)
         except Exception as e:
             self._failed(name, transport, e, stats, received_ns or entered, entered, request_id)
             raise

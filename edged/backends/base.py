@@ -90,6 +90,29 @@ class Instance(abc.ABC):
     @abc.abstractmethod
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
+    # Whether ``infer_into`` runs outputs straight into the caller's arrays.
+    runs_into: bool = False
+
+    def infer_into(self, inputs: Mapping[str, np.ndarray], into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one checked request with the outputs named in ``into`` computed straight into those
+        arrays (of the shapes and types the run gives them), returned as the results themselves;
+        a backend that cannot (``runs_into`` False) runs as ``infer`` and the caller copies.
+        Raises, with nothing else changed, when a shape was not the run's (the caller runs
+        again without ``into``)."""
+        if not self.runs_into:
+            return self.infer(inputs, checked=True)
+        try:
+            return self._infer_into_impl(inputs, into)
+        except EdgedError:
+            raise
+        except Exception as e:
+            raise BackendError(f"{self.backend.name} failed to run: {e}") from e
+
+    def _infer_into_impl(
+        self, inputs: Mapping[str, np.ndarray], into: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
 
 class Backend(abc.ABC):
     """A model loaded by one backend. Subclasses set ``name`` and implement the ``_impl`` parts."""

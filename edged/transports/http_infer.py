@@ -100,7 +100,7 @@ class InferRoute:
                     req.id,
                     received_ns=received,
                     tried_now=not waited,
-                    after=None if early is None else early.run,
+                    sink=early,
                 )
             answer = self._encode(name, req, outputs, shm, received)
             return answer if isinstance(answer, tuple) else await answer()

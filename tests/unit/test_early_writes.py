@@ -10,14 +10,19 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from edged import encoding
+from edged.backends.base import Instance, LoadOptions
+from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.encoding import encode_infer_parts
 from edged.errors import BadRequestError, SharedMemoryNotFoundError, SharedMemoryTruncatedError
+from edged.scheduler import ModelQueue
 from edged.tensors import InferRequest, OutputRequest
 from edged.transports import shm_io
 from edged.transports.shm import Region
@@ -299,3 +304,77 @@ def test_a_large_answer_with_a_bytes_output_copies_nothing_twice(regions: dict[s
     asyncio.run(main())
     assert contents(regions["posix"], 0, big.nbytes) == big.tobytes()
     assert contents(regions["mapped"], 0, 8) == (4).to_bytes(4, "little") + b"abcd"
+
+
+def test_a_large_output_is_run_straight_into_its_mapped_region(regions: dict[str, Region], model_dir: Path) -> None:
+    # The tiny MLP on 16384 rows: 256 KiB of output, the size from which it is bound.
+    backend = OnnxRuntimeBackend(model_dir / "tiny.onnx", LoadOptions(threads=1))
+    backend.load()
+    x = np.random.default_rng(5).standard_normal((16384, 16)).astype(np.float32)
+    want = backend.instance().infer({"x": x})["probs"]
+    outs = outputs(("probs", "mapped", 4096, want.nbytes))
+    mapping = regions["mapped"].mapping
+    assert mapping is not None
+    start = np.frombuffer(mapping, np.uint8).ctypes.data
+
+    async def main() -> list[bool]:
+        q = ModelQueue("tiny", [backend.instance()], asyncio.get_running_loop(), depth=4)
+        q.start()
+        in_place = []
+        for _ in range(3):  # the first run learns the output's shape, the next ones bind it
+            shm = shm_io.ShmRequest(lookup(regions), None)
+            early = shm.write_early(outs)
+            out = await q.submit({"x": x}, 10, sink=early)
+            in_place.append(start <= out["probs"].ctypes.data < start + SIZE)
+            assert early.complete
+            parts, _ = encode_infer_parts("tiny", InferRequest("", {}, outs), out, shm.output)
+            assert shm.writes == [] and b"262144" in b"".join(bytes(p) for p in parts)
+            np.testing.assert_array_equal(out["probs"], want)
+            shm.release()
+        q.close()
+        return in_place
+
+    assert asyncio.run(main()) == [False, True, True]
+    assert contents(regions["mapped"], 4096, want.nbytes) == want.tobytes()
+
+
+class WrongShapesInstance(Instance):
+    """Gives its output a shape other than the last run's on every call (pure logic): as a model
+    whose output shape depends on its values does."""
+
+    runs_into = True
+
+    def __init__(self) -> None:
+        self.backend = SimpleNamespace(name="fake")  # type: ignore[assignment]
+        self.calls = 0
+        self.into_calls = 0
+
+    def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.calls += 1
+        return {"y": np.full((70_000 + self.calls,), 1, np.float32)}
+
+    def _infer_into_impl(
+        self, inputs: Mapping[str, np.ndarray], into: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        self.into_calls += 1
+        raise RuntimeError("the computed output shape is not the one provided")
+
+
+def test_a_model_whose_outputs_do_not_keep_their_shapes_is_copied_from_then_on(regions: dict[str, Region]) -> None:
+    inst = WrongShapesInstance()
+    outs = outputs(("y", "mapped", 0, SIZE))
+
+    async def main() -> None:
+        q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=4)
+        q.start()
+        for _ in range(3):
+            shm = shm_io.ShmRequest(lookup(regions), None)
+            early = shm.write_early(outs)
+            out = await q.submit({"x": np.ones(1, np.float32)}, 10, sink=early)
+            assert early.complete and out["y"].shape == (70_000 + inst.calls,)
+            shm.release()
+        q.close()
+
+    asyncio.run(main())
+    assert inst.into_calls == 1 and not inst.runs_into, "the failed guess was not given up"
+    assert inst.calls == 3  # the failed run into the region was made again, as a run alone

@@ -7,7 +7,7 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -343,30 +343,45 @@ def test_a_run_that_ends_after_the_loop_closed_drops_its_answer_quietly() -> Non
     assert inst.batches == [1]
 
 
-def test_the_workers_step_after_a_run_gets_that_requests_results_on_the_worker() -> None:
-    inst = ThreadRecordingInstance()
-    loop_thread = threading.get_ident()
-    seen: list[tuple[int, dict[str, np.ndarray]]] = []
+class RecordingSink:
+    """An OutputSink that records where and with what the worker called it (pure logic)."""
 
-    def step(results: dict[str, np.ndarray]) -> None:
-        seen.append((threading.get_ident(), results))
+    def __init__(self, seen: list[tuple[str, int, Mapping[str, np.ndarray]]]) -> None:
+        self.seen = seen
+
+    def bind(self, shapes: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        self.seen.append(("bind", threading.get_ident(), dict(shapes)))
+        return {}
+
+    def run(self, results: Mapping[str, np.ndarray]) -> None:
+        self.seen.append(("run", threading.get_ident(), results))
+
+
+def test_the_workers_sink_gets_that_requests_results_on_the_worker() -> None:
+    inst = ThreadRecordingInstance()
+    inst.runs_into = True
+    loop_thread = threading.get_ident()
+    seen: list[tuple[str, int, Mapping[str, np.ndarray]]] = []
 
     async def main() -> None:
         q = ModelQueue("m", [inst], asyncio.get_running_loop(), depth=8)
         q.start(inline=True, inline_max_elements=4)
-        await q.submit({"x": np.ones((2, 2))}, 10, after=step)  # run on the loop: no worker, no step
+        await q.submit({"x": np.ones((2, 2))}, 10, sink=RecordingSink(seen))  # on the loop: no sink
         assert seen == []
-        out = await q.submit({"x": np.ones((3, 2))}, 10, after=step)
-        assert len(seen) == 1 and seen[0][1] is out
-        assert seen[0][0] == inst.ran_on[-1] != loop_thread
+        out = await q.submit({"x": np.ones((3, 2))}, 10, sink=RecordingSink(seen))
+        assert [s[0] for s in seen] == ["bind", "run"] and seen[1][2] is out
+        assert seen[0][2] == {}, "no shapes known before the first run of these input shapes"
+        assert seen[1][1] == inst.ran_on[-1] != loop_thread
+        await q.submit({"x": np.ones((3, 2))}, 10, sink=RecordingSink(seen))
+        assert seen[2][0] == "bind" and seen[2][2] == {"y": ((3, 2), np.dtype(np.float64))}
         q.close()
 
     run(main())
 
 
-def test_each_request_of_a_batch_gets_its_own_slice_in_the_workers_step() -> None:
+def test_each_request_of_a_batch_gets_its_own_slice_in_its_sink() -> None:
     inst = FakeInstance()
-    seen: dict[int, dict[str, np.ndarray]] = {}
+    seen: dict[int, list[tuple[str, int, Mapping[str, np.ndarray]]]] = {i: [] for i in range(4)}
 
     async def main() -> None:
         q = ModelQueue(
@@ -374,12 +389,8 @@ def test_each_request_of_a_batch_gets_its_own_slice_in_the_workers_step() -> Non
         )
         inst.gate.clear()
         q.start()
-
-        def step_for(i: int) -> Callable[[dict[str, np.ndarray]], None]:
-            return lambda results: seen.__setitem__(i, results)
-
         tasks = [
-            asyncio.ensure_future(q.submit({"x": np.full((1, 2), i, np.float32)}, 10, after=step_for(i)))
+            asyncio.ensure_future(q.submit({"x": np.full((1, 2), i, np.float32)}, 10, sink=RecordingSink(seen[i])))
             for i in range(4)
         ]
         while q.backlog < 4:
@@ -389,6 +400,7 @@ def test_each_request_of_a_batch_gets_its_own_slice_in_the_workers_step() -> Non
         q.close()
         assert max(inst.batches) > 1, "the requests were not batched"
         for i, out in enumerate(outs):
-            assert seen[i] is out and seen[i]["y"].tolist() == [[2.0 * i, 2.0 * i]]
+            ((kind, _, results),) = seen[i]  # a batch is never run into a request's arrays
+            assert kind == "run" and results is out and out["y"].tolist() == [[2.0 * i, 2.0 * i]]
 
     run(main())
