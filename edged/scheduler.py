@@ -54,7 +54,7 @@ class OutputSink(Protocol):
     """Where a request's outputs go from the worker thread (transports/early_writes.py: outputs
     bound for shared memory). Neither method raises."""
 
-    def bind(self, shapes: Shapes) -> dict[str, np.ndarray]:
+    def bind(self, shapes: Shapes, inputs: Tensors) -> dict[str, np.ndarray]:
         """Before the run: arrays to run outputs straight into (Instance.infer_into)."""
         ...
 
@@ -373,7 +373,11 @@ class ModelQueue:
 
     def _run_one(self, inst: Instance, w: _Work) -> tuple[list[_Done], _Timing | None]:
         sink = w.sink
-        into = sink.bind(self._out_shapes.get(_signature(w.inputs), {})) if sink is not None and inst.runs_into else {}
+        into = (
+            sink.bind(self._out_shapes.get(_signature(w.inputs), {}), w.inputs)
+            if sink is not None and inst.runs_into
+            else {}
+        )
         t0 = perf_counter_ns()
         try:
             out = self._run_into(inst, w.inputs, into) if into else inst.infer(w.inputs, checked=True)

@@ -73,10 +73,14 @@ class EarlyWrites:
         """Every output bound for shared memory is written (the encoder has nothing to copy)."""
         return self._state == _DONE and all(isinstance(d, int) for d in self._done)
 
-    def bind(self, shapes: Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> dict[str, np.ndarray]:
+    def bind(
+        self, shapes: Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]], inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         """On the worker thread, before the run: arrays over the mapped destinations of outputs
         of at least BIND_BYTES whose shape and type the model is expected to give (``shapes``),
         for the backend to run its answer straight into (Instance.infer_into): no copy at all.
+        Never over bytes an input lies in, or another bound output: the run would read what it
+        had just written (written after the run instead, they overlap as the client asked).
         The regions are held from here until ``run`` (called whether or not the run succeeds)."""
         into: dict[str, np.ndarray] = {}
         with self._lock:
@@ -91,7 +95,9 @@ class EarlyWrites:
             nbytes = math.prod(shape) * dtype.itemsize
             if BIND_BYTES <= nbytes <= target.size and target.output not in into:
                 arr = np.frombuffer(target.view, dtype, math.prod(shape)).reshape(shape)
-                if arr.ctypes.data % 64 == 0:  # aligned as the backend's own buffers are
+                others = [*inputs.values(), *into.values()]
+                # Aligned as the backend's own buffers are; overlapping nothing it reads or writes.
+                if arr.ctypes.data % 64 == 0 and not any(np.may_share_memory(arr, o) for o in others):
                     into[target.output] = arr
         with self._lock:
             if into or self._then is not None:

@@ -29,7 +29,7 @@ from edged.transports.shm import Region
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create on this platform")
 
-SIZE = 1 << 20
+SIZE = 1 << 22
 
 
 @pytest.fixture
@@ -335,6 +335,35 @@ def test_a_large_output_is_run_straight_into_its_mapped_region(regions: dict[str
         return in_place
 
     assert asyncio.run(main()) == [False, True, True]
+    assert contents(regions["mapped"], 4096, want.nbytes) == want.tobytes()
+
+
+def test_an_output_over_its_own_input_is_not_run_into(regions: dict[str, Region], model_dir: Path) -> None:
+    # The client put the answer where its frame lies: the run must not overwrite what it reads.
+    backend = OnnxRuntimeBackend(model_dir / "tiny.onnx", LoadOptions(threads=1))
+    backend.load()
+    x = np.random.default_rng(6).standard_normal((16384, 16)).astype(np.float32)
+    want = backend.instance().infer({"x": x})["probs"]
+    mapping = regions["mapped"].mapping
+    assert mapping is not None
+    frame = np.frombuffer(mapping, np.float32, x.size).reshape(x.shape)
+    outs = outputs(("probs", "mapped", 4096, want.nbytes))
+
+    async def main() -> None:
+        q = ModelQueue("tiny", [backend.instance()], asyncio.get_running_loop(), depth=4)
+        q.start()
+        for _ in range(3):
+            frame[:] = x
+            shm = shm_io.ShmRequest(lookup(regions), None)
+            early = shm.write_early(outs)
+            out = await q.submit({"x": frame}, 10, sink=early)
+            assert not np.may_share_memory(out["probs"], frame), "run into the bytes of its own input"
+            np.testing.assert_array_equal(out["probs"], want)
+            encode_infer_parts("tiny", InferRequest("", {}, outs), out, shm.output)
+            shm.release()
+        q.close()
+
+    asyncio.run(main())
     assert contents(regions["mapped"], 4096, want.nbytes) == want.tobytes()
 
 

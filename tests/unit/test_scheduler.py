@@ -349,7 +349,7 @@ class RecordingSink:
     def __init__(self, seen: list[tuple[str, int, Mapping[str, np.ndarray]]]) -> None:
         self.seen = seen
 
-    def bind(self, shapes: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def bind(self, shapes: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.seen.append(("bind", threading.get_ident(), dict(shapes)))
         return {}
 
