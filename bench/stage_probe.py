@@ -128,6 +128,7 @@ def install() -> None:
     _wrap_sync(shm_io, "_read_all", "read_copy", _latest)
     _wrap_sync(shm_io, "_write_all", "write_copy", _latest)
     _wrap_sync(ort_backend._OrtInstance, "_infer_impl", "run", _latest)
+    _wrap_sync(ort_backend._OrtInstance, "_infer_into_impl", "run", _latest)  # run into a mapped region
     atexit.register(_dump)
 
 
