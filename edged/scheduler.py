@@ -373,15 +373,14 @@ class ModelQueue:
 
     def _run_one(self, inst: Instance, w: _Work) -> tuple[list[_Done], _Timing | None]:
         sink = w.sink
-        into = (
-            sink.bind(self._out_shapes.get(_signature(w.inputs), {}), w.inputs)
-            if sink is not None and inst.runs_into
-            else {}
-        )
+        into: dict[str, np.ndarray] = {}
         t0 = perf_counter_ns()
         try:
+            if sink is not None and inst.runs_into:
+                into = sink.bind(self._out_shapes.get(_signature(w.inputs), {}), w.inputs)
             out = self._run_into(inst, w.inputs, into) if into else inst.infer(w.inputs, checked=True)
         except BaseException:
+            into.clear()  # no array over a client's mapping kept by the error's frames
             if sink is not None:
                 sink.run({})  # the regions it held for the run are let go
             raise
@@ -395,15 +394,13 @@ class ModelQueue:
         try:
             return inst.infer_into(inputs, into)
         except Exception as e:
-            out = inst.infer(inputs, checked=True)  # raises again for a request the model cannot run
-            # It runs, but not into arrays of the shapes the last run of these inputs gave: the
-            # model's output shapes depend on more than its input shapes. No more guesses.
-            # Its text only: the error's frames hold the arrays over a client's mapping.
-            log.warning(
-                "outputs are copied from now on: a run into them failed (%s)", str(e), extra={"model": self.model}
-            )
-            inst.runs_into = False
-            return out
+            failure = str(e)  # its text only: the error's frames hold the arrays over a client's mapping
+        out = inst.infer(inputs, checked=True)  # raises again for a request the model cannot run
+        # It runs, but not into arrays of the shapes the last run of these inputs gave: the
+        # model's output shapes depend on more than its input shapes. No more guesses.
+        log.warning("outputs are copied from now on: a run into them failed (%s)", failure, extra={"model": self.model})
+        inst.runs_into = False
+        return out
 
     def _learn(self, inputs: Tensors, out: Mapping[str, np.ndarray]) -> None:
         key = _signature(inputs)

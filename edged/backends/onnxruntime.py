@@ -165,7 +165,12 @@ class _OrtInstance(Instance):
                 binding.bind_output(name, "cpu", 0, dest.dtype, list(dest.shape), dest.ctypes.data)
         self._session.run_with_iobinding(binding)
         values = binding.get_outputs()
-        return {name: into[name] if name in into else values[i].numpy() for i, name in enumerate(self._names)}
+        # An output that is also an input (passed through) is handed back where the input lies,
+        # the bound array untouched: such a one is returned as ONNX Runtime gives it, and copied.
+        return {
+            name: into[name] if name in into and values[i].data_ptr() == into[name].ctypes.data else values[i].numpy()
+            for i, name in enumerate(self._names)
+        }
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = dict(inputs)

@@ -51,6 +51,7 @@ class Target:
     size: int  # the bytes the request gave it
     region: Region
     view: memoryview | None  # the mapped bytes of a sealed memfd; None: written with ``Writer``
+    bindable: bool = True  # no input of the request lies in these bytes (a run may write them)
 
 
 class EarlyWrites:
@@ -67,6 +68,7 @@ class EarlyWrites:
         self._done: list[int | BaseException | None] = [None] * len(self._targets)
         self._next = 0  # the encoder's next claim
         self._bound: dict[str, np.ndarray] | None = None  # the arrays ``bind`` gave the run
+        self._settled: asyncio.Future[None] | None = None  # ``settled``'s, set when the writes end
 
     @property
     def complete(self) -> bool:
@@ -89,7 +91,9 @@ class EarlyWrites:
             self._state = _WRITING  # a mapping a run writes into is never unmapped under it
         for target in self._targets:
             shape_type = None if target is None else shapes.get(target.output)
-            if target is None or target.view is None or shape_type is None or target.region.released:
+            if target is None or target.view is None or not target.bindable or shape_type is None:
+                continue
+            if target.region.released:
                 continue
             shape, dtype = shape_type
             nbytes = math.prod(shape) * dtype.itemsize
@@ -124,8 +128,11 @@ class EarlyWrites:
                 self._state = _DONE
                 then, self._then = self._then, None
                 self._targets, self._bound = [], {}  # no view of a mapping kept past the writes
+                settled = self._settled
             if then is not None:
                 to_loop(self._loop, then)
+            if settled is not None:
+                to_loop(self._loop, _set, settled)
 
     def _write_one(self, target: Target, arr: np.ndarray | None) -> int | BaseException | None:
         if arr is None or is_bytes(arr.dtype) or arr.nbytes > target.size:
@@ -161,6 +168,18 @@ class EarlyWrites:
             raise done
         return done == size
 
+    def settled(self) -> asyncio.Future[None] | None:
+        """On the loop: a future done when the worker's writes end, or None when none are under
+        way. A request that fails while its run writes into its region (a deadline) answers
+        once the run is over, so a client that reuses the region for its next request never has
+        this one's answer land on top of the next one's."""
+        with self._lock:
+            if self._state != _WRITING:
+                return None
+            if self._settled is None:
+                self._settled = self._loop.create_future()
+            return self._settled
+
     def drop(self, then: Callable[[], None]) -> bool:
         """On the loop, as the request releases its regions: True when it may (the worker has not
         begun writing, and now never will, or has finished); False while it writes, ``then``
@@ -173,3 +192,8 @@ class EarlyWrites:
                 self._state = _DROPPED
                 self._targets = []
             return True
+
+
+def _set(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -92,20 +92,27 @@ class InferRoute:
             # At once where it can (an inline model, the runtime and plan of this very moment).
             outputs = None if waited else svc.infer_now(rt, plan, req.inputs, req.id, "http", received, req.shapes)
             if outputs is None:
-                # Outputs bound for shared memory are written by the model's worker, after its run.
-                early = shm.request().write_early(req.outputs) if req.outputs and _to_shm(req) else None
-                outputs = await svc.infer(
-                    name,
-                    req.inputs,
-                    req.id,
-                    received_ns=received,
-                    tried_now=not waited,
-                    sink=early,
-                )
+                outputs = await self._infer(name, req, shm, received, tried_now=not waited)
             answer = self._encode(name, req, outputs, shm, received)
             return answer if isinstance(answer, tuple) else await answer()
         finally:
             shm.release()
+
+    async def _infer(
+        self, name: str, req: InferRequest, shm: _LazyShm, received: int, tried_now: bool
+    ) -> dict[str, np.ndarray]:
+        """``Service.infer``, with the outputs bound for shared memory written by the model's
+        worker right after its run (or by the run itself: transports/early_writes.py)."""
+        early = shm.request().write_early(req.outputs) if req.outputs and _to_shm(req) else None
+        try:
+            return await self.service.infer(
+                name, req.inputs, req.id, received_ns=received, tried_now=tried_now, sink=early
+            )
+        except EdgedError:
+            settled = None if early is None else early.settled()
+            if settled is not None:
+                await settled  # the run still writes into the region: answered once it is over
+            raise
 
     def inline(self, name: str) -> bool:
         """Whether ``name`` is a model that runs inline, served now (what ``now`` answers)."""

@@ -87,6 +87,8 @@ class Region:
     mapping: mmap.mmap | None = None
     writable: bool = True
     allocated: bool = False  # every page of it allocated by the client (populating charges it nothing)
+    # A mapped memfd's object (device, inode): one registered under two names is mapped twice.
+    file: tuple[int, int] | None = None
 
     def status(self, with_owner: bool = False) -> dict[str, object]:
         doc: dict[str, object] = {
@@ -164,6 +166,7 @@ class SharedMemoryRegistry:
 
         def mapped(p: Peer) -> Region:
             s = map_sealed(fd, seals, offset, byte_size)
+            st = os.fstat(fd)
             return Region(
                 name,
                 MEMFD_KEY,
@@ -175,6 +178,7 @@ class SharedMemoryRegistry:
                 mapping=s.mapping,
                 writable=s.writable,
                 allocated=s.allocated,
+                file=(st.st_dev, st.st_ino),
             )
 
         return self._add(peer, name, byte_size, mapped)

@@ -53,6 +53,7 @@ class ShmRequest:
         self._held: list[Region] = []
         self._busy: asyncio.Future[None] | None = None  # a thread still copying
         self.early: EarlyWrites | None = None  # outputs the model's worker writes (``write_early``)
+        self._mapped_inputs: list[tuple[Region, int, int]] = []  # (region, position, bytes) read in place
 
     def _take(self, name: str, offset: int, size: int) -> Region:
         region = self._lookup(name)
@@ -71,6 +72,7 @@ class ShmRequest:
         region = self._take(name, offset, size)
         if region.mapping is not None:
             start = region.offset + offset
+            self._mapped_inputs.append((region, start, size))
             # Read-only: nothing in the daemon may write a client's input back into its memory.
             return memoryview(region.mapping)[start : start + size].toreadonly()
         buf = np.empty(size, np.uint8)
@@ -115,9 +117,18 @@ class ShmRequest:
             region = self._take(out.shm_region, out.shm_offset, out.shm_size)
             start = region.offset + out.shm_offset
             view = None if region.mapping is None else memoryview(region.mapping)[start : start + out.shm_size]
-            targets.append(Target(out.name, out.shm_region, out.shm_offset, out.shm_size, region, view))
+            over_input = view is not None and self._under_inputs(region, start, out.shm_size)
+            targets.append(Target(out.name, out.shm_region, out.shm_offset, out.shm_size, region, view, not over_input))
         self.early = EarlyWrites(asyncio.get_running_loop(), targets, _write_all)
         return self.early
+
+    def _under_inputs(self, region: Region, start: int, size: int) -> bool:
+        """Whether bytes of this region's object (one registered under two names is mapped twice,
+        at two addresses) hold an input read in place: a run must not write where it reads."""
+        return any(
+            (other is region or other.file == region.file) and at < start + size and start < at + n
+            for other, at, n in self._mapped_inputs
+        )
 
     async def fill(self) -> None:
         await self._run(self.reads, _read_all)

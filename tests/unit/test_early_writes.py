@@ -332,6 +332,7 @@ def test_a_large_output_is_run_straight_into_its_mapped_region(regions: dict[str
             np.testing.assert_array_equal(out["probs"], want)
             shm.release()
         q.close()
+        q.join(10)  # no worker left holding a view of the mapping the fixture closes
         return in_place
 
     assert asyncio.run(main()) == [False, True, True]
@@ -362,6 +363,7 @@ def test_an_output_over_its_own_input_is_not_run_into(regions: dict[str, Region]
             encode_infer_parts("tiny", InferRequest("", {}, outs), out, shm.output)
             shm.release()
         q.close()
+        q.join(10)  # no worker left holding a view of the mapping the fixture closes
 
     asyncio.run(main())
     assert contents(regions["mapped"], 4096, want.nbytes) == want.tobytes()
@@ -403,7 +405,90 @@ def test_a_model_whose_outputs_do_not_keep_their_shapes_is_copied_from_then_on(r
             assert early.complete and out["y"].shape == (70_000 + inst.calls,)
             shm.release()
         q.close()
+        q.join(10)  # no worker left holding a view of the mapping the fixture closes
 
     asyncio.run(main())
     assert inst.into_calls == 1 and not inst.runs_into, "the failed guess was not given up"
     assert inst.calls == 3  # the failed run into the region was made again, as a run alone
+
+
+def passthrough_model(path: Path) -> Path:
+    """Outputs ``x`` (its own input, passed through) and ``y = relu(x)``, any number of rows."""
+    from onnx import TensorProto, helper, save
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "passthrough", [x], [x, y])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_an_output_passed_through_from_an_input_is_copied_not_taken_as_written(
+    regions: dict[str, Region], tmp_path: Path
+) -> None:
+    backend = OnnxRuntimeBackend(passthrough_model(tmp_path / "passthrough.onnx"), LoadOptions(threads=1))
+    backend.load()
+    x = np.random.default_rng(7).standard_normal((4096, 16)).astype(np.float32)  # 256 KiB each
+    outs = outputs(("x", "mapped", 0, x.nbytes), ("y", "mapped", x.nbytes, x.nbytes))
+
+    async def main() -> None:
+        q = ModelQueue("p", [backend.instance()], asyncio.get_running_loop(), depth=4)
+        q.start()
+        for i in range(3):  # the second and third bind both outputs
+            shm = shm_io.ShmRequest(lookup(regions), None)
+            early = shm.write_early(outs)
+            out = await q.submit({"x": x * (i + 1)}, 10, sink=early)
+            assert early.complete
+            encode_infer_parts("p", InferRequest("", {}, outs), out, shm.output)
+            shm.release()
+            assert contents(regions["mapped"], 0, x.nbytes) == (x * (i + 1)).tobytes(), f"request {i}"
+            assert contents(regions["mapped"], x.nbytes, x.nbytes) == np.maximum(x * (i + 1), 0).tobytes()
+        q.close()
+        q.join(10)
+
+    asyncio.run(main())
+
+
+def test_a_memfd_registered_twice_is_not_run_into_where_an_input_lies(regions: dict[str, Region]) -> None:
+    # One object under two names: two mappings at two addresses over the same bytes.
+    mapped = regions["mapped"]
+    st = os.fstat(mapped.fd)
+    mapped.file = (st.st_dev, st.st_ino)  # as registration records it
+    fd = os.dup(mapped.fd)
+    twice = Region("twice", "memfd", 0, SIZE, fd, os.getuid(), os.getpid(), file=mapped.file)
+    twice.mapping = mmap.mmap(fd, SIZE)
+    both = {**regions, "twice": twice}
+    try:
+
+        async def main() -> None:
+            shm = shm_io.ShmRequest(lookup(both), None)
+            shm.input("mapped", 0, 1 << 20)
+            early = shm.write_early(outputs(("y", "twice", 4096, 1 << 20), ("z", "twice", 1 << 20, 1 << 20)))
+            shape = ((1 << 18,), np.dtype(np.float32))
+            into = early.bind({"y": shape, "z": shape}, {})
+            assert list(into) == ["z"], "bound over the bytes of an input read through another mapping"
+            early.run({})
+            shm.release()
+
+        asyncio.run(main())
+    finally:
+        twice.mapping.close()
+        os.close(fd)
+
+
+def test_a_request_failing_while_its_run_writes_learns_when_the_writes_end(regions: dict[str, Region]) -> None:
+    async def main() -> None:
+        shm = shm_io.ShmRequest(lookup(regions), None)
+        early = shm.write_early(outputs(("y", "mapped", 0, 1 << 20)))
+        assert early.settled() is None  # nothing under way
+        into = early.bind({"y": ((1 << 18,), np.dtype(np.float32))}, {})
+        settled = early.settled()
+        assert into and settled is not None and not settled.done()
+        worker = threading.Thread(target=early.run, args=({"y": into.pop("y")},))
+        worker.start()
+        await asyncio.wait_for(settled, 10)
+        assert early.settled() is None
+        worker.join(10)
+        shm.release()
+
+    asyncio.run(main())
