@@ -37,14 +37,24 @@ class _WedgeableInstance(Instance):
     def __init__(self, inner: Instance, switch: WedgeSwitch) -> None:
         super().__init__(inner.backend, inner.threads)
         self._inner, self._switch = inner, switch
+        self.runs_into = inner.runs_into
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self._hang()
+        return self._inner._infer_impl(inputs)
+
+    def _infer_into_impl(
+        self, inputs: Mapping[str, np.ndarray], into: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        self._hang()
+        return self._inner._infer_into_impl(inputs, into)
+
+    def _hang(self) -> None:
         # The scheduler's worker threads only, as before: not a tiny model run inline on the event
         # loop (signals, the watchdog and health checks go on, as with a stuck GPU call).
         if self._switch.armed.is_set() and threading.current_thread().name.startswith(WORKER_THREAD_PREFIX):
             while os.path.exists(self._switch.path):
                 time.sleep(0.05)
-        return self._inner._infer_impl(inputs)
 
 
 def wedge_switch_from_env() -> WedgeSwitch | None:

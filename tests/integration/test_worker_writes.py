@@ -4,6 +4,7 @@ outputs into one region, a region too small, and a frame-sized answer, on a real
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,51 @@ def test_a_region_too_small_is_the_same_error_and_writes_nothing(on_worker: tupl
         assert out.read(np.uint8, (64,)).tobytes() == bytes(64)
         status, answer = infer(c, {**doc, "outputs": [to_region("nowhere", 0, 32)]})
         assert status == 400 and "'nowhere' is not registered" in answer["error"], answer
+
+
+def test_a_deadline_during_a_run_into_the_region_is_answered_once_the_run_is_over(
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path, tmp_path: Path
+) -> None:
+    """The run writes the client's region itself (256 KiB of answer): a 504 sent while it still
+    runs would let the client reuse the region and have this answer land on its next one."""
+    wedge = tmp_path / "wedge"
+    d = daemon_factory(
+        {"tiny": {"path": str(model_dir / "tiny.onnx"), "timeout_ms": 300}},
+        {"server": {"inline_threshold_us": 0}},
+        env={"EDGED_TEST_WEDGE": str(wedge)},
+    ).start()
+    rows = 16384
+    xs = [np.full((rows, 16), v, np.float32) for v in (0.1, 0.2, 0.3)]
+    want = [reference(model_dir / "tiny.onnx", x) for x in xs]
+    with d.client() as c:
+        out = c.shm_region("out", rows * 16)
+        assert isinstance(out, MemfdRegion)
+
+        def ask(x: np.ndarray) -> tuple[int, Any]:
+            doc = {
+                "inputs": [c.shm_region("in", x.nbytes).put(x).meta("x")],
+                "outputs": [to_region("out", 0, rows * 16)],
+            }
+            return infer(c, doc)
+
+        assert ask(xs[0])[0] == 200  # the output's shape is learnt: the next runs are run into the region
+        wedge.touch()
+        answered = threading.Event()
+        second: list[tuple[int, Any]] = []
+
+        def send() -> None:
+            second.append(ask(xs[1]))
+            answered.set()
+
+        sender = threading.Thread(target=send)  # the client is used by this thread alone meanwhile
+        sender.start()
+        try:
+            assert not answered.wait(1.5), "the deadline was answered while the run could still write the region"
+        finally:
+            wedge.unlink()
+        assert answered.wait(20)
+        sender.join(10)
+        assert second[0][0] == 504, second
+        np.testing.assert_allclose(out.read(np.float32, (rows, 4)), want[1], rtol=1e-5)  # its run, whole
+        assert ask(xs[2])[0] == 200
+        np.testing.assert_allclose(out.read(np.float32, (rows, 4)), want[2], rtol=1e-5)
