@@ -379,6 +379,8 @@ class ModelQueue:
             if sink is not None and inst.runs_into:
                 into = sink.bind(self._out_shapes.get(_signature(w.inputs), {}), w.inputs)
             out = self._run_into(inst, w.inputs, into) if into else inst.infer(w.inputs, checked=True)
+            if sink is not None:
+                self._learn(w.inputs, out)
         except BaseException:
             into.clear()  # no array over a client's mapping kept by the error's frames
             if sink is not None:
@@ -386,7 +388,6 @@ class ModelQueue:
             raise
         w.infer_ns = ran = perf_counter_ns() - t0
         if sink is not None:
-            self._learn(w.inputs, out)
             sink.run(out)
         return [(w, out, None)], (w.rows, 0, ran, 0)
 

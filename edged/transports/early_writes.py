@@ -108,6 +108,9 @@ class EarlyWrites:
                 self._bound = into
                 return into
             self._state = _NEW  # nothing to bind: the regions are not held through the run
+            settled, self._settled = self._settled, None
+        if settled is not None:  # asked for while binding: nothing is written during the run
+            to_loop(self._loop, _set, settled)
         return into
 
     def run(self, results: Mapping[str, np.ndarray]) -> None:

@@ -103,6 +103,7 @@ class ShmRequest:
         for the size the request gave; one that cannot be (an unknown region, too small, sealed
         against writing) is left to the encoder, which says why as it always has."""
         targets: list[Target | None] = []
+        taken: list[tuple[Region, int, int]] = []  # the mapped bytes of the outputs before this one
         for out in outputs:
             if out.shm_region is None:
                 continue
@@ -117,18 +118,14 @@ class ShmRequest:
             region = self._take(out.shm_region, out.shm_offset, out.shm_size)
             start = region.offset + out.shm_offset
             view = None if region.mapping is None else memoryview(region.mapping)[start : start + out.shm_size]
-            over_input = view is not None and self._under_inputs(region, start, out.shm_size)
-            targets.append(Target(out.name, out.shm_region, out.shm_offset, out.shm_size, region, view, not over_input))
+            # Never run into bytes the run reads: an input's, or another output's (which a later
+            # kernel may read), wherever they are mapped.
+            over = view is not None and _overlaps(region, start, out.shm_size, [*self._mapped_inputs, *taken])
+            if view is not None:
+                taken.append((region, start, out.shm_size))
+            targets.append(Target(out.name, out.shm_region, out.shm_offset, out.shm_size, region, view, not over))
         self.early = EarlyWrites(asyncio.get_running_loop(), targets, _write_all)
         return self.early
-
-    def _under_inputs(self, region: Region, start: int, size: int) -> bool:
-        """Whether bytes of this region's object (one registered under two names is mapped twice,
-        at two addresses) hold an input read in place: a run must not write where it reads."""
-        return any(
-            (other is region or other.file == region.file) and at < start + size and start < at + n
-            for other, at, n in self._mapped_inputs
-        )
 
     async def fill(self) -> None:
         await self._run(self.reads, _read_all)
@@ -170,6 +167,15 @@ class ShmRequest:
             fut.exception()  # retrieved: the request that wanted it is gone
         self._busy = None
         self.release()
+
+
+def _overlaps(region: Region, start: int, size: int, others: list[tuple[Region, int, int]]) -> bool:
+    """Whether bytes of this region's object overlap any of ``others`` (region, position, bytes):
+    one registered under two names is mapped twice, at two addresses (``Region.file``)."""
+    return any(
+        (other is region or other.file == region.file) and at < start + size and start < at + n
+        for other, at, n in others
+    )
 
 
 def _read_all(region: Region, pos: int, buf: np.ndarray) -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from edged.errors import BadRequestError, SharedMemoryNotFoundError, SharedMemor
 from edged.scheduler import ModelQueue
 from edged.tensors import InferRequest, OutputRequest
 from edged.transports import shm_io
+from edged.transports.early_writes import EarlyWrites
 from edged.transports.shm import Region
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create on this platform")
@@ -463,7 +465,7 @@ def test_a_memfd_registered_twice_is_not_run_into_where_an_input_lies(regions: d
         async def main() -> None:
             shm = shm_io.ShmRequest(lookup(both), None)
             shm.input("mapped", 0, 1 << 20)
-            early = shm.write_early(outputs(("y", "twice", 4096, 1 << 20), ("z", "twice", 1 << 20, 1 << 20)))
+            early = shm.write_early(outputs(("y", "twice", 4096, 1 << 20), ("z", "twice", 2 << 20, 1 << 20)))
             shape = ((1 << 18,), np.dtype(np.float32))
             into = early.bind({"y": shape, "z": shape}, {})
             assert list(into) == ["z"], "bound over the bytes of an input read through another mapping"
@@ -492,3 +494,57 @@ def test_a_request_failing_while_its_run_writes_learns_when_the_writes_end(regio
         shm.release()
 
     asyncio.run(main())
+
+
+def test_two_outputs_over_the_same_bytes_through_two_registrations_are_not_both_run_into(
+    regions: dict[str, Region],
+) -> None:
+    # A later kernel may read an earlier output's array: the second is written after the run.
+    mapped = regions["mapped"]
+    st = os.fstat(mapped.fd)
+    mapped.file = (st.st_dev, st.st_ino)
+    fd = os.dup(mapped.fd)
+    twice = Region("twice", "memfd", 0, SIZE, fd, os.getuid(), os.getpid(), file=mapped.file)
+    twice.mapping = mmap.mmap(fd, SIZE)
+    both = {**regions, "twice": twice}
+    try:
+
+        async def main() -> None:
+            shm = shm_io.ShmRequest(lookup(both), None)
+            early = shm.write_early(outputs(("a", "mapped", 0, 1 << 20), ("b", "twice", 4096, 1 << 20)))
+            shape = ((1 << 18,), np.dtype(np.float32))
+            assert list(early.bind({"a": shape, "b": shape}, {})) == ["a"]
+            early.run({})
+            shm.release()
+
+        asyncio.run(main())
+    finally:
+        twice.mapping.close()
+        os.close(fd)
+
+
+def test_a_failure_asking_while_nothing_gets_bound_is_not_held_for_the_run(regions: dict[str, Region]) -> None:
+    asked: list[asyncio.Future[None] | None] = []
+    held: list[EarlyWrites] = []
+
+    class AskingShapes(dict[str, tuple[tuple[int, ...], "np.dtype[Any]"]]):
+        """Asks for ``settled`` from inside ``bind``, between its two steps (as a deadline may)."""
+
+        def get(self, key: str, default: Any = None) -> Any:
+            asked.append(held[0].settled())
+            return super().get(key, default)
+
+    async def main() -> None:
+        shm = shm_io.ShmRequest(lookup(regions), None)
+        early = shm.write_early(outputs(("y", "mapped", 0, 1 << 20)))
+        held.append(early)
+        assert early.bind(AskingShapes(y=((16,), np.dtype(np.float32))), {}) == {}  # too small to bind
+        settled = asked[0]
+        assert settled is not None
+        await asyncio.wait_for(settled, 10)  # resolved by bind itself, not by a run
+        shm.release()  # and the worker, when it runs, writes nothing: the request is gone
+        early.run({"y": np.ones(16, np.float32)})
+        assert not early.complete
+
+    asyncio.run(main())
+    assert contents(regions["mapped"], 0, 64) == bytes(64)
