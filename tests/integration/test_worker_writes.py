@@ -54,13 +54,15 @@ def test_a_worker_run_writes_its_answer_into_either_kind_of_region(
     daemon, kind = on_worker
     rng = np.random.default_rng(3)
     with daemon.client() as c:
-        out = c.shm_region("out", 4096)
+        out = c.shm_region("out", 1 << 17)
         assert isinstance(out, kind)
-        for rows in (1, 7, 64):  # 64 rows of 4 floats: 1 KiB at offset 1024
+        # The region's 70000 bytes given (the worker writes outputs that may be that large), of
+        # which up to 64 rows of 4 floats (1 KiB) are used, at offset 1024.
+        for rows in (1, 7, 64):
             x = rng.standard_normal((rows, 16)).astype(np.float32)
             doc = {
                 "inputs": [{"name": "x", "shape": [rows, 16], "datatype": "FP32", "data": x.ravel().tolist()}],
-                "outputs": [to_region("out", 1024, rows * 16)],
+                "outputs": [to_region("out", 1024, 70000)],
             }
             status, answer = infer(c, doc)
             assert status == 200, answer
@@ -74,16 +76,17 @@ def test_a_worker_run_writes_its_answer_into_either_kind_of_region(
 
 def test_a_region_too_small_is_the_same_error_and_writes_nothing(on_worker: tuple[DaemonProcess, type]) -> None:
     with on_worker[0].client() as c:
-        out = c.shm_region("out", 64)
-        x = np.ones((2, 16), np.float32)
+        out = c.shm_region("out", 1 << 17)
+        rows = 8192  # 128 KiB of answer, more than its 70000 bytes
+        x = np.ones((rows, 16), np.float32)
         doc = {
-            "inputs": [{"name": "x", "shape": [2, 16], "datatype": "FP32", "data": x.ravel().tolist()}],
-            "outputs": [to_region("out", 0, 16)],
+            "inputs": [c.shm_region("in", x.nbytes).put(x).meta("x")],
+            "outputs": [to_region("out", 0, 70000)],
         }
         status, answer = infer(c, doc)
-        assert status == 400 and "needs 32 bytes, region 'out' was given 16" in answer["error"], answer
-        assert out.read(np.uint8, (64,)).tobytes() == bytes(64)
-        status, answer = infer(c, {**doc, "outputs": [to_region("nowhere", 0, 32)]})
+        assert status == 400 and "needs 131072 bytes, region 'out' was given 70000" in answer["error"], answer
+        assert out.read(np.uint8, (1 << 17,)).tobytes() == bytes(1 << 17)
+        status, answer = infer(c, {**doc, "outputs": [to_region("nowhere", 0, 1 << 17)]})
         assert status == 400 and "'nowhere' is not registered" in answer["error"], answer
 
 
