@@ -28,13 +28,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
 from edged.handoff import to_loop
+from edged.sinks import OutputShapes, OutputSink, run_into
 from edged.tensors import is_bytes
 
 if TYPE_CHECKING:
@@ -46,25 +47,6 @@ log = logging.getLogger(__name__)
 WORKER_THREAD_PREFIX = "edged-worker-"
 
 Tensors = Mapping[str, np.ndarray]
-# Expected outputs of a run: name -> (shape, type), as the last run of the same input shapes gave.
-Shapes = Mapping[str, tuple[tuple[int, ...], "np.dtype[Any]"]]
-
-
-class OutputSink(Protocol):
-    """Where a request's outputs go from the worker thread (transports/early_writes.py: outputs
-    bound for shared memory). Neither method raises."""
-
-    def bind(self, shapes: Shapes, inputs: Tensors) -> dict[str, np.ndarray]:
-        """Before the run: arrays to run outputs straight into (Instance.infer_into)."""
-        ...
-
-    def run(self, results: Mapping[str, np.ndarray]) -> None:
-        """After the run, on the worker, whenever ``bind`` was called (results empty if it failed)."""
-        ...
-
-
-# Input signatures whose output shapes a queue remembers (for OutputSink.bind); past this, forgotten.
-_SHAPES_KEPT = 64
 
 
 @dataclass(eq=False)
@@ -130,8 +112,7 @@ class ModelQueue:
         # waits for it (a busy worker sends the request to the queue instead).
         self._inline_lock = threading.Lock()
         self.workers = [WorkerState(f"{model}#{i}") for i in range(len(self._instances))]
-        # Output shapes per input signature, learnt from runs with an OutputSink (its ``bind``).
-        self._out_shapes: dict[tuple[tuple[str, tuple[int, ...], str], ...], Shapes] = {}
+        self._shapes = OutputShapes()  # learnt from runs with an OutputSink, for its ``bind``
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle ---
@@ -377,10 +358,10 @@ class ModelQueue:
         t0 = perf_counter_ns()
         try:
             if sink is not None and inst.runs_into:
-                into = sink.bind(self._out_shapes.get(_signature(w.inputs), {}), w.inputs)
-            out = self._run_into(inst, w.inputs, into) if into else inst.infer(w.inputs, checked=True)
+                into = sink.bind(self._shapes.guess(w.inputs), w.inputs)
+            out = run_into(inst, w.inputs, into, self.model) if into else inst.infer(w.inputs, checked=True)
             if sink is not None:
-                self._learn(w.inputs, out)
+                self._shapes.learn(w.inputs, out)
         except BaseException:
             into.clear()  # no array over a client's mapping kept by the error's frames
             if sink is not None:
@@ -390,26 +371,6 @@ class ModelQueue:
         if sink is not None:
             sink.run(out)
         return [(w, out, None)], (w.rows, 0, ran, 0)
-
-    def _run_into(self, inst: Instance, inputs: Tensors, into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        try:
-            return inst.infer_into(inputs, into)
-        except Exception as e:
-            failure = str(e)  # its text only: the error's frames hold the arrays over a client's mapping
-        out = inst.infer(inputs, checked=True)  # raises again for a request the model cannot run
-        # It runs, but not into arrays of the shapes the last run of these inputs gave: the
-        # model's output shapes depend on more than its input shapes. No more guesses.
-        log.warning("outputs are copied from now on: a run into them failed (%s)", failure, extra={"model": self.model})
-        inst.runs_into = False
-        return out
-
-    def _learn(self, inputs: Tensors, out: Mapping[str, np.ndarray]) -> None:
-        key = _signature(inputs)
-        if key in self._out_shapes:
-            return
-        if len(self._out_shapes) >= _SHAPES_KEPT:
-            self._out_shapes.clear()
-        self._out_shapes[key] = {n: (a.shape, a.dtype) for n, a in out.items() if not is_bytes(a.dtype)}
 
     def _resolve(self, w: _Work, result: dict[str, np.ndarray] | None, err: BaseException | None) -> None:
         self._resolve_all([(w, result, err)])
@@ -441,10 +402,6 @@ class ModelQueue:
 
     def batch_stats(self) -> dict[str, int]:
         return {"batches": sum(w.batches for w in self.workers), "rows": sum(w.rows for w in self.workers)}
-
-
-def _signature(inputs: Tensors) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    return tuple((name, arr.shape, arr.dtype.str) for name, arr in inputs.items())
 
 
 def _expire(work: _Work) -> None:

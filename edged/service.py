@@ -38,7 +38,8 @@ from edged.protocol import (
     v2_datatype,
 )
 from edged.registry import ModelRuntime, Registry
-from edged.scheduler import ModelQueue, OutputSink, elements_of
+from edged.scheduler import ModelQueue, elements_of
+from edged.sinks import OutputSink
 from edged.states import READY, ModelState
 from edged.stats import ModelStatistics, Statistics
 from edged.tensors import is_bytes
