@@ -9,7 +9,8 @@ plain slots (no locks, no allocation per request):
 - queue: from the scheduler's queue to a worker taking the request (batching's wait included);
 - compute_infer: the backend's run (for a batch, every request in it adds the batch's run, as
   Triton counts it);
-- compute_output: the transport encoding the outputs (JSON, binary, shared memory writes);
+- compute_output: the transport encoding the outputs (JSON, binary, shared memory writes, those
+  the model's worker made right after the run included);
 - success / fail: the whole request, from the transport taking it to its answer being encoded;
 - batch_stats: per batch size, the model's runs, with joining the requests' inputs into one batch
   and splitting its outputs as that batch's compute_input and compute_output.
@@ -126,10 +127,12 @@ class ModelStatistics:
         self.fail_ns += now_ns - received_ns
         self.last_ns = now_ns
 
-    def encoded(self, ns: int) -> None:
-        """The answer of a successful request was encoded: its output stage, and its total."""
+    def encoded(self, ns: int, written_ns: int = 0) -> None:
+        """The answer of a successful request was encoded: its output stage, and its total.
+        ``written_ns``: outputs the model's worker wrote into shared memory before the loop had
+        the results (in the total already, as the time up to ``succeeded``)."""
         self.output_count += 1
-        self.output_ns += ns
+        self.output_ns += ns + written_ns
         self.success_ns += ns
 
     # --- the wire shape ---
@@ -201,11 +204,12 @@ class Statistics:
             rec = self._add(name)
         return rec if counted() else None
 
-    def encoded(self, name: str, ran_ns: int) -> None:
-        """A transport finished encoding a successful answer that the model produced at ``ran_ns``."""
+    def encoded(self, name: str, ran_ns: int, written_ns: int = 0) -> None:
+        """A transport finished encoding a successful answer that the model produced at ``ran_ns``
+        (``written_ns``: ModelStatistics.encoded)."""
         rec = self._records.get(name)
         if rec is not None and counted():
-            rec.encoded(time.perf_counter_ns() - ran_ns)
+            rec.encoded(time.perf_counter_ns() - ran_ns, written_ns)
 
     def encode_failed(self, name: str, received_ns: int, ran_ns: int) -> None:
         rec = self._records.get(name)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,8 @@ class EarlyWrites:
         self._next = 0  # the encoder's next claim
         self._bound: dict[str, np.ndarray] | None = None  # the arrays ``bind`` gave the run
         self._settled: asyncio.Future[None] | None = None  # ``settled``'s, set when the writes end
+        # How long the worker took to write (the statistics' compute_output, with the encoding).
+        self.written_ns = 0
 
     @property
     def complete(self) -> bool:
@@ -120,6 +123,7 @@ class EarlyWrites:
             if self._state in (_DONE, _DROPPED):
                 return  # released already: the regions may be gone
             self._state = _WRITING
+        began = time.perf_counter_ns()
         try:
             for i, target in enumerate(self._targets):
                 # One unregistered since (the client gave it up) is not written; the encoder
@@ -127,6 +131,7 @@ class EarlyWrites:
                 if target is not None and not target.region.released:
                     self._done[i] = self._write_one(target, results.get(target.output))
         finally:
+            self.written_ns = time.perf_counter_ns() - began
             with self._lock:
                 self._state = _DONE
                 then, self._then = self._then, None

@@ -166,7 +166,7 @@ class InferRoute:
             raise
         if encoded is None or (shm.held is not None and shm.held.writes):
             return functools.partial(self._encode_late, name, req, outputs, shm.take(), received, ran, encoded)
-        self.service.stats.encoded(name, ran)
+        self.service.stats.encoded(name, ran, shm.written_ns())
         return _answer(*encoded)
 
     async def _encode_late(
@@ -187,7 +187,7 @@ class InferRoute:
             except BaseException:
                 self.service.stats.encode_failed(name, received, ran)
                 raise
-            self.service.stats.encoded(name, ran)
+            self.service.stats.encoded(name, ran, shm.written_ns())
             return _answer(answer, header_len)
         finally:
             shm.release()
@@ -252,6 +252,11 @@ class _LazyShm:
 
     def output(self, name: str, offset: int, size: int) -> memoryview | None:
         return self.request().output(name, offset, size)
+
+    def written_ns(self) -> int:
+        """How long the model's worker took writing outputs into shared memory (EarlyWrites)."""
+        early = None if self.held is None else self.held.early
+        return 0 if early is None else early.written_ns
 
     def take(self) -> _LazyShm:
         """A holder of this request's ShmRequest, for the rest of the answer; this one then holds none."""

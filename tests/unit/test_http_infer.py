@@ -4,6 +4,8 @@ while its body is decoded off the loop (a real ONNX Runtime model, a real regist
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -197,3 +199,63 @@ def test_a_header_seen_before_has_its_inputs_checked_once_per_model_plan(
                 rt.queue.close()
 
     asyncio.run(main())
+
+
+def test_outputs_the_worker_writes_into_shared_memory_count_as_compute_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written by the model's worker before the loop has the results, they are still the
+    answer's output stage in Triton's statistics (not the run's, nor nobody's)."""
+    from multiprocessing import shared_memory
+
+    from edged.transports import shm_io
+    from edged.transports.peer import Peer
+
+    real = shm_io._write_all
+
+    def slow_write(region: Any, pos: int, buf: np.ndarray) -> None:
+        time.sleep(0.05)  # a write that takes 50 ms, so that its place in the figures shows
+        real(region, pos, buf)
+
+    monkeypatch.setattr(shm_io, "_write_all", slow_write)
+    segment = shared_memory.SharedMemory(create=True, size=1 << 17)
+
+    async def main() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        reg, svc, rt = inline_service(tmp_path, loop, inline_threshold_us=0)  # run on the worker
+        await reg.load(rt, loop)
+        regions = SharedMemoryRegistry()
+        peer = Peer(os.getpid(), os.getuid(), os.getgid())
+        regions.register(peer, "out", segment.name, 0, 1 << 17)
+        doc = {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}],
+            "outputs": [
+                {"name": "probs", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 70000}}
+            ],
+        }
+        messages = [{"type": "http.request", "body": orjson.dumps(doc), "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0)
+
+        scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": [], "edged.peer": peer}
+        route = InferRoute(svc, regions, 1 << 26)
+        try:
+            status, answer, _ = await route("m", scope, receive)
+            assert status == 200, answer
+        finally:
+            assert rt.queue is not None
+            rt.queue.close()
+            regions.unregister_for(peer, "out")
+        return svc.stats.report("m")["model_stats"][0]["inference_stats"]
+
+    try:
+        figures = asyncio.run(main())
+        assert segment.buf is not None
+        assert np.frombuffer(segment.buf[:16], np.float32).any(), "the answer was not written"
+    finally:
+        segment.close()
+        segment.unlink()
+    assert figures["success"]["count"] == 1
+    assert figures["compute_output"]["ns"] >= 50_000_000, figures
+    assert figures["compute_infer"]["ns"] < 50_000_000, figures  # not counted as the run
