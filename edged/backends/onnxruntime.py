@@ -131,6 +131,12 @@ def _to_bytes(arr: np.ndarray) -> np.ndarray:
     return out
 
 
+# A run into a caller's arrays whose guessed shape missed fails, and is run again plainly: the
+# scheduler logs it once; ONNX Runtime would print its own error line on stderr every time.
+_QUIET = ort.RunOptions()
+_QUIET.log_severity_level = 4
+
+
 class _OrtInstance(Instance):
     runs_into = True
 
@@ -163,7 +169,7 @@ class _OrtInstance(Instance):
                 binding.bind_output(name, "cpu")
             else:
                 binding.bind_output(name, "cpu", 0, dest.dtype, list(dest.shape), dest.ctypes.data)
-        self._session.run_with_iobinding(binding)
+        self._session.run_with_iobinding(binding, _QUIET)
         values = binding.get_outputs()
         # An output that is also an input (passed through) is handed back where the input lies,
         # the bound array untouched: such a one is returned as ONNX Runtime gives it, and copied.

@@ -23,7 +23,7 @@ from edged.backends.base import Instance, LoadOptions
 from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.demo import save_graph
 from edged.encoding import encode_infer_parts
-from edged.errors import BadRequestError, SharedMemoryNotFoundError, SharedMemoryTruncatedError
+from edged.errors import BackendError, BadRequestError, SharedMemoryNotFoundError, SharedMemoryTruncatedError
 from edged.scheduler import ModelQueue
 from edged.tensors import InferRequest, OutputRequest
 from edged.transports import shm_io
@@ -548,3 +548,14 @@ def test_a_failure_asking_while_nothing_gets_bound_is_not_held_for_the_run(regio
 
     asyncio.run(main())
     assert contents(regions["mapped"], 0, 64) == bytes(64)
+
+
+def test_a_missed_shape_is_not_printed_by_onnx_runtime(model_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # The daemon never prints: the miss is the scheduler's one warning, through logging.
+    backend = OnnxRuntimeBackend(model_dir / "tiny.onnx", LoadOptions(threads=1))
+    backend.load()
+    inst = backend.instance()
+    wrong = np.zeros((3, 4), np.float32)  # the run gives (2, 4)
+    with pytest.raises(BackendError, match="shape"):
+        inst.infer_into({"x": np.ones((2, 16), np.float32)}, {"probs": wrong})
+    assert "onnxruntime" not in capfd.readouterr().err
