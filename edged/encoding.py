@@ -69,16 +69,20 @@ def _to_shm(out: OutputRequest, arr: np.ndarray, shm: OutputResolver) -> dict[st
     # A fixed-size output's bytes are made only to be copied (none when the worker wrote them).
     data = np.frombuffer(tensor_bytes(arr), dtype=np.uint8) if is_bytes(arr.dtype) else None
     nbytes = arr.nbytes if data is None else data.nbytes
-    if nbytes > out.shm_size:
-        raise BadRequestError(
-            f"output '{out.name}' needs {nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
-        )
+    _check_fits(out, nbytes)
     dest = shm(out.shm_region, out.shm_offset, nbytes)
     if dest is not None:  # None: the model's worker has written it
         if data is None:
             data = np.frombuffer(tensor_bytes(arr), dtype=np.uint8)
         np.frombuffer(dest, dtype=np.uint8)[:] = data
     return {"shared_memory_region": out.shm_region, "shared_memory_byte_size": nbytes}
+
+
+def _check_fits(out: OutputRequest, nbytes: int) -> None:
+    if nbytes > out.shm_size:
+        raise BadRequestError(
+            f"output '{out.name}' needs {nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
+        )
 
 
 def _json_data(name: str, flat: np.ndarray) -> Any:
@@ -264,10 +268,7 @@ def _resolved_on_the_loop(
     for out in wanted:
         assert out.shm_region is not None
         arr = _output(model, out, results)
-        if arr.nbytes > out.shm_size:  # as _to_shm says it, before the region is touched
-            raise BadRequestError(
-                f"output '{out.name}' needs {arr.nbytes} bytes, region '{out.shm_region}' was given {out.shm_size}"
-            )
+        _check_fits(out, arr.nbytes)  # as _to_shm checks it, before the region is touched
         bufs.append(shm(out.shm_region, out.shm_offset, arr.nbytes))
     taken = iter(bufs)
     return lambda region, offset, size: next(taken)

@@ -35,7 +35,7 @@ import numpy as np
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
 from edged.handoff import to_loop
-from edged.sinks import OutputShapes, OutputSink, run_into
+from edged.sinks import OutputShapes, OutputSink, run_into, signature
 from edged.tensors import is_bytes
 
 if TYPE_CHECKING:
@@ -357,11 +357,13 @@ class ModelQueue:
         into: dict[str, np.ndarray] = {}
         t0 = perf_counter_ns()
         try:
-            if sink is not None and inst.runs_into:
-                into = sink.bind(self._shapes.guess(w.inputs), w.inputs)
+            if sink is not None:
+                key = signature(w.inputs)  # once: the guess before the run, the lesson after it
+                if inst.runs_into:
+                    into = sink.bind(self._shapes.guess(key), w.inputs)
             out = run_into(inst, w.inputs, into, self.model) if into else inst.infer(w.inputs, checked=True)
             if sink is not None:
-                self._shapes.learn(w.inputs, out)
+                self._shapes.learn(key, out)
         except BaseException:
             into.clear()  # no array over a client's mapping kept by the error's frames
             if sink is not None:

@@ -48,11 +48,10 @@ class OutputShapes:
     def __init__(self) -> None:
         self._known: dict[Signature, Shapes] = {}
 
-    def guess(self, inputs: Tensors) -> Shapes:
-        return self._known.get(_signature(inputs), {})
+    def guess(self, key: Signature) -> Shapes:
+        return self._known.get(key, {})
 
-    def learn(self, inputs: Tensors, out: Mapping[str, np.ndarray]) -> None:
-        key = _signature(inputs)
+    def learn(self, key: Signature, out: Mapping[str, np.ndarray]) -> None:
         if key in self._known:
             return
         if len(self._known) >= SHAPES_KEPT:
@@ -75,5 +74,6 @@ def run_into(inst: Instance, inputs: Tensors, into: Mapping[str, np.ndarray], mo
     return out
 
 
-def _signature(inputs: Tensors) -> Signature:
+def signature(inputs: Tensors) -> Signature:
+    """What ``OutputShapes`` knows a run by: its inputs' names, shapes and types."""
     return tuple((name, arr.shape, arr.dtype.str) for name, arr in inputs.items())

@@ -90,7 +90,8 @@ class Instance(abc.ABC):
     @abc.abstractmethod
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
-    # Whether ``infer_into`` runs outputs straight into the caller's arrays.
+    # Whether ``infer_into`` runs outputs straight into the caller's arrays (the scheduler binds
+    # them only then).
     runs_into: bool = False
 
     def infer_into(self, inputs: Mapping[str, np.ndarray], into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -99,8 +100,6 @@ class Instance(abc.ABC):
         a backend that cannot (``runs_into`` False) runs as ``infer`` and the caller copies.
         Raises, with nothing else changed, when a shape was not the run's (the caller runs
         again without ``into``)."""
-        if not self.runs_into:
-            return self.infer(inputs, checked=True)
         try:
             return self._infer_into_impl(inputs, into)
         except EdgedError:
@@ -111,7 +110,7 @@ class Instance(abc.ABC):
     def _infer_into_impl(
         self, inputs: Mapping[str, np.ndarray], into: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        return self._infer_impl(inputs)  # not into them: the caller copies
 
 
 class Backend(abc.ABC):

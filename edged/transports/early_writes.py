@@ -29,7 +29,7 @@ import numpy as np
 
 from edged.errors import EdgedError
 from edged.handoff import to_loop
-from edged.tensors import is_bytes
+from edged.tensors import is_bytes, tensor_bytes
 from edged.transports.shm import Region
 
 # (region, position in its object, bytes): the kernel's write to a region that is not mapped.
@@ -65,7 +65,6 @@ class EarlyWrites:
         # Per output bound for shared memory, in the request's order: its destination (None: left
         # to the encoder), then what the worker did: bytes written, or the error of its write.
         self._targets = list(targets)
-        self._asked = [None if t is None else (t.region_name, t.offset, t.region) for t in self._targets]
         self._done: list[int | BaseException | None] = [None] * len(self._targets)
         self._next = 0  # the encoder's next claim
         self._bound: dict[str, np.ndarray] | None = None  # the arrays ``bind`` gave the run
@@ -99,9 +98,9 @@ class EarlyWrites:
             if target.region.released:
                 continue
             shape, dtype = shape_type
-            nbytes = math.prod(shape) * dtype.itemsize
-            if BIND_BYTES <= nbytes <= target.size and target.output not in into:
-                arr = np.frombuffer(target.view, dtype, math.prod(shape)).reshape(shape)
+            count = math.prod(shape)
+            if BIND_BYTES <= count * dtype.itemsize <= target.size and target.output not in into:
+                arr = np.frombuffer(target.view, dtype, count).reshape(shape)
                 others = [*inputs.values(), *into.values()]
                 # Aligned as the backend's own buffers are; overlapping nothing it reads or writes.
                 if arr.ctypes.data % 64 == 0 and not any(np.may_share_memory(arr, o) for o in others):
@@ -135,7 +134,7 @@ class EarlyWrites:
             with self._lock:
                 self._state = _DONE
                 then, self._then = self._then, None
-                self._targets, self._bound = [], {}  # no view of a mapping kept past the writes
+                self._let_go()
                 settled = self._settled
             if then is not None:
                 to_loop(self._loop, then)
@@ -148,7 +147,7 @@ class EarlyWrites:
         if self._bound and self._bound.get(target.output) is arr:
             return int(arr.nbytes)  # the run wrote it there itself
         try:
-            data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            data = np.frombuffer(tensor_bytes(arr), np.uint8)
             if target.view is not None:
                 np.frombuffer(target.view, np.uint8, data.nbytes)[:] = data
             else:
@@ -164,11 +163,11 @@ class EarlyWrites:
         if self._state != _DONE or self._next >= len(self._done):
             return False
         i, self._next = self._next, self._next + 1
-        done, asked = self._done[i], self._asked[i]
-        if asked is None or asked[:2] != (region, offset):
+        done, target = self._done[i], self._targets[i]
+        if target is None or (target.region_name, target.offset) != (region, offset):
             return False
         try:
-            if lookup(region) is not asked[2]:
+            if lookup(region) is not target.region:
                 return False  # registered again meanwhile: the encoder writes the new one
         except EdgedError:
             return False  # unregistered meanwhile: the encoder says so
@@ -198,8 +197,16 @@ class EarlyWrites:
                 return False
             if self._state == _NEW:
                 self._state = _DROPPED
-                self._targets = []
+                self._let_go()
             return True
+
+    def _let_go(self) -> None:
+        """No view of a client's mapping kept past the writes (an unregistration unmaps it once
+        the last one is gone); what each target was stays, for the encoder's claims."""
+        for target in self._targets:
+            if target is not None:
+                target.view = None
+        self._bound = {}
 
 
 def _set(fut: asyncio.Future[None]) -> None:

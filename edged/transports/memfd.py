@@ -61,12 +61,14 @@ _unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edged-shm-unma
 @dataclass(frozen=True)
 class Sealed:
     """A mapped sealed memfd: ``size`` bytes from offset 0; ``writable`` unless write-sealed;
-    ``allocated`` when the client has allocated every page of the region (fallocate or writes)."""
+    ``allocated`` when the client has allocated every page of the region (fallocate or writes);
+    ``file``: the object's (device, inode)."""
 
     mapping: mmap.mmap
     size: int
     writable: bool
     allocated: bool
+    file: tuple[int, int]
 
 
 def sealable(fd: int) -> int | None:
@@ -107,7 +109,7 @@ def map_sealed(fd: int, seals: int, offset: int, byte_size: int) -> Sealed:
         mapping = mmap.mmap(fd, end, mmap.MAP_SHARED, prot)
     except OSError as e:
         raise SharedMemoryError(f"cannot map the memfd: {e.strerror}") from None
-    return Sealed(mapping, end, writable, st.st_blocks * 512 >= end)
+    return Sealed(mapping, end, writable, st.st_blocks * 512 >= end, (st.st_dev, st.st_ino))
 
 
 @cache

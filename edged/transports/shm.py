@@ -166,7 +166,6 @@ class SharedMemoryRegistry:
 
         def mapped(p: Peer) -> Region:
             s = map_sealed(fd, seals, offset, byte_size)
-            st = os.fstat(fd)
             return Region(
                 name,
                 MEMFD_KEY,
@@ -178,7 +177,7 @@ class SharedMemoryRegistry:
                 mapping=s.mapping,
                 writable=s.writable,
                 allocated=s.allocated,
-                file=(st.st_dev, st.st_ino),
+                file=s.file,
             )
 
         return self._add(peer, name, byte_size, mapped)

@@ -62,6 +62,9 @@ class ShmRequest:
                 f"shared memory region '{name}' is too small: offset {offset} + {size} bytes "
                 f"> its {region.byte_size} bytes"
             )
+        return self._hold(region)
+
+    def _hold(self, region: Region) -> Region:
         region.users += 1
         self._held.append(region)
         return region
@@ -115,7 +118,7 @@ class ShmRequest:
             if out.shm_offset + out.shm_size > region.byte_size or (region.mapping is not None and not region.writable):
                 targets.append(None)
                 continue
-            region = self._take(out.shm_region, out.shm_offset, out.shm_size)
+            self._hold(region)
             start = region.offset + out.shm_offset
             view = None if region.mapping is None else memoryview(region.mapping)[start : start + out.shm_size]
             # Never run into bytes the run reads: an input's, or another output's (which a later

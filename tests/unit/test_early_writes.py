@@ -451,31 +451,33 @@ def test_an_output_passed_through_from_an_input_is_copied_not_taken_as_written(
     asyncio.run(main())
 
 
-def test_a_memfd_registered_twice_is_not_run_into_where_an_input_lies(regions: dict[str, Region]) -> None:
-    # One object under two names: two mappings at two addresses over the same bytes.
+@pytest.fixture
+def twice(regions: dict[str, Region]) -> Iterator[dict[str, Region]]:
+    """``regions`` and "twice": the memfd of "mapped" registered a second time, so one object
+    under two names, two mappings at two addresses over the same bytes."""
     mapped = regions["mapped"]
     st = os.fstat(mapped.fd)
     mapped.file = (st.st_dev, st.st_ino)  # as registration records it
     fd = os.dup(mapped.fd)
-    twice = Region("twice", "memfd", 0, SIZE, fd, os.getuid(), os.getpid(), file=mapped.file)
-    twice.mapping = mmap.mmap(fd, SIZE)
-    both = {**regions, "twice": twice}
-    try:
+    again = Region("twice", "memfd", 0, SIZE, fd, os.getuid(), os.getpid(), file=mapped.file)
+    again.mapping = mmap.mmap(fd, SIZE)
+    yield {**regions, "twice": again}
+    again.mapping.close()
+    os.close(fd)
 
-        async def main() -> None:
-            shm = shm_io.ShmRequest(lookup(both), None)
-            shm.input("mapped", 0, 1 << 20)
-            early = shm.write_early(outputs(("y", "twice", 4096, 1 << 20), ("z", "twice", 2 << 20, 1 << 20)))
-            shape = ((1 << 18,), np.dtype(np.float32))
-            into = early.bind({"y": shape, "z": shape}, {})
-            assert list(into) == ["z"], "bound over the bytes of an input read through another mapping"
-            early.run({})
-            shm.release()
 
-        asyncio.run(main())
-    finally:
-        twice.mapping.close()
-        os.close(fd)
+def test_a_memfd_registered_twice_is_not_run_into_where_an_input_lies(twice: dict[str, Region]) -> None:
+    async def main() -> None:
+        shm = shm_io.ShmRequest(lookup(twice), None)
+        shm.input("mapped", 0, 1 << 20)
+        early = shm.write_early(outputs(("y", "twice", 4096, 1 << 20), ("z", "twice", 2 << 20, 1 << 20)))
+        shape = ((1 << 18,), np.dtype(np.float32))
+        into = early.bind({"y": shape, "z": shape}, {})
+        assert list(into) == ["z"], "bound over the bytes of an input read through another mapping"
+        early.run({})
+        shm.release()
+
+    asyncio.run(main())
 
 
 def test_a_request_failing_while_its_run_writes_learns_when_the_writes_end(regions: dict[str, Region]) -> None:
@@ -497,30 +499,18 @@ def test_a_request_failing_while_its_run_writes_learns_when_the_writes_end(regio
 
 
 def test_two_outputs_over_the_same_bytes_through_two_registrations_are_not_both_run_into(
-    regions: dict[str, Region],
+    twice: dict[str, Region],
 ) -> None:
     # A later kernel may read an earlier output's array: the second is written after the run.
-    mapped = regions["mapped"]
-    st = os.fstat(mapped.fd)
-    mapped.file = (st.st_dev, st.st_ino)
-    fd = os.dup(mapped.fd)
-    twice = Region("twice", "memfd", 0, SIZE, fd, os.getuid(), os.getpid(), file=mapped.file)
-    twice.mapping = mmap.mmap(fd, SIZE)
-    both = {**regions, "twice": twice}
-    try:
+    async def main() -> None:
+        shm = shm_io.ShmRequest(lookup(twice), None)
+        early = shm.write_early(outputs(("a", "mapped", 0, 1 << 20), ("b", "twice", 4096, 1 << 20)))
+        shape = ((1 << 18,), np.dtype(np.float32))
+        assert list(early.bind({"a": shape, "b": shape}, {})) == ["a"]
+        early.run({})
+        shm.release()
 
-        async def main() -> None:
-            shm = shm_io.ShmRequest(lookup(both), None)
-            early = shm.write_early(outputs(("a", "mapped", 0, 1 << 20), ("b", "twice", 4096, 1 << 20)))
-            shape = ((1 << 18,), np.dtype(np.float32))
-            assert list(early.bind({"a": shape, "b": shape}, {})) == ["a"]
-            early.run({})
-            shm.release()
-
-        asyncio.run(main())
-    finally:
-        twice.mapping.close()
-        os.close(fd)
+    asyncio.run(main())
 
 
 def test_a_failure_asking_while_nothing_gets_bound_is_not_held_for_the_run(regions: dict[str, Region]) -> None:
