@@ -129,6 +129,7 @@ class BootOptions:
 SETUP = r"""
 set -eu
 mount -n -t tmpfs -o mode=0755 tmpfs /run
+mknod -m 0666 /run/edged-test-closed-device c 10 235  # autofs's numbers: standin_daemon.py opens it
 mount -n -t cgroup2 cgroup2 /sys/fs/cgroup
 mount -n --bind /proc/sys /proc/sys
 mount -n -o remount,bind,ro /proc/sys

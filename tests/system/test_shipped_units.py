@@ -112,7 +112,7 @@ def test_sandbox_is_what_the_unit_promises(shipped: SystemdNamespace) -> None:
     assert got["netlink"] == "EAFNOSUPPORT"  # RestrictAddressFamilies=
     assert got["inet6"] == "ok"  # MQTT
     assert got["dev_null"] == "ok"
-    assert got["dev_autofs"] == "EPERM"  # DevicePolicy=closed: not a GPU node
+    assert got["dev_closed"] == "EPERM"  # DevicePolicy=closed: not a GPU node
     assert int(got["cap_eff"], 16) == 0
     assert got["no_new_privs"] == "1"
     assert got["seccomp"] == "2"  # SystemCallFilter= is a filter
