@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -37,8 +38,23 @@ ROUNDS = 3
 # once included) has run past the interpreter's specialisation, a millisecond each for tiny.
 SOCKET_ROUNDS = 8
 SOCKET_TIMEOUT_S = 10.0
+# The most a model's runs may add to the start in each of the two loops above (per model in
+# process; once, with the cheapest model, over the socket). Rounds are what make Python specialise
+# the path's code, which is the same for every model: a model costly enough to run fewer times
+# than ROUNDS (or SOCKET_ROUNDS) within this budget runs them once, where cold code costs it a few
+# tenths of a millisecond, a fraction of a percent of its run. On the 2-core machine the PP-OCRv4
+# detector (117 ms a run) ran six times here, 0.7 s of a 1.9 s start.
+PATH_BUDGET_US = 50_000.0
 PLANNING_ROUNDS = 16
 PLANNING_BODY_MAX = 64 * 1024  # larger warm-up bodies: planning is warmed by the smaller models
+
+
+def rounds_within(infer_us: float | None, runs_per_round: int, most: int) -> int:
+    """How many rounds of ``runs_per_round`` runs fit in PATH_BUDGET_US (at least one, at most
+    ``most``); ``most`` when the run's cost is unknown."""
+    if infer_us is None or not math.isfinite(infer_us) or infer_us <= 0:
+        return most
+    return max(1, min(most, int(PATH_BUDGET_US // (infer_us * runs_per_round))))
 
 
 def _bodies(
@@ -146,11 +162,11 @@ async def _warm_planning(app: App, model: str, inputs: dict[str, np.ndarray], ou
             return
 
 
-async def _warm_sockets(paths: list[str], model: str, body: tuple[bytes, int | None]) -> None:
+async def _warm_sockets(paths: list[str], model: str, body: tuple[bytes, int | None], rounds: int) -> None:
     """A binary request naming its outputs (what clients send), on a new connection each round."""
     for path in paths:
         try:
-            for _ in range(SOCKET_ROUNDS):
+            for _ in range(rounds):
                 status = await _over_socket(path, model, *body)
                 if status != 200:
                     log.warning("%s: warm-up through %s answered %d", model, path, status, extra={"model": model})
@@ -179,7 +195,7 @@ async def warm_request_path(app: App, registry: Registry, sockets: list[str] | N
         names = [o.name for o in rt.backend.outputs]
         bodies = _bodies(inputs, names)
         largest_body = max([largest_body, *(len(b) for b, _ in bodies)])
-        for _ in range(ROUNDS):
+        for _ in range(rounds_within(rt.infer_us, len(bodies), ROUNDS)):
             for body, header_len in bodies:
                 status = await _call(app, rt.name, body, header_len)
                 if status != 200:
@@ -190,7 +206,8 @@ async def warm_request_path(app: App, registry: Registry, sockets: list[str] | N
         if len(bodies[1][0]) <= PLANNING_BODY_MAX:
             await _warm_planning(app, rt.name, inputs, names)
     if cheapest is not None:
-        await _warm_sockets(sockets or [], cheapest[1], cheapest[2])
+        cost, name, cheap_body = cheapest
+        await _warm_sockets(sockets or [], name, cheap_body, rounds_within(cost, 1, SOCKET_ROUNDS))
     # Frames arrive through shared memory: the copy path (its threads, preadv, pwrite) is not on
     # the path of the requests above, which carry their tensors in the body.
     try:
