@@ -35,7 +35,7 @@ from typing import Any
 
 from bench.measure import AFTER_GAPS, STEADY, _client_conns, _steady
 from bench.models import ModelSpec, prepare, write_specs
-from bench.servers import EdgedServer
+from bench.servers import EdgedServer, LimitServer, LimitWorkerServer, Server
 from bench.stage_probe import hops
 from bench.wire import Conn, connect, roundtrip
 
@@ -72,11 +72,16 @@ class ProbedEdged(EdgedServer):
         return env
 
 
-def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages: Path | None) -> EdgedServer:
+def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages: Path | None) -> Server:
     """``default``: edged as configured by the benchmark; ``spinning``: ONNX Runtime's pool left
     spinning after each run; ``threads=N``: the frame models with N intra-op threads; ``posix``:
     frames through POSIX shared memory objects (copied with preadv) instead of sealed memfds;
-    ``body``: frames in the request's body, as a client without shared memory sends them."""
+    ``body``: frames in the request's body, as a client without shared memory sends them.
+    ``limit`` and ``limitworker``: not edged but the bare servers of bench/limit.py (uvicorn,
+    the model run on a held input, on the loop or on a worker thread, a 100-byte answer), started
+    fresh the same way: the machine's own first request after an idle gap, the bound for edged's."""
+    if variant in ("limit", "limitworker"):
+        return (LimitServer if variant == "limit" else LimitWorkerServer)(work, specs)
     if variant == "default":
         return ProbedEdged(work, specs, stages)
     if variant in ("posix", "body"):
@@ -86,7 +91,7 @@ def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages
     if variant.startswith("threads="):
         n = int(variant.split("=", 1)[1])
         return ProbedEdged(work, specs, stages, options={m: {"threads": n} for m, s in specs.items() if s.frame})
-    raise SystemExit(f"unknown variant {variant!r}: default, posix, spinning or threads=N")
+    raise SystemExit(f"unknown variant {variant!r}: default, posix, body, spinning, threads=N, limit or limitworker")
 
 
 def _proc(pid: int) -> tuple[int, int]:
@@ -119,7 +124,7 @@ def timed_request(conn: Conn, pid: int) -> dict[str, float]:
     }
 
 
-def one_start(server: EdgedServer, specs: dict[str, ModelSpec], gaps: int) -> dict[str, Any]:
+def one_start(server: Server, specs: dict[str, ModelSpec], gaps: int) -> dict[str, Any]:
     server.start()
     try:
         ready_s = server.wait_ready()
@@ -138,7 +143,7 @@ def one_start(server: EdgedServer, specs: dict[str, ModelSpec], gaps: int) -> di
                 after[m].append(timed_request(conn, server.pid))
         server.close_frames()
     except Exception:
-        print(f"edged's log:\n{server.log_tail(6000)}", file=sys.stderr)
+        print(f"{server.name}'s log:\n{server.log_tail(6000)}", file=sys.stderr)
         raise
     finally:
         server.stop()
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--variants",
         default="default",
-        help="comma-separated, alternated start by start: default, posix, body, spinning, threads=N",
+        help="comma-separated, alternated start by start: default, posix, body, spinning, threads=N, limit(worker)",
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "first_request.json")
     args = ap.parse_args(argv)
