@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # edged's runtime dependencies that an ML image usually lacks, at the versions this checkout runs.
-PACKAGES=(uvicorn httptools orjson msgspec paho-mqtt onnxruntime)
+PACKAGES=(uvicorn uvloop httptools orjson msgspec paho-mqtt onnxruntime)
 
 if [ "${1:-}" = prepare ]; then
   pyver=${2:-3.12}

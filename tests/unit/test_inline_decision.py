@@ -6,12 +6,13 @@ Pure logic: the model is a fake (``FakeModel``) whose runs take scripted times o
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterable
 
 import pytest
 
-from edged.warmup import INLINE_SAMPLES, run_cost_us, warm_cost_us
+from edged.warmup import INLINE_SAMPLES, loop_cost_us, run_cost_us, warm_cost_us
 from tests.helpers import FakeClock
 
 THRESHOLD = 60.0  # server.inline_threshold_us's default
@@ -123,3 +124,31 @@ def test_a_single_warm_up_run_is_a_sample() -> None:
 
 def test_the_cost_is_the_lower_quartile() -> None:
     assert run_cost_us([10.0, 20.0, 30.0, 40.0, 50.0]) == pytest.approx(20.0)
+
+
+def test_the_loop_check_runs_back_to_back_in_slices_the_loop_can_serve_between() -> None:
+    """edged.warmup.loop_cost_us: INLINE_SAMPLES runs, their lower quartile, back to back within
+    slices of about a millisecond, with the loop's other work run between the slices."""
+    clock = FakeClock()
+    model = FakeModel(clock, [400.0] * 3 + [20.0] * 40)  # three slow runs, then cheap ones
+    served = 0
+
+    async def other_work() -> None:
+        nonlocal served
+        while True:
+            served += 1
+            await asyncio.sleep(0)
+
+    async def measure() -> tuple[float, int]:
+        task = asyncio.get_running_loop().create_task(other_work())
+        await asyncio.sleep(0)
+        before = served
+        got = await loop_cost_us(model, clock)
+        task.cancel()
+        return got, served - before
+
+    got, between = asyncio.run(measure())
+    assert got == pytest.approx(20.0) and model.runs == INLINE_SAMPLES
+    # 400 us runs: a slice holds three (1.2 ms), the rest (260 us) fit in the next: the loop
+    # served between the two, and before the first.
+    assert between >= 2
