@@ -286,7 +286,7 @@ class Registry:
         rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances, room)
         rt.threads = instances[0].threads if instances else 0
         threshold = self.cfg.server.inline_threshold_us
-        if _may_run_inline(rt) and rt.infer_us is not None and threshold <= rt.infer_us < LOOP_CHECK_MAX_US:
+        if _may_run_inline(rt) and rt.infer_us is not None and 0 < threshold <= rt.infer_us < LOOP_CHECK_MAX_US:
             inputs = await asyncio.to_thread(warm_inputs, backend.inputs, rt.cfg)
             rt.infer_us = min(rt.infer_us, await loop_cost_us(functools.partial(instances[0].infer, inputs)))
         inline = _may_run_inline(rt) and rt.infer_us is not None and rt.infer_us < threshold

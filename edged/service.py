@@ -340,6 +340,10 @@ class Service:
         rt = self.model(name)
         if rt.state == ModelState.FAILED or rt.backend is None:
             return
+        if rt.state in (ModelState.LOADING, ModelState.WARMING):
+            # Its warm-up still measures the backend and then starts its queue: unloaded under
+            # it, the model would come back READY with no backend (or FAILED, not unloaded).
+            raise ModelNotReadyError(f"model '{name}' is {rt.state.value}: unload it once it is ready")
         await self.registry.unload(rt, ModelState.UNLOADED, "unloaded through the repository API")
 
     # --- status ---

@@ -38,12 +38,13 @@ ROUNDS = 3
 # once included) has run past the interpreter's specialisation, a millisecond each for tiny.
 SOCKET_ROUNDS = 8
 SOCKET_TIMEOUT_S = 10.0
-# The most a model's runs may add to the start in each of the two loops above (per model in
-# process; once, with the cheapest model, over the socket). Rounds are what make Python specialise
-# the path's code, which is the same for every model: a model costly enough to run fewer times
-# than ROUNDS (or SOCKET_ROUNDS) within this budget runs them once, where cold code costs it a few
-# tenths of a millisecond, a fraction of a percent of its run. On the 2-core machine the PP-OCRv4
-# detector (117 ms a run) ran six times here, 0.7 s of a 1.9 s start.
+# What a model's runs should add to the start in each of the two loops above (per model in
+# process; once, with the cheapest model, over the socket): as many rounds as fit, and always one.
+# Rounds are what make Python specialise the path's code, which is the same for every model; the
+# cheap models run every round, and a costly one pays for cold code a few tenths of a millisecond,
+# a fraction of a percent of its run. On the 2-core machine the PP-OCRv4 detector (117 ms a run)
+# ran six times here, 0.7 s of a 1.9-2.6 s start; now twice. (A model that runs inline runs twice
+# per body, through the app and at once: such a model is far under the budget.)
 PATH_BUDGET_US = 50_000.0
 PLANNING_ROUNDS = 16
 PLANNING_BODY_MAX = 64 * 1024  # larger warm-up bodies: planning is warmed by the smaller models

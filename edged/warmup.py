@@ -158,9 +158,9 @@ async def loop_cost_us(run: Callable[[], object], clock: Callable[[], float] = t
     """One run's cost measured on the event loop, which holds the GIL: INLINE_SAMPLES runs, their
     lower quartile, back to back as a thread's warm-up runs them (runs with requests served
     between them measured 40-65 us for the tiny MLP's 23 us, their caches cold), in slices of
-    about a millisecond between which the loop serves what is ready. Each run is under
-    LOOP_CHECK_MAX_US (the caller checks it). For a model that would run there: the cost it would
-    have inline."""
+    about a millisecond between which the loop serves what is ready. Only for a model whose cost
+    on a thread was under LOOP_CHECK_MAX_US (the caller checks it): its runs on the loop cost no
+    more. For a model that would run there: the cost it would have inline."""
     samples: list[float] = []
     while len(samples) < INLINE_SAMPLES:
         await asyncio.sleep(0)

@@ -96,7 +96,7 @@ def test_a_cheap_engine_swapped_in_under_traffic_still_runs_on_the_loop(
     d = daemon_factory(
         {"m": {"path": str(model), "threads": 1}},  # set, as the benchmark's: no thread trials
         extra={"lifecycle": {"watch_files": False}, "build": BACKGROUND, "server": {"inline_threshold_us": 150}},
-        env={DELAY_ENV: "m=2"},
+        env={DELAY_ENV: "m=4"},
     )
     d.start()
     assert model_status(d)["inline"], model_status(d)  # the stand-in, measured before any traffic
@@ -107,6 +107,7 @@ def test_a_cheap_engine_swapped_in_under_traffic_still_runs_on_the_loop(
     try:
         with RequestStream(d, ref(model), clients=1) as stream:
             wait_for(lambda: model_status(d)["requests"] > 200, 30, what="requests on the stand-in")
+            assert model_status(d)["fallback"]  # the built engine is warmed under this traffic, not before it
             wait_for(lambda: not model_status(d)["fallback"], 60, what="the swap to the built engine")
         assert flood.poll() is None, flood.communicate()[1]  # every answer so far a 200
     finally:
