@@ -14,9 +14,11 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from edged import backends, heap
 from edged.backends.base import Backend, Instance, LoadOptions, TensorSpec
@@ -283,11 +285,10 @@ class Registry:
             rt.entry = await asyncio.to_thread(self._remember_footprint, rt.entry, rt.footprint)
         self.set_state(rt, ModelState.WARMING)
         room = self._trial_room(rt)
-        rt.infer_us = await asyncio.to_thread(self._warm_blocking, rt, instances, room)
+        rt.infer_us, inputs = await asyncio.to_thread(self._warm_blocking, rt, instances, room)
         rt.threads = instances[0].threads if instances else 0
         threshold = self.cfg.server.inline_threshold_us
         if _may_run_inline(rt) and rt.infer_us is not None and 0 < threshold <= rt.infer_us < LOOP_CHECK_MAX_US:
-            inputs = await asyncio.to_thread(warm_inputs, backend.inputs, rt.cfg)
             rt.infer_us = min(rt.infer_us, await loop_cost_us(functools.partial(instances[0].infer, inputs)))
         inline = _may_run_inline(rt) and rt.infer_us is not None and rt.infer_us < threshold
         queue = ModelQueue(
@@ -336,22 +337,25 @@ class Registry:
             raise CacheError(f"{rt.name}: {rt.entry.artifact.name} does not load: {e}") from e
         return backend, instances, rss_bytes() - before
 
-    def _warm_blocking(self, rt: ModelRuntime, instances: list[Instance], room: bool) -> float | None:
+    def _warm_blocking(
+        self, rt: ModelRuntime, instances: list[Instance], room: bool
+    ) -> tuple[float | None, Mapping[str, np.ndarray]]:
         """Run the warm-up inputs through every instance; return one run's cost in us (see
-        edged.warmup.warm_cost_us: a low quartile of enough runs, not a noisy median of three).
+        edged.warmup.warm_cost_us: a low quartile of enough runs, not a noisy median of three),
+        None without warm-up runs, and the inputs it ran (the loop check runs them again).
         A cheap model whose thread count the configuration left open is measured with fewer
         threads too, given ``room`` in the budget for trial sessions (edged/threadpick.py): its
         ``instances`` may be replaced in place."""
         assert rt.backend is not None
         if rt.cfg.warmup.iterations == 0:
-            return None
+            return None, {}
         inputs = warm_inputs(rt.backend.inputs, rt.cfg)
         runs = [functools.partial(inst.infer, inputs) for inst in instances]
         threshold = float(self.cfg.server.inline_threshold_us) if _may_run_inline(rt) else None
         cost = warm_cost_us(runs, rt.cfg.warmup.iterations, threshold)
         if room:
             cost = fit_threads(rt.backend, instances, inputs, cost, self._wrap_instance, rt.name)
-        return cost
+        return cost, inputs
 
     def _trial_room(self, rt: ModelRuntime) -> bool:
         """Whether the budget holds two more sessions of this model beside what is loaded (it

@@ -103,7 +103,7 @@ class InferRoute:
     ) -> dict[str, np.ndarray]:
         """``Service.infer``, with the outputs bound for shared memory written by the model's
         worker right after its run (or by the run itself: transports/early_writes.py)."""
-        early = shm.request().write_early(req.outputs) if req.outputs and _to_shm_large(req) else None
+        early = shm.request().write_early(req.outputs) if req.outputs and _to_shm(req, OFFLOAD_BYTES) else None
         try:
             return await self.service.infer(
                 name, req.inputs, req.id, received_ns=received, tried_now=tried_now, sink=early
@@ -193,16 +193,13 @@ class InferRoute:
             shm.release()
 
 
-def _to_shm_large(req: InferRequest) -> bool:
-    """Whether an output may put more than OFFLOAD_BYTES into shared memory (the size the request
-    gave it): only then does the worker write it. A smaller one is copied on the loop as it is
-    encoded, for less than the worker's bookkeeping costs (conv640's 40-byte answer in a region
-    took 0.1 ms more end to end when the worker wrote it, 2-core machine and 16-core host)."""
-    return req.outputs is not None and any(o.shm_region is not None and o.shm_size > OFFLOAD_BYTES for o in req.outputs)
-
-
-def _to_shm(req: InferRequest) -> bool:
-    return req.outputs is not None and any(o.shm_region is not None for o in req.outputs)
+def _to_shm(req: InferRequest, above: int = -1) -> bool:
+    """Whether an output goes to shared memory with more than ``above`` bytes (the size the
+    request gave it). The worker writes only those above OFFLOAD_BYTES: a smaller one is copied on
+    the loop as it is encoded, for less than the worker's bookkeeping costs (conv640's 40-byte
+    answer in a region took 0.1 ms more end to end when the worker wrote it, 2-core machine and
+    16-core host)."""
+    return req.outputs is not None and any(o.shm_region is not None and o.shm_size > above for o in req.outputs)
 
 
 def _header_length(headers: BodyHeaders) -> int | None:
