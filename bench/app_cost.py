@@ -139,7 +139,7 @@ def _spawn(tree: Path, requests: int) -> dict[str, Any]:
 
 def child(requests: int) -> None:
     """In the child: edged is already the measured tree's (``tree_boot`` checked it)."""
-    try:  # the daemon's own loop (edged.daemon.serve)
+    try:  # the daemon's own loop (edged.lifecycle.daemon.serve)
         import uvloop
 
         run: Callable[[Any], Any] = uvloop.run
@@ -156,7 +156,7 @@ async def _in_daemon(tmp: Path, requests: int) -> None:
     import logging
 
     from edged.config import from_mapping
-    from edged.daemon import Daemon
+    from edged.lifecycle.daemon import Daemon
 
     logging.disable(logging.WARNING)
     raw = {
@@ -225,7 +225,7 @@ async def _connection(daemon: Any, request: bytes) -> Call:
     fed from a transport that only counts what is written: the bytes in, the answer out."""
     import socket
 
-    from edged.transports import connection
+    from edged.transports.http import connection
     from edged.transports.peer import Door
 
     sock, peer = socket.socketpair()  # the protocol reads the peer's credentials from it
@@ -297,8 +297,8 @@ class _Counting(asyncio.Transport):
 
 def _paths(daemon: Any) -> tuple[Call, Call]:
     """The app's call and the fused path's, both on the same request and the same instance."""
-    from edged.encoding import _encode_small
-    from edged.protocol import decode_infer
+    from edged.wire.decode import decode_infer
+    from edged.wire.encode import _encode_small
 
     svc = daemon.service
     rt = svc.registry.models["tiny"]

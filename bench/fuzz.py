@@ -323,7 +323,7 @@ def _rss(pid: int) -> int:
 
 def _start_daemon() -> DaemonProcess:
     """The tiny model (inline on the loop) and a two-input model on two worker threads."""
-    from edged.demo import make_tiny_mlp
+    from edged.tools.demo import make_tiny_mlp
     from tests.helpers import DaemonProcess, write_config
 
     tmp = Path(tempfile.mkdtemp(prefix="edged-fuzz-"))
@@ -432,7 +432,7 @@ def _two_inputs(path: Path) -> None:
     """A model with two inputs (a + b), so that input lists of two are valid."""
     from onnx import TensorProto, helper
 
-    from edged.demo import save_graph
+    from edged.tools.demo import save_graph
 
     graph = helper.make_graph(
         [helper.make_node("Add", ["a", "b"], ["sum"])],

@@ -35,11 +35,11 @@ import onnxruntime as ort
 from bench import int8_data
 from edged.backends.base import BuildSpec, Instance, LoadOptions
 from edged.backends.onnxruntime import OnnxRuntimeBackend
-from edged.build.calibrate import CalibrationSet, data_digest
-from edged.build.job import job_key, make_job
-from edged.build.pipeline import build_precision
-from edged.cache import EngineCache, file_digest
+from edged.cache.store import EngineCache, file_digest
 from edged.config import ModelConfig
+from edged.quantize.calibrate import CalibrationSet, data_digest
+from edged.quantize.job import job_key, make_job
+from edged.quantize.pipeline import build_precision
 
 BGR_HALF = {"color": "BGR", "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}
 CASES: dict[str, dict[str, Any]] = {
@@ -195,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("edged.build.quantize", "edged.build.gate"):
+    for noisy in ("edged.quantize.qdq", "edged.quantize.gate"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-int8-") as tmp:

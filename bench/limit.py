@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.models import read_specs, session
-from edged.encoding import encode_infer
-from edged.protocol import decode_infer
+from edged.wire.decode import decode_infer
+from edged.wire.encode import encode_infer
 
 ANSWER = b"e" * 100
 _HEAD = {

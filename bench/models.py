@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from edged.demo import save_graph
+from edged.tools.demo import save_graph
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def batchable(bench_models: Path) -> ModelSpec:
 def demo_onnx(data_dir: Path) -> None:
     """The demo's two ONNX models (not its language model, which no benchmark here needs), fetched
     or built if missing; a host without a package index gets them carried in data/models."""
-    from edged.demo import extract_detector, make_tiny_mlp
+    from edged.tools.demo import extract_detector, make_tiny_mlp
 
     if not (data_dir / "models" / "ocr_det.onnx").exists():
         extract_detector(data_dir / "models" / "ocr_det.onnx")

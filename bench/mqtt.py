@@ -43,7 +43,7 @@ from paho.mqtt.properties import Properties
 
 REPO = Path(__file__).resolve().parent.parent
 
-from edged.demo import make_tiny_mlp  # noqa: E402
+from edged.tools.demo import make_tiny_mlp  # noqa: E402
 from tests.helpers import DaemonProcess, write_config  # noqa: E402
 from tests.integration.mosquitto import Broker  # noqa: E402
 

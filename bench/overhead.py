@@ -116,7 +116,7 @@ class BaseEdged(EdgedServer):
         self.tree = work / "base-tree"
         export(commit, self.tree)
         super().__init__(work, specs, options, label="edged-base", server=server)
-        self.cwd = self.tree  # its children too (the build worker is `python -m edged.build.worker`)
+        self.cwd = self.tree  # its children too (the build worker is `python -m edged.quantize.worker`)
 
     def extra_env(self) -> dict[str, str]:
         return dict(super().extra_env(), PYTHONPATH=_first_on_path(self.tree))
@@ -181,7 +181,7 @@ def servers_for(
         "worker": lambda: EdgedServer(work, one, label="edged-worker", server={"inline_threshold_us": 0}),
         "onewrite": lambda: OneWriteEdged(work, one, label="edged-onewrite"),
         # The models' intra-op threads left to the daemon (threads = 0): the rule's count, or
-        # fewer where its warm-up measures them as fast (edged/threadpick.py).
+        # fewer where its warm-up measures them as fast (edged/serving/threadpick.py).
         "auto": lambda: EdgedServer(work, one, {m: {"threads": 0} for m in one}, label="edged-auto"),
         # The edged lane's daemon a second time: what two daemons of the same code differ by.
         "twin": lambda: EdgedServer(work, one, label="edged-twin"),

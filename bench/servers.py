@@ -38,7 +38,7 @@ from bench.wire import (
     v2_request_in_place,
 )
 from edged.client import Client, ShmRegion, ShmTensor
-from edged.client_shm import MemfdRegion
+from edged.client.shm import MemfdRegion
 from edged.paths import fd_socket_for
 
 REPO = Path(__file__).resolve().parent.parent

@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edged.transports.shm import Region
-from edged.transports.shm_io import _read_all, _write_all
+from edged.transports.shm.copies import _read_all, _write_all
+from edged.transports.shm.regions import Region
 
 SHAPE = (1, 3, 640, 640)
 

@@ -44,8 +44,8 @@ from paho.mqtt.properties import Properties
 
 from bench.mqtt import make_sensor_model
 from edged.client import Client
-from edged.demo import make_tiny_mlp
 from edged.errors import EdgedError, InvalidInputError
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, wait_for, write_config
 from tests.integration.mosquitto import Broker
 

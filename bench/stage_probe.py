@@ -89,8 +89,10 @@ def install() -> None:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
     from edged.backends import onnxruntime as ort_backend
-    from edged.service import Service
-    from edged.transports import http, http_infer, shm_io
+    from edged.serving.service import Service
+    from edged.transports.http import app as http
+    from edged.transports.http import infer as http_infer
+    from edged.transports.shm import copies as shm_io
 
     app_call = http.App.__call__
 
@@ -110,7 +112,7 @@ def install() -> None:
             _done.append(rec)
 
     http.App.__call__ = app  # type: ignore[method-assign]
-    # The infer route (edged/transports/http_infer.py) decodes, runs an inline model and encodes
+    # The infer route (edged/transports/http/infer.py) decodes, runs an inline model and encodes
     # a small request without awaiting, and awaits the async forms otherwise: both are timed.
     _wrap_sync(http_infer, "decode_now", "decode", _current.get)
     _wrap_async(Service, "decode_infer", "decode")

@@ -1,4 +1,4 @@
-"""Intra-op threads against one run's time and CPU, in process: what edged/threadpick.py decides on.
+"""Intra-op threads against one run's time and CPU, in process: what edged/serving/threadpick.py decides on.
 
 Each model alone, sessions made as edged serves them (``session.force_spinning_stop``, one
 inter-op thread, sequential), one per thread count (1, 2, 4, 8 and the cores this process may use),

@@ -17,7 +17,7 @@ from edged import __version__
 from edged.config import Config, default_config_path, format_size, load
 from edged.errors import ConfigError, EdgedError
 from edged.paths import DEFAULT_SOCKET, SocketPath, resolve_socket
-from edged.table import print_table
+from edged.tools.table import print_table
 
 if TYPE_CHECKING:
     from edged.client import Client
@@ -111,12 +111,12 @@ EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus= stops a resta
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from edged import early_signals
+    from edged.lifecycle import early_signals
 
     early_signals.hold()  # SIGHUP/SIGTERM/SIGINT are remembered from here until the loop runs
     import faulthandler
 
-    from edged.daemon import serve
+    from edged.lifecycle.daemon import serve
 
     # A watchdog abort (SIGABRT) then prints every thread's stack to the journal.
     faulthandler.enable()
@@ -129,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from edged.planning import offline_plan
+    from edged.tools.plan import offline_plan
 
     report = offline_plan(_config(args))
     if args.json:
@@ -140,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"memory: {mem['source']}, {format_size(mem['total_bytes'])} total, "
         f"{format_size(mem['available_bytes'])} available, budget {format_size(mem['budget_bytes'])}"
     )
-    from edged.build.figures import precision_text
+    from edged.quantize.figures import precision_text
 
     rows = [
         (
@@ -160,7 +160,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from edged.planning import build_all
+    from edged.tools.plan import build_all
 
     return asyncio.run(build_all(_config(args), check=args.check, out=sys.stdout))
 
@@ -186,7 +186,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _models_table(st: dict[str, Any]) -> None:
-    from edged.build.figures import precision_text
+    from edged.quantize.figures import precision_text
 
     rows = [
         (
@@ -250,14 +250,14 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from edged.top import run_top
+    from edged.tools.top import run_top
 
     with _client(args, timeout=max(args.interval * 2, 5.0)) as c:
         return run_top(c, interval=args.interval, once=args.once, out=sys.stdout)
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
-    from edged.selftest import run_selftest
+    from edged.tools.selftest import run_selftest
 
     return int(run_selftest(args.config, sys.stdout))
 

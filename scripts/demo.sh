@@ -10,6 +10,6 @@ PYTHON=${PYTHON:-python3}
 # llama-cpp-python builds from source the first time (minutes); on a Jetson, for the GPU:
 #   CMAKE_ARGS="-DGGML_CUDA=on" scripts/demo.sh
 CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[llm]'
-.venv/bin/python -m edged.demo data
+.venv/bin/python -m edged.tools.demo data
 echo "serving the demo on $(pwd)/data/run/edged.sock (Ctrl-C stops it)" >&2
 exec .venv/bin/edged serve --config configs/demo.toml

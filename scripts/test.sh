@@ -36,6 +36,7 @@ CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAK
 .venv/bin/ruff check edged tests scripts bench
 .venv/bin/ruff format --check edged tests scripts bench
 .venv/bin/mypy
+.venv/bin/lint-imports --no-cache
 
 # JetPack 6 runs Python 3.10: when this machine has one, the unit tests run under it too, in
 # .venv310 (a pyenv shim that cannot run 3.10 does not count; PYTHON310=none turns this off).

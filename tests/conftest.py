@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from edged.demo import make_tiny_mlp
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, write_config
 from tests.string_model import make_string_model
 
@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def demo_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real demo detector, from the repository's data folder when set up there, else
     extracted from the rapidocr wheel as `scripts/demo.sh` does."""
-    from edged.demo import extract_detector
+    from edged.tools.demo import extract_detector
 
     local = REPO / "data" / "models" / "ocr_det.onnx"
     if local.exists():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edged.demo import save_graph
+from edged.tools.demo import save_graph
 
 
 def make_string_model(path: Path) -> Path:

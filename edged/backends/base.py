@@ -4,11 +4,11 @@ A backend turns a cached artefact (an optimised ONNX model, a TensorRT engine) i
 runs tensors. It has two levels because TensorRT has two: the ``Backend`` is loaded once per model
 (the deserialised engine, the session's graph), and each ``Instance`` is one concurrent runner
 (an execution context with its own stream, or an ONNX Runtime session with its own thread pool).
-The public methods check state, names, dtypes and shapes (with edged/validate.py's rules, the one
+The public methods check state, names, dtypes and shapes (with edged/wire/validate.py's rules, the one
 owner of them; a backend adds only its own bounds through ``_input_bounds``); subclasses implement
 only the ``_impl`` parts (the shape of Polygraphy's runners).
 
-Building is a class-level operation because it runs in a child process (edged.build.worker) that
+Building is a class-level operation because it runs in a child process (edged.quantize.worker) that
 imports the backend by name, builds, and exits.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from edged.errors import BackendError, EdgedError
-from edged.validate import Bounds, InputRules, rules_of
+from edged.wire.validate import Bounds, InputRules, rules_of
 
 Progress = Callable[[str, float | None], None]
 """Build progress callback: (phase, fraction done or None when unknown)."""
@@ -55,7 +55,7 @@ class BuildSpec:
     precision: str
     profiles: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
-    # The calibration part of the samples (an edged.build.calibrate.CalibrationSet, read lazily)
+    # The calibration part of the samples (an edged.quantize.calibrate.CalibrationSet, read lazily)
     # for a backend that calibrates the FP32 model itself (TensorRT's legacy calibrator); the key
     # covers it through the job's calibration digest.
     calibration: Any = None
@@ -187,7 +187,7 @@ class Backend(abc.ABC):
         """The intra-op threads this backend gives an instance by its own rule, when the
         configuration leaves the count open and the backend could run with fewer; 0 when there is
         nothing to choose (a count in the configuration, a single core, a backend without the
-        knob). The registry may then measure fewer at warm-up (edged/threadpick.py)."""
+        knob). The registry may then measure fewer at warm-up (edged/serving/threadpick.py)."""
         return 0
 
     def unload(self) -> None:
@@ -203,7 +203,7 @@ class Backend(abc.ABC):
 
     @property
     def input_rules(self) -> InputRules:
-        """The inputs as edged/validate.py checks them, with this backend's own bounds."""
+        """The inputs as edged/wire/validate.py checks them, with this backend's own bounds."""
         return self._rules
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:

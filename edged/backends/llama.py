@@ -34,8 +34,8 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from edged.backends.base import Backend, BuildSpec, Instance, LoadOptions, Progress, TensorSpec
 from edged.config import LlmConfig, ModelConfig
 from edged.errors import BackendError, BuildError, DeadlineExceededError, InvalidInputError
-from edged.generation import INPUT, OUTPUT, GenerationJob, Sampling, StopMatcher, llm_config
-from edged.gguf_header import read_header
+from edged.llm.generation import INPUT, OUTPUT, GenerationJob, Sampling, StopMatcher, llm_config
+from edged.llm.gguf_header import read_header
 
 log = logging.getLogger(__name__)
 

@@ -399,7 +399,7 @@ def test_per_context_profiles_are_set_on_each_instance_stream(device: CudaDevice
 
 def test_selftest_compares_mapped_and_copied_buffers(device: CudaDevice, monkeypatch: pytest.MonkeyPatch) -> None:
     """The selftest's buffers check, its engine played by the identity stand-in."""
-    from edged.selftest_checks import buffers_check
+    from edged.tools.selftest_checks import buffers_check
 
     monkeypatch.setattr(TensorRTBackend, "_load_impl", _fake_load)
     rng = np.random.default_rng(11)

@@ -15,9 +15,9 @@ from edged.backends.base import BuildSpec, LoadOptions, TensorSpec
 from edged.backends.tensorrt import TensorRTBackend
 from edged.backends.tensorrt.cuda import shared_device
 from edged.backends.tensorrt.versions import parse_version
-from edged.build.calibrate import CalibrationSet
 from edged.config import CalibrationConfig
 from edged.errors import BuildError, CacheError, InvalidInputError
+from edged.quantize.calibrate import CalibrationSet
 
 pytestmark = pytest.mark.device
 PROFILES = {"x": ((1, 16), (4, 16), (8, 16))}
@@ -34,7 +34,7 @@ def major() -> int:
 
 @pytest.fixture(scope="module")
 def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edged.demo import make_tiny_mlp
+    from edged.tools.demo import make_tiny_mlp
 
     return make_tiny_mlp(tmp_path_factory.mktemp("models") / "tiny.onnx")
 
@@ -95,7 +95,7 @@ def test_fp16_engine_or_the_reason_it_cannot_be_built(major: int, mlp: Path, tmp
 
 
 def test_int8_engine_from_the_qdq_model_passes_the_gate(major: int, mlp: Path, tmp_path: Path) -> None:
-    from edged.selftest import gate_metrics, selftest_qdq, synthetic_feeds
+    from edged.tools.selftest import gate_metrics, selftest_qdq, synthetic_feeds
 
     specs = [("x", (4, 16), "float32")]
     qdq = selftest_qdq(mlp, tmp_path / "tiny.qdq.onnx", synthetic_feeds(specs, 32, seed=1))

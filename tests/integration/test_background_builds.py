@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from edged.demo import make_tiny_mlp
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, RequestStream, wait_for
 from tests.integration.mosquitto import Broker, Peer, broker
 from tests.integration.test_faults import NotifySocket
@@ -90,7 +90,7 @@ def test_a_cheap_engine_swapped_in_under_traffic_still_runs_on_the_loop(
     thread's runs wait for the GIL the busy loop holds: the tiny MLP measured 275-379 us there
     (20 us idle, 2-core machine), over the inline threshold, and ran on its worker thread for the
     daemon's life at half the throughput. A cost in the band above the threshold is timed again
-    on the loop (edged.warmup.loop_cost_us). The threshold is raised so that the idle
+    on the loop (edged.serving.warmup.loop_cost_us). The threshold is raised so that the idle
     measurement is far below it on any host, and the thread's under traffic well above."""
     model = make_tiny_mlp(tmp_path / "m.onnx")
     d = daemon_factory(

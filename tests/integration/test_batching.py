@@ -19,7 +19,7 @@ import pytest
 
 from edged import errors
 from edged.client import AsyncClient, Client
-from edged.demo import save_graph
+from edged.tools.demo import save_graph
 from tests.helpers import DaemonProcess
 
 pytestmark = pytest.mark.integration

@@ -73,7 +73,7 @@ def test_corrupt_artifact_is_quarantined_and_rebuilt(
 def test_changed_model_rebuilds_and_manifest_mismatch(
     daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
-    from edged.demo import make_tiny_mlp
+    from edged.tools.demo import make_tiny_mlp
 
     model = make_tiny_mlp(tmp_path / "m.onnx")
     d = daemon_factory({"m": {"path": str(model)}}, extra=BLOCK)
@@ -100,7 +100,7 @@ def test_artifact_that_does_not_load_is_rebuilt(
 ) -> None:
     """An entry whose checksum matches but which the backend cannot load (a plan from another
     TensorRT, say) is moved aside and rebuilt at once; the daemon comes up ready."""
-    from edged.cache import file_digest
+    from edged.cache.store import file_digest
 
     d = daemon_factory({"tiny": {"path": str(model_dir / "tiny.onnx")}}, extra=BLOCK)
     d.start()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from edged.paths import DEFAULT_SOCKET
-from edged.top import ENTER, LEAVE
+from edged.tools.top import ENTER, LEAVE
 from tests.helpers import DaemonProcess, wait_for, write_config
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ import numpy as np
 
 from edged import errors
 from edged.client import Client
-from edged.demo import make_tiny_mlp
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, wait_for
 from tests.integration.mosquitto import Broker, Peer, broker
 from tests.integration.test_mqtt import Edged, code_of, json_request

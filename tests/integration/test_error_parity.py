@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from edged import errors
-from edged.demo import make_tiny_mlp
+from edged.tools.demo import make_tiny_mlp
 from tests.integration.mosquitto import Broker, Peer, module_broker
 from tests.integration.test_mqtt import Edged
 from tests.string_model import make_string_model

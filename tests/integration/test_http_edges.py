@@ -291,7 +291,7 @@ def test_a_zip_bomb_is_a_413_and_allocates_no_more_than_max_body(served: DaemonP
 def test_control_routes_take_small_bodies_only(served: DaemonProcess) -> None:
     """Log settings, shared memory registration and load/unload are parsed on the loop: their
     bodies are bounded far below max_body, as sent and as inflated."""
-    from edged.transports.http import CONTROL_BODY
+    from edged.transports.http.app import CONTROL_BODY
 
     big = b"[" + b"0," * CONTROL_BODY + b"0]"
     routes = ["/v2/logging", "/v2/systemsharedmemory/region/r/register", "/v2/repository/models/tiny/load"]

@@ -167,7 +167,7 @@ def _build_child(parent: int) -> int | None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"edged.build.worker" in cmdline:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"edged.quantize.worker" in cmdline:
             return int(pid)
     return None
 

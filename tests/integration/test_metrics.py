@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from edged import errors
-from edged.demo import save_graph
-from edged.metrics import UNKNOWN
+from edged.serving.metrics import UNKNOWN
+from edged.tools.demo import save_graph
 from tests.helpers import DaemonProcess, wait_for
 from tests.integration.mosquitto import Broker, Peer, broker
 from tests.unit.test_metrics import FAMILIES, promtool_check

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edged import errors
-from edged.demo import make_tiny_mlp, save_graph
+from edged.tools.demo import make_tiny_mlp, save_graph
 from tests.helpers import DaemonProcess, wait_for, write_config
 from tests.integration.mosquitto import Broker, Peer, Received, module_broker
 

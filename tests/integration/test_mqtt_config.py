@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edged.demo import make_tiny_mlp
-from edged.transports.mqtt import FIRST_CONNECT_WAIT_S
+from edged.tools.demo import make_tiny_mlp
+from edged.transports.mqtt.transport import FIRST_CONNECT_WAIT_S
 from tests.integration.mosquitto import Broker, Peer, make_tls
 from tests.integration.test_mqtt import Edged, code_of, json_request, probs
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edged.demo import make_tiny_mlp
-from edged.transports.mqtt_homeassistant import topic_id
+from edged.tools.demo import make_tiny_mlp
+from edged.transports.mqtt.homeassistant import topic_id
 from tests.integration.mosquitto import Broker, Peer, Received, broker
 from tests.integration.test_mqtt import Edged, code_of, json_request
 

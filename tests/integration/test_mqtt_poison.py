@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edged.demo import make_tiny_mlp
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import wait_for
 from tests.integration.mosquitto import Broker, Peer, broker
 from tests.integration.test_mqtt import Edged, code_of, json_request

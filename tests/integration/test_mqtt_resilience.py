@@ -12,7 +12,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edged.demo import make_tiny_mlp
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import wait_for
 from tests.integration.mosquitto import Broker, Peer, broker, module_broker
 from tests.integration.test_mqtt import Edged, code_of, json_request, probs

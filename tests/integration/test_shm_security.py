@@ -135,8 +135,8 @@ def test_shrunk_large_input_copied_on_a_thread_is_a_400_not_sigbus(
 ) -> None:
     """An input past the loop's copy limit is copied on a copier thread: a shrunk object fails
     there, that request alone."""
-    from edged.demo import make_tiny_mlp
-    from edged.transports.shm_io import INLINE_COPY_BYTES
+    from edged.tools.demo import make_tiny_mlp
+    from edged.transports.shm.copies import INLINE_COPY_BYTES
 
     width = INLINE_COPY_BYTES // 4 + 1024
     d = daemon_factory({"wide": {"path": str(make_tiny_mlp(tmp_path / "wide.onnx", in_dim=width, hidden=4))}}).start()

@@ -1,5 +1,5 @@
 """Intra-op threads at warm-up: a count the configuration leaves open is the daemon's to measure
-(edged/threadpick.py), one it sets is kept; the status says which each model runs with."""
+(edged/serving/threadpick.py), one it sets is kept; the status says which each model runs with."""
 
 from __future__ import annotations
 

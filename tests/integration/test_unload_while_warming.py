@@ -3,7 +3,7 @@ error, and the load ends READY with its backend (unloaded under the warm-up, the
 READY with no backend, its sessions alive and its memory no longer counted).
 
 A real registry, backend and service over the tiny MLP; the instance wrapper (a test hook,
-like edged/faults.py's) holds the warm-up's first run on its thread until the unload was tried."""
+like edged/lifecycle/faults.py's) holds the warm-up's first run on its thread until the unload was tried."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 
 from edged.backends.base import Instance
-from edged.background import stand_in
-from edged.build.runner import BuildRunner
-from edged.cache import EngineCache
+from edged.cache.store import EngineCache
 from edged.config import from_mapping
-from edged.demo import make_tiny_mlp
 from edged.errors import ModelNotReadyError
-from edged.memory import plan, probe_meminfo
-from edged.metrics import Metrics
-from edged.registry import ModelRuntime, Registry
-from edged.service import Service
-from edged.states import ModelState
+from edged.host.memory import plan, probe_meminfo
+from edged.quantize.runner import BuildRunner
+from edged.serving.background import stand_in
+from edged.serving.metrics import Metrics
+from edged.serving.registry import ModelRuntime, Registry
+from edged.serving.service import Service
+from edged.serving.states import ModelState
+from edged.tools.demo import make_tiny_mlp
 
 pytestmark = pytest.mark.integration
 

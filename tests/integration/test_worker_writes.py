@@ -1,5 +1,5 @@
 """Outputs bound for shared memory on a model that runs on its worker thread (the worker writes
-them right after the run, edged/transports/early_writes.py): both kinds of region, several
+them right after the run, edged/transports/shm/worker_writes.py): both kinds of region, several
 outputs into one region, a region too small, and a frame-sized answer, on a real daemon."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A stand-in for ``edged serve`` under the shipped edged.service, for the system tests.
 
-It keeps the daemon's side of the unit's contract through edged.systemd (socket activation,
+It keeps the daemon's side of the unit's contract through edged.host.systemd (socket activation,
 READY=1, watchdog pings, SIGHUP → RELOADING=1 ... READY=1, SIGTERM → STOPPING=1 and exit 0) and
 answers every connection with a JSON report of what the sandbox lets it do. A reload waits for
 the test to write to the FIFO named by $STANDIN_RELOAD_FIFO, so the test can look at the
@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Any
 
-from edged import systemd as sd
+from edged.host import systemd as sd
 
 
 def attempt(action: Any) -> str:

@@ -16,7 +16,7 @@ import pytest
 from daemon_units import SERVICE, Edged, boot_edged
 from systemd_ns import Boot
 
-from edged.demo import make_tiny_mlp
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.system

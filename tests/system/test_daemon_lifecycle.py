@@ -32,8 +32,8 @@ from daemon_units import (
 )
 from systemd_ns import Boot
 
-from edged.demo import make_tiny_mlp
 from edged.errors import EdgedError
+from edged.tools.demo import make_tiny_mlp
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.system
@@ -149,7 +149,7 @@ def make_conv(path: Path, size: int = 512) -> tuple[Path, np.ndarray]:
     """Conv(3→8, s2) → Relu → Conv(8→16, s2) → Relu → GlobalAveragePool → Flatten on 1x3xSxS."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from edged.demo import save_graph
+    from edged.tools.demo import save_graph
 
     rng = np.random.default_rng(512)
     inits, nodes, prev, chans = [], [], "x", 3

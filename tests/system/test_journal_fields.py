@@ -1,4 +1,4 @@
-"""edged.systemd.setup_logging under a real systemd and journald: the fields arrive.
+"""edged.host.systemd.setup_logging under a real systemd and journald: the fields arrive.
 
 With systemd-python, LogRecord extras become the journal fields MODEL=, REQUEST_ID=, PHASE=;
 without it, stderr lines carry a ``<N>`` priority prefix that journald turns into PRIORITY=.
@@ -12,7 +12,7 @@ import pytest
 from systemd_ns import REPO, Boot, wait_until
 
 ONE_LINER = (
-    "import logging, signal, edged.systemd as s; "
+    "import logging, signal, edged.host.systemd as s; "
     "s._sd_journal = None if {fallback} else s._sd_journal; "
     "s.setup_logging('info'); "
     "logging.getLogger('edged.probe').warning('slow inference', "

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from jtop_ns import FAKE_DMI, JTOP_SOCKET, JtopNamespace, SetupError, jtop_config_dir, missing_prerequisite
 
-PROBE = "from edged.memory import probe; i = probe('auto'); print(i.source, i.total, i.available)"
+PROBE = "from edged.host.memory import probe; i = probe('auto'); print(i.source, i.total, i.available)"
 RAM = (
     "import json; from jtop import jtop\n"
     "with jtop() as j:\n"

@@ -1,7 +1,7 @@
 """The harness's first proof: a trivial Type=notify service under a real systemd 252.
 
 The service is a Python one-liner that sends STATUS=, then blocks on a FIFO until the test lets
-it go, then sends READY=1 through edged.systemd.notify. So the test knows READY=1 has not been
+it go, then sends READY=1 through edged.host.systemd.notify. So the test knows READY=1 has not been
 sent while it looks at the "activating" state, without timing anything.
 """
 
@@ -15,7 +15,7 @@ import pytest
 from systemd_ns import REPO, Boot, SystemdNamespace, open_fifo_writer
 
 ONE_LINER = (
-    "import edged.systemd as s, signal; "
+    "import edged.host.systemd as s, signal; "
     "s.status('waiting for go'); "
     "open('{fifo}').read(); "
     "s.notify('READY=1', 'STATUS=warm'); "

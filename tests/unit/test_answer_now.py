@@ -1,4 +1,4 @@
-"""Answers made at once on the connection (transports/connection.py's ``Direct``), on the daemon's
+"""Answers made at once on the connection (transports/http/connection.py's ``Direct``), on the daemon's
 real stack in process: uvicorn with edged's protocol on a real Unix socket, a real registry and
 ONNX Runtime model (the demo's tiny MLP, made to run inline). Each answer made at once must be
 byte for byte the answer of the ASGI call it replaces (the versioned path never takes the
@@ -19,11 +19,11 @@ import numpy as np
 import orjson
 import pytest
 
-from edged.service import Service
-from edged.transports.http import App
-from edged.transports.listener import Listener, start
+from edged.serving.service import Service
+from edged.transports.http.app import App
+from edged.transports.http.listener import Listener, start
 from edged.transports.peer import Door
-from edged.transports.shm import SharedMemoryRegistry
+from edged.transports.shm.regions import SharedMemoryRegistry
 from tests.unit.test_http_infer import inline_service
 
 DIRECT = "/v2/models/m/infer"

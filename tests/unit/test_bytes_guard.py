@@ -11,10 +11,11 @@ import threading
 import orjson
 import pytest
 
-from edged import jsonchild, protocol
 from edged.errors import InvalidInputError
-from edged.protocol import OFFLOAD_BYTES
-from edged.validate import Limits
+from edged.wire import decode as protocol
+from edged.wire import jsonchild
+from edged.wire.decode import OFFLOAD_BYTES
+from edged.wire.validate import Limits
 
 
 def binary_bytes_body(count: int, datatype: str = "BYTES") -> tuple[bytes, int]:

@@ -12,10 +12,17 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from edged.client import decode_response, encode_request
 from edged.errors import BadRequestError
-from edged.jsonchild import parse_in_child
-from edged.protocol import DEFAULT_LIMITS, InferRequest, decode_infer, encode_infer, finish_decode, resolve_pending
-from edged.tensors import deserialize_bytes, from_json_data, parse_dtype, serialize_bytes, tensor_bytes, v2_datatype
-from edged.transports import mqtt_codec as codec
+from edged.transports.mqtt import codec
+from edged.wire.decode import DEFAULT_LIMITS, InferRequest, decode_infer, encode_infer, finish_decode, resolve_pending
+from edged.wire.jsonchild import parse_in_child
+from edged.wire.tensors import (
+    deserialize_bytes,
+    from_json_data,
+    parse_dtype,
+    serialize_bytes,
+    tensor_bytes,
+    v2_datatype,
+)
 
 WORDS = np.array([[b"", b"a\x00b"], ["h\u00e9".encode(), b"\xff\xfe"]], dtype=object)
 

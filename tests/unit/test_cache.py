@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from edged.cache import EngineCache, SourceDigests, cache_key
+from edged.cache.store import EngineCache, SourceDigests, cache_key
 
 FIELDS = {
     "model_sha256": "a" * 64,
@@ -124,7 +124,7 @@ def test_source_digests_rehash_only_on_change(tmp_path: Path) -> None:
 def test_artefacts_are_trusted_by_stamp_and_verified_in_full_on_demand(tmp_path: Path) -> None:
     """A reload must not re-read every engine: a lookup hashes an artefact only when its (size,
     mtime, inode) changed; verify() reads it in full (what a failed load does)."""
-    from edged.cache import file_digest
+    from edged.cache.store import file_digest
 
     reads: list[str] = []
 

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edged.cache import EngineCache, cache_key
-from edged.cache_gc import collect
+from edged.cache.collect import collect
+from edged.cache.store import EngineCache, cache_key
 
 
 def fields(model_sha: str, precision: str = "fp32", device: str = "cpu-a") -> dict[str, Any]:

@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 from edged.backends.base import TensorSpec
-from edged.build.calibrate import CalibrationSet, FeedReader, data_digest
 from edged.config import CalibrationConfig
 from edged.errors import BuildError, ConfigError
+from edged.quantize.calibrate import CalibrationSet, FeedReader, data_digest
 
 IMG = TensorSpec("x", "float32", (-1, 3, 4, 6))
 

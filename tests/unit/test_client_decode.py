@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from edged.client import decode_response
-from edged.protocol import InferRequest, encode_infer
+from edged.wire.decode import InferRequest, encode_infer
 
 
 def test_non_finite_json_outputs_reach_the_client() -> None:

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from edged.errors import BadRequestError
-from edged.protocol import decode_infer, plan_document
-from edged.validate import Limits
+from edged.wire.decode import decode_infer, plan_document
+from edged.wire.validate import Limits
 
 LIMITS = Limits()
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edged.errors import BadRequestError, EdgedError, SharedMemoryError
-from edged.protocol import V2_TO_NUMPY, Limits, decode_infer, encode_infer, parse_header_length
-from edged.tensors import tensor_bytes, tensor_bytes_copy
+from edged.wire.decode import V2_TO_NUMPY, Limits, decode_infer, encode_infer, parse_header_length
+from edged.wire.tensors import tensor_bytes, tensor_bytes_copy
 
-# pytest resets warning filters per test; the daemon's own filter (edged.tensors) hides this one.
+# pytest resets warning filters per test; the daemon's own filter (edged.wire.tensors) hides this one.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -221,7 +221,7 @@ def test_header_length_is_a_plain_decimal_or_a_400(raw: str | bytes) -> None:
 )
 def test_encoded_responses_read_back(results: dict[str, np.ndarray], binary: bool) -> None:
     from edged.client import decode_response
-    from edged.protocol import InferRequest
+    from edged.wire.decode import InferRequest
 
     body, header_length = encode_infer("m", InferRequest(binary_all=binary), results)
     back = decode_response(body, header_length)

@@ -18,17 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edged import encoding
 from edged.backends.base import Instance, LoadOptions
 from edged.backends.onnxruntime import OnnxRuntimeBackend
-from edged.demo import save_graph
-from edged.encoding import encode_infer_parts
 from edged.errors import BackendError, BadRequestError, SharedMemoryNotFoundError, SharedMemoryTruncatedError
-from edged.scheduler import ModelQueue
-from edged.tensors import InferRequest, OutputRequest
-from edged.transports import shm_io
-from edged.transports.early_writes import EarlyWrites
-from edged.transports.shm import Region
+from edged.serving.scheduler import ModelQueue
+from edged.tools.demo import save_graph
+from edged.transports.shm import copies as shm_io
+from edged.transports.shm.regions import Region
+from edged.transports.shm.worker_writes import EarlyWrites
+from edged.wire import encode as encoding
+from edged.wire.encode import encode_infer_parts
+from edged.wire.tensors import InferRequest, OutputRequest
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create on this platform")
 

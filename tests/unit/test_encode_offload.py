@@ -1,4 +1,4 @@
-"""Which large answers edged/encoding.py encodes on a worker thread: those with values to
+"""Which large answers edged/wire/encode.py encodes on a worker thread: those with values to
 serialise or bytes to copy, not those whose outputs go out as views of their arrays or are in
 shared memory already. The thread hand-off is recorded, the encoding itself is the real one."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edged import encoding
-from edged.tensors import InferRequest, OutputRequest
+from edged.wire import encode as encoding
+from edged.wire.tensors import InferRequest, OutputRequest
 
 FRAME = np.arange(640 * 640, dtype=np.float32).reshape(1, 1, 640, 640)  # 1.6 MB, a detector's map
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from edged.transports.fd_socket import FdSocket
-from edged.transports.shm import SharedMemoryRegistry
+from edged.transports.shm.memfd_socket import FdSocket
+from edged.transports.shm.regions import SharedMemoryRegistry
 
 
 def serving(loop: asyncio.AbstractEventLoop, tmp_path: Path) -> tuple[FdSocket, socket.socket]:

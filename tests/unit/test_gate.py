@@ -14,9 +14,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edged.build.gate import GateResult, evaluate
 from edged.config import GateConfig
 from edged.errors import BuildError
+from edged.quantize.gate import GateResult, evaluate
 
 Feed = dict[str, np.ndarray]
 Run = Callable[[Feed], Mapping[str, np.ndarray]]

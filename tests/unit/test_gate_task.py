@@ -9,9 +9,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from edged.build import detect
-from edged.build.gate import RunFn, evaluate
 from edged.config import GateConfig
+from edged.quantize import detect
+from edged.quantize.gate import RunFn, evaluate
 
 Feed = dict[str, np.ndarray]
 
@@ -151,7 +151,7 @@ def test_unknown_metric_is_a_config_error() -> None:
 
 
 def test_describe_and_precision_text_show_the_mixed_result() -> None:
-    from edged.build.gate import describe, precision_text
+    from edged.quantize.gate import describe, precision_text
 
     gate_dict = {
         "passed": True,

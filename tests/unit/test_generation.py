@@ -6,7 +6,7 @@ import pytest
 
 from edged.config import LlmConfig, ModelConfig
 from edged.errors import InvalidInputError
-from edged.generation import StopMatcher, is_language_model, make_job, messages_from, sampling_from
+from edged.llm.generation import StopMatcher, is_language_model, make_job, messages_from, sampling_from
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edged.errors import BuildError
-from edged.gguf_header import read_header
+from edged.llm.gguf_header import read_header
 
 
 def _s(text: str) -> bytes:

@@ -1,4 +1,4 @@
-"""edged/heap.py: large buffers stay faulted in between requests; the start-up's objects frozen."""
+"""edged/host/malloc.py: large buffers stay faulted in between requests; the start-up's objects frozen."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from edged import heap
+from edged.host import malloc as heap
 
 # A 3 MB buffer made, touched and freed (the warm-up's), then made and touched again (the first
 # request's): the faults of the second.
 PROBE = """
 import ctypes, resource, sys
-from edged import heap
+from edged.host import malloc as heap
 if sys.argv[1] != "untuned":
     assert heap.keep_large_buffers()
 def touched(size=3 << 20):

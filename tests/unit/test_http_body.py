@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from edged.errors import BadRequestError, PayloadTooLargeError, UnsupportedEncodingError
-from edged.transports import http_body
-from edged.transports.http_body import accepted_encoding, compress, inflate, read_body
+from edged.transports.http import body as http_body
+from edged.transports.http.body import accepted_encoding, compress, inflate, read_body
 
 GZIP, DEFLATE = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS
 

@@ -14,21 +14,21 @@ import numpy as np
 import orjson
 import pytest
 
-from edged.background import stand_in
-from edged.build.runner import BuildRunner
-from edged.cache import EngineCache
+from edged.cache.store import EngineCache
 from edged.config import from_mapping
-from edged.demo import make_tiny_mlp
 from edged.errors import InvalidInputError
-from edged.memory import plan, probe_meminfo
-from edged.metrics import Metrics
-from edged.protocol import OFFLOAD_BYTES, InferRequest
-from edged.registry import ModelRuntime, Registry
-from edged.service import Service, decode_now
-from edged.states import ModelState
-from edged.transports.http_infer import InferRoute, infer_target
-from edged.transports.shm import SharedMemoryRegistry
-from edged.validate import InputRules
+from edged.host.memory import plan, probe_meminfo
+from edged.quantize.runner import BuildRunner
+from edged.serving.background import stand_in
+from edged.serving.metrics import Metrics
+from edged.serving.registry import ModelRuntime, Registry
+from edged.serving.service import Service, decode_now
+from edged.serving.states import ModelState
+from edged.tools.demo import make_tiny_mlp
+from edged.transports.http.infer import InferRoute, infer_target
+from edged.transports.shm.regions import SharedMemoryRegistry
+from edged.wire.decode import OFFLOAD_BYTES, InferRequest
+from edged.wire.validate import InputRules
 
 
 def test_infer_target_takes_only_the_plain_infer_path() -> None:
@@ -208,8 +208,8 @@ def test_outputs_the_worker_writes_into_shared_memory_count_as_compute_output(
     answer's output stage in Triton's statistics (not the run's, nor nobody's)."""
     from multiprocessing import shared_memory
 
-    from edged.transports import shm_io
     from edged.transports.peer import Peer
+    from edged.transports.shm import copies as shm_io
 
     real = shm_io._write_all
 

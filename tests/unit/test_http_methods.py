@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edged.errors import BadRequestError, MethodNotAllowedError, UnsupportedEncodingError
-from edged.transports.http_methods import error_headers, expect
+from edged.transports.http.methods import error_headers, expect
 
 BASE = [(b"content-type", b"application/json")]
 

@@ -1,16 +1,23 @@
-"""Import structure (issue 14.1): no cycles between edged's modules, and a client that stays light.
+"""Import structure: the architecture's contracts hold, no cycles between edged's modules, and a
+client that stays light.
 
-The graph is read from the source with ``ast``: every ``import`` and ``from ... import`` of an
-edged module, at module level or inside a function (a lazy import still ties two modules
-together), so a cycle hidden behind a function-level import fails too.
+The layers and forbidden imports are import-linter's contracts (``[tool.importlinter]`` in
+pyproject.toml). CI runs ``lint-imports``; the tests below run it too, on the tree and on copies
+with an import that breaks one contract each. Cycles are checked here, on a graph read from the
+source with ``ast``: every ``import`` and ``from ... import`` of an edged module, at module level or
+inside a function (a lazy import still ties two modules together).
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import edged
 
@@ -92,9 +99,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read_from_the_source() -> None:
     graph = import_graph()
-    assert {"edged.cli", "edged.daemon", "edged.client", "edged.backends.base"} <= set(graph)
+    assert {"edged.cli", "edged.lifecycle.daemon", "edged.client", "edged.backends.base"} <= set(graph)
     assert "edged.errors" in graph["edged.client"]
-    assert "edged.table" in graph["edged.planning"]  # a function-level import counts as well
+    assert "edged.tools.table" in graph["edged.tools.plan"]  # a function-level import counts as well
     assert graph["edged.errors"] == set()  # the leaf the design names
 
 
@@ -118,17 +125,42 @@ def test_the_client_imports_nothing_heavy() -> None:
     assert out.stdout.strip() == "", f"importing edged.client loads {out.stdout.strip()}"
 
 
-def test_layers_import_one_way() -> None:
-    """Transports know nothing of backends or hardware probes, and nothing below the transports
-    (service, registry, scheduler, backends, build) imports a transport or the lifecycle."""
-    graph = import_graph()
-    transports = {m for m in graph if m.startswith("edged.transports")}
-    for m in transports:
-        bad = {d for d in graph[m] if d.startswith("edged.backends") or d == "edged.memory"}
-        assert not bad, f"{m} imports {sorted(bad)}"
-    below = {"edged.service", "edged.registry", "edged.scheduler", "edged.protocol"}
-    below |= {m for m in graph if m.startswith(("edged.backends", "edged.build"))}
-    for m in below:
-        bad = {d for d in graph[m] if d.startswith("edged.transports") or d == "edged.daemon"}
-        assert not bad, f"{m} imports {sorted(bad)}"
-    assert "edged.daemon" not in graph["edged.planning"]
+REPO = PACKAGE.parent
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("lint-imports")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "importlinter.cli"]
+    return subprocess.run([*cmd, "--no-cache"], cwd=root, capture_output=True, text=True, timeout=120, env=_env(root))
+
+
+def _env(root: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(root)}
+
+
+def test_the_architecture_contracts_hold() -> None:
+    run = lint_imports(REPO)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 broken" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract"),
+    [
+        ("edged/wire/tensors.py", "from edged.serving import states", "edged is layered"),
+        ("edged/transports/http/app.py", "from edged.backends import base", "Transports never import a backend"),
+        ("edged/client/shm.py", "from edged.config import Config", "The client imports nothing of the daemon"),
+        ("edged/serving/service.py", "import pycuda.driver", "Only the TensorRT backend"),
+        ("edged/transports/mqtt/codec.py", "from edged.transports.http import body", "HTTP and MQTT are independent"),
+    ],
+)
+def test_a_broken_contract_fails_the_check(tmp_path: Path, module: str, line: str, contract: str) -> None:
+    """Negative controls: each contract catches an import that breaks it."""
+    shutil.copytree(PACKAGE, tmp_path / "edged", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n{line}  # noqa\n")
+    run = lint_imports(tmp_path)
+    assert run.returncode != 0
+    broken = run.stdout.split("Broken contracts", 1)[-1]
+    assert contract in broken, run.stdout

@@ -1,5 +1,5 @@
 """The warm-up's measure of one run, which decides whether a model runs on the event loop
-(edged.warmup.warm_cost_us): stable against a noisy host, and never cheap for a model that is not.
+(edged.serving.warmup.warm_cost_us): stable against a noisy host, and never cheap for a model that is not.
 
 Pure logic: the model is a fake (``FakeModel``) whose runs take scripted times on a fake clock
 (``FakeClock``), so each case says exactly which runs were slow."""
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from edged.warmup import INLINE_SAMPLES, loop_cost_us, run_cost_us, warm_cost_us
+from edged.serving.warmup import INLINE_SAMPLES, loop_cost_us, run_cost_us, warm_cost_us
 from tests.helpers import FakeClock
 
 THRESHOLD = 60.0  # server.inline_threshold_us's default
@@ -127,7 +127,7 @@ def test_the_cost_is_the_lower_quartile() -> None:
 
 
 def test_the_loop_check_runs_back_to_back_in_slices_the_loop_can_serve_between() -> None:
-    """edged.warmup.loop_cost_us: INLINE_SAMPLES runs, their lower quartile, back to back within
+    """edged.serving.warmup.loop_cost_us: INLINE_SAMPLES runs, their lower quartile, back to back within
     slices of about a millisecond, with the loop's other work run between the slices."""
     clock = FakeClock()
     model = FakeModel(clock, [400.0] * 3 + [20.0] * 40)  # three slow runs, then cheap ones

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from edged.loopwatch import LoopWatch
+from edged.lifecycle.loopwatch import LoopWatch
 
 
 def run_with_watch(body_blocks_s: float) -> tuple[LoopWatch, list[tuple[float, bool]]]:
@@ -29,7 +29,7 @@ def run_with_watch(body_blocks_s: float) -> tuple[LoopWatch, list[tuple[float, b
 
 
 def test_a_blocking_call_is_one_stall(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "edged.loopwatch")
+    caplog.set_level(logging.WARNING, "edged.lifecycle.loopwatch")
     watch, samples = run_with_watch(0.3)
     assert watch.stalls == 1
     assert watch.max_recent() >= 0.25

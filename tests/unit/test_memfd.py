@@ -1,4 +1,4 @@
-"""edged/transports/memfd.py: which descriptors may be mapped, and faulting a mapping in."""
+"""edged/transports/shm/memfd.py: which descriptors may be mapped, and faulting a mapping in."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from edged.errors import SharedMemoryError
-from edged.tensors import from_bytes
-from edged.transports.memfd import map_sealed, mapping_address, populate, sealable, unmap
+from edged.transports.shm.memfd import map_sealed, mapping_address, populate, sealable, unmap
+from edged.wire.tensors import from_bytes
 
 SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

@@ -1,4 +1,4 @@
-"""edged.metrics on its own: zero samples from the start, warm-up left out, every outcome counted,
+"""edged.serving.metrics on its own: zero samples from the start, warm-up left out, every outcome counted,
 no ``*_created`` series, and output that promtool and prometheus_client's parser accept.
 
 The model list and queue depths come from a plain dict standing in for the daemon's registry (the
@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from edged import errors
-from edged.metrics import UNKNOWN, Metrics, request_outcomes, uncounted
+from edged.serving.metrics import UNKNOWN, Metrics, request_outcomes, uncounted
 
 FAMILIES = {
     "edged_memory_budget_bytes",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edged.transports.mqtt_acks import Deliveries, Verdict
-from edged.transports.mqtt_journal import Journal
+from edged.transports.mqtt.acks import Deliveries, Verdict
+from edged.transports.mqtt.journal import Journal
 
 
 def make(tmp_path: Path | None = None, remember: int = 8) -> tuple[Deliveries, list[int]]:

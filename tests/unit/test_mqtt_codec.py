@@ -10,7 +10,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edged.errors import BadRequestError
-from edged.transports import mqtt_codec as codec
+from edged.transports.mqtt import codec
 
 
 @pytest.mark.parametrize(

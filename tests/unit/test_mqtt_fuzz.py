@@ -18,9 +18,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edged.errors import BadRequestError, EdgedError
-from edged.protocol import decode_infer
-from edged.transports import mqtt_codec as codec
-from edged.transports import mqtt_props
+from edged.transports.mqtt import codec
+from edged.transports.mqtt import props as mqtt_props
+from edged.wire.decode import decode_infer
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_BODY = 1 << 20

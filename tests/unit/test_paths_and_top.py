@@ -1,4 +1,4 @@
-"""Socket path resolution (edged.paths) and the frames of ``edged top`` (edged.top.render), as
+"""Socket path resolution (edged.paths) and the frames of ``edged top`` (edged.tools.top.render), as
 pure functions. The status documents are shaped like the daemon's /v2/edged/status; the real
 daemon is exercised in tests/integration/test_cli_top.py."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from edged.paths import DEFAULT_SOCKET, default_socket, resolve_socket
-from edged.top import Rates, render
+from edged.tools.top import Rates, render
 
 
 def test_socket_order_flag_env_config_default(monkeypatch: pytest.MonkeyPatch) -> None:

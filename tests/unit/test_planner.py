@@ -3,14 +3,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from edged.background import BackgroundBuilds
-from edged.boot import Boot
-from edged.build.runner import BuildRunner
-from edged.cache import EngineCache
+from edged.cache.store import EngineCache
 from edged.config import MemoryConfig, from_mapping
-from edged.memory import PlanItem, budget_bytes, choose_evictions, plan, probe_meminfo
-from edged.metrics import Metrics
-from edged.registry import ModelRuntime, Registry
+from edged.host.memory import PlanItem, budget_bytes, choose_evictions, plan, probe_meminfo
+from edged.lifecycle.boot import Boot
+from edged.quantize.runner import BuildRunner
+from edged.serving.background import BackgroundBuilds
+from edged.serving.metrics import Metrics
+from edged.serving.registry import ModelRuntime, Registry
 
 MiB = 1 << 20
 

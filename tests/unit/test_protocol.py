@@ -9,8 +9,7 @@ import orjson
 import pytest
 
 from edged.errors import BadRequestError, InvalidInputError, PayloadTooLargeError, SharedMemoryNotFoundError
-from edged.jsonchild import decode_infer_async
-from edged.protocol import (
+from edged.wire.decode import (
     OFFLOAD_BYTES,
     PLANS,
     InferRequest,
@@ -22,6 +21,7 @@ from edged.protocol import (
     encode_infer_parts,
     parse_header_length,
 )
+from edged.wire.jsonchild import decode_infer_async
 
 
 def test_json_tensor() -> None:
@@ -440,7 +440,7 @@ def test_non_finite_values_in_json_as_triton_writes_them() -> None:
 
 
 def test_large_json_is_parsed_in_a_child_process_with_the_same_results_and_errors() -> None:
-    from edged import jsonchild
+    from edged.wire import jsonchild
 
     x = np.arange(40_000, dtype=np.float32).reshape(2_500, 16)
     inp = {"name": "x", "shape": [2_500, 16], "datatype": "FP32", "data": x.tolist()}
@@ -470,8 +470,8 @@ def test_large_json_outputs_beside_a_shared_memory_output_are_encoded_off_the_lo
     """The region is taken on the loop; the JSON of a large output is encoded on a thread."""
     import threading
 
-    from edged import encoding
-    from edged.protocol import InferRequest, OutputRequest, encode_infer_async
+    from edged.wire import encode as encoding
+    from edged.wire.decode import InferRequest, OutputRequest, encode_infer_async
 
     big = np.linspace(0, 1, 100_000, dtype=np.float32)
     small = np.arange(4, dtype=np.float32)
@@ -505,7 +505,7 @@ def test_large_json_outputs_beside_a_shared_memory_output_are_encoded_off_the_lo
 def test_a_plain_json_request_with_its_tensors_in_shared_memory_is_planned_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import edged.protocol as protocol
+    import edged.wire.decode as protocol
 
     planned: list[object] = []
     real = protocol.plan_document

@@ -14,11 +14,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edged.backends.base import BuildSpec, LoadOptions, TensorSpec
 from edged.backends.onnxruntime import OnnxRuntimeBackend, ort_session
-from edged.build import quantize
-from edged.build.calibrate import CalibrationSet
-from edged.build.quantize import check_qdq, quantize_qdq
 from edged.config import CalibrationConfig
 from edged.errors import BuildError
+from edged.quantize import qdq as quantize
+from edged.quantize.calibrate import CalibrationSet
+from edged.quantize.qdq import check_qdq, quantize_qdq
 
 C1, C2, HID, CLASSES = 8, 6, 12, 5
 SPEC = TensorSpec("x", "float32", (-1, 3, 16, 16))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edged.build.runner import BuildRunner
-from edged.cache import EngineCache
+from edged.cache.store import EngineCache
 from edged.config import from_mapping
-from edged.memory import probe_meminfo
-from edged.metrics import Metrics
-from edged.readiness import summary, unready
-from edged.registry import Registry
-from edged.states import ModelState
+from edged.host.memory import probe_meminfo
+from edged.lifecycle.readiness import summary, unready
+from edged.quantize.runner import BuildRunner
+from edged.serving.metrics import Metrics
+from edged.serving.registry import Registry
+from edged.serving.states import ModelState
 
 
 def registry(tmp_path: Path) -> Registry:

@@ -15,7 +15,7 @@ import pytest
 
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, ShuttingDownError
-from edged.scheduler import ModelQueue
+from edged.serving.scheduler import ModelQueue
 
 T = TypeVar("T")
 

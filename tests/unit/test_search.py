@@ -13,12 +13,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edged.backends.base import BuildSpec, LoadOptions, TensorSpec
 from edged.backends.onnxruntime import OnnxRuntimeBackend, ort_session
-from edged.build import search
-from edged.build.calibrate import CalibrationSet
-from edged.build.gate import evaluate
-from edged.build.quantize import prepare, quantize_qdq
 from edged.config import CalibrationConfig, GateConfig
-from edged.demo import save_graph
+from edged.quantize import search
+from edged.quantize.calibrate import CalibrationSet
+from edged.quantize.gate import evaluate
+from edged.quantize.qdq import prepare, quantize_qdq
+from edged.tools.demo import save_graph
 
 WIDTH, DEPTH, SENSITIVE = 16, 8, 5
 
@@ -138,9 +138,9 @@ def test_the_budget_bounds_the_trials_and_a_miss_is_reported() -> None:
 
 
 def test_a_failed_search_keeps_the_all_int8_verdict(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from edged.build import mixed
-    from edged.build.job import BuildJob
-    from edged.cache import EngineCache, file_digest
+    from edged.cache.store import EngineCache, file_digest
+    from edged.quantize import mixed
+    from edged.quantize.job import BuildJob
 
     cache = EngineCache(setup["work"] / "cache")
     cache.prepare()

@@ -20,10 +20,10 @@ from edged.errors import (
     SharedMemoryNotFoundError,
     SharedMemoryTruncatedError,
 )
-from edged.transports import shm_io
 from edged.transports.peer import Peer
-from edged.transports.shm import SharedMemoryRegistry, ShmLimits
-from edged.transports.shm_io import INLINE_COPY_BYTES, ShmRequest
+from edged.transports.shm import copies as shm_io
+from edged.transports.shm.copies import INLINE_COPY_BYTES, ShmRequest
+from edged.transports.shm.regions import SharedMemoryRegistry, ShmLimits
 
 
 @pytest.fixture

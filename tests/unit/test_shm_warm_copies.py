@@ -1,4 +1,4 @@
-"""The start-up warm-up of the shared-memory copy path (edged.transports.shm_io.warm_copies): it
+"""The start-up warm-up of the shared-memory copy path (edged.transports.shm.copies.warm_copies): it
 runs a real copy in and out through a daemon-owned memfd, leaves a copier thread started, and
 leaves no descriptor behind."""
 
@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from edged.transports import shm_io
+from edged.transports.shm import copies as shm_io
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create on this platform")

@@ -1,4 +1,4 @@
-"""Model states (edged/states.py): the wire values, how they print and serialise, and which
+"""Model states (edged/serving/states.py): the wire values, how they print and serialise, and which
 states serve, give fleet requests back, load on demand or have settled."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import orjson
 
-from edged.states import READY, ModelState
+from edged.serving.states import READY, ModelState
 
 # The status API, the MQTT state topics, the logs and `edged top` show these; clients match them.
 WIRE = ["pending", "building", "built", "loading", "warming", "ready", "lazy", "deferred", "unloaded", "failed"]

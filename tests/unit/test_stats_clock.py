@@ -1,4 +1,4 @@
-"""edged/stats.py's wall-clock reading of the last request (Triton's last_inference): the same
+"""edged/serving/stats.py's wall-clock reading of the last request (Triton's last_inference): the same
 record reads the same every time. It was rebuilt from two clocks at each read, so two reads
 could differ by a millisecond of rounding (seen in tests/integration/test_triton_extensions.py).
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from edged import stats
-from edged.stats import ModelStatistics
+from edged.serving import stats
+from edged.serving.stats import ModelStatistics
 
 
 class FakeClocks:

@@ -1,4 +1,4 @@
-"""The held swap (edged/swap.py) over a real registry and real ONNX Runtime sessions: the swap a
+"""The held swap (edged/serving/swap.py) over a real registry and real ONNX Runtime sessions: the swap a
 reload and a background build both make when old and new do not fit in memory together.
 
 The runtimes are the registry's own stand-ins (ONNX Runtime on the source model, no build), so
@@ -13,18 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edged.background import BackgroundBuilds, stand_in
-from edged.build.runner import BuildRunner
-from edged.cache import EngineCache
+from edged.cache.store import EngineCache
 from edged.config import from_mapping
-from edged.demo import make_tiny_mlp
 from edged.errors import CacheError
-from edged.memory import probe_meminfo
-from edged.metrics import Metrics
-from edged.registry import ModelRuntime, Registry
-from edged.reload import Reloader, _Txn
-from edged.states import ModelState
-from edged.swap import OnFailure, swap_held
+from edged.host.memory import probe_meminfo
+from edged.lifecycle.reload import Reloader, _Txn
+from edged.quantize.runner import BuildRunner
+from edged.serving.background import BackgroundBuilds, stand_in
+from edged.serving.metrics import Metrics
+from edged.serving.registry import ModelRuntime, Registry
+from edged.serving.states import ModelState
+from edged.serving.swap import OnFailure, swap_held
+from edged.tools.demo import make_tiny_mlp
 
 X = {"x": np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)}
 

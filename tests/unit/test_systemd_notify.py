@@ -1,4 +1,4 @@
-"""edged.systemd against a real AF_UNIX datagram socket standing in for systemd's notify socket.
+"""edged.host.systemd against a real AF_UNIX datagram socket standing in for systemd's notify socket.
 
 Notify is edged's own non-blocking datagram sender (libsystemd's sd_notify blocks on a full
 queue); socket activation runs twice, through systemd-python and through the fallback parser.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from edged import systemd as sd
+from edged.host import systemd as sd
 
 HAS_SYSTEMD_PYTHON = sd._sd_daemon is not None
 REPO = Path(__file__).resolve().parents[2]
@@ -157,7 +157,7 @@ def test_unreachable_socket_returns_false_and_warns(
     tmp_path: Path, clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     clean_env.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
-    with caplog.at_level(logging.WARNING, logger="edged.systemd"):
+    with caplog.at_level(logging.WARNING, logger="edged.host.systemd"):
         assert sd.ready() is False
     assert "sd_notify failed" in caplog.text
 
@@ -177,7 +177,7 @@ def test_a_manager_that_stops_reading_never_blocks_the_sender(
     def flood() -> None:
         results.extend(sd.status(f"line {i}") for i in range(600))
 
-    with caplog.at_level(logging.INFO, logger="edged.systemd"):
+    with caplog.at_level(logging.INFO, logger="edged.host.systemd"):
         sender = threading.Thread(target=flood, daemon=True)
         sender.start()
         sender.join(timeout=30)
@@ -234,7 +234,7 @@ def test_under_systemd(clean_env: pytest.MonkeyPatch, var: str) -> None:
 
 _LISTEN_CHILD = """
 import os, socket, sys
-from edged import systemd as sd
+from edged.host import systemd as sd
 if sys.argv[1] == "fallback":
     sd._sd_daemon = None
 os.dup2(int(sys.argv[2]), 3)  # systemd passes the first socket as fd 3

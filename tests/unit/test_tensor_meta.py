@@ -1,4 +1,4 @@
-"""edged/tensors.py: the V2 datatype remembered per dtype, and a planned output's copy."""
+"""edged/wire/tensors.py: the V2 datatype remembered per dtype, and a planned output's copy."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edged import tensors
-from edged.tensors import OutputRequest, datatype_of, v2_datatype
+from edged.wire import tensors
+from edged.wire.tensors import OutputRequest, datatype_of, v2_datatype
 
 NAMES = "bool uint8 uint16 uint32 uint64 int8 int16 int32 int64 float16 float32 float64 <f4 >f4 object S7 U3"
 DTYPES = [np.dtype(t) for t in NAMES.split()]

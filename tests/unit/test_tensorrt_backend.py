@@ -218,7 +218,7 @@ def test_int64_is_narrowed_for_an_input_tensorrt_8_made_int32() -> None:
     typed INT32: the build's gate feeds INT64 and is served; values INT32 cannot hold are refused."""
     from edged.backends.base import TensorSpec
     from edged.errors import InvalidInputError
-    from edged.validate import rules_of
+    from edged.wire.validate import rules_of
 
     backend = TensorRTBackend(Path("fake.engine"))
     spec = TensorSpec("ids", "int32", (-1, 4))

@@ -22,9 +22,9 @@ from edged.backends.base import BuildSpec, TensorSpec
 from edged.backends.tensorrt import calibrator as calibrator_mod
 from edged.backends.tensorrt import trtlog
 from edged.backends.tensorrt.build import build_engine
-from edged.build.calibrate import CalibrationSet
 from edged.config import CalibrationConfig
 from edged.errors import BuildError
+from edged.quantize.calibrate import CalibrationSet
 
 PROFILE = {"x": ((1, 16), (4, 16), (8, 16))}
 
@@ -187,14 +187,14 @@ def fake_trt(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 @pytest.fixture
 def mlp(tmp_path: Path) -> Path:
-    from edged.demo import make_tiny_mlp
+    from edged.tools.demo import make_tiny_mlp
 
     return make_tiny_mlp(tmp_path / "mlp.onnx")
 
 
 @pytest.fixture
 def qdq(mlp: Path, tmp_path: Path) -> Path:
-    from edged.selftest import selftest_qdq, synthetic_feeds
+    from edged.tools.selftest import selftest_qdq, synthetic_feeds
 
     return selftest_qdq(mlp, tmp_path / "mlp.qdq.onnx", synthetic_feeds([("x", (4, 16), "float32")], 8, seed=1))
 

@@ -15,12 +15,12 @@ from edged.backends.base import BuildSpec, Progress, TensorSpec
 from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.backends.tensorrt.build import calibration_digest
 from edged.backends.tensorrt.calibrator import BatchFeeder, NamedFeed
-from edged.build.calibrate import CalibrationSet
-from edged.build.job import BuildJob
-from edged.build.pipeline import build_precision
-from edged.cache import EngineCache, file_digest
+from edged.cache.store import EngineCache, file_digest
 from edged.config import CalibrationConfig
 from edged.errors import BuildError
+from edged.quantize.calibrate import CalibrationSet
+from edged.quantize.job import BuildJob
+from edged.quantize.pipeline import build_precision
 
 X = TensorSpec("x", "float32", (-1, 16))
 
@@ -165,7 +165,7 @@ def job(tmp_path: Path, mlp: Path, data: Path, options: Mapping[str, Any]) -> Bu
 
 @pytest.mark.parametrize("legacy", [True, False], ids=["legacy-calibrator", "qdq"])
 def test_the_legacy_calibrator_gets_the_fp32_model_and_the_calibration_part(tmp_path: Path, legacy: bool) -> None:
-    from edged.demo import make_tiny_mlp
+    from edged.tools.demo import make_tiny_mlp
 
     mlp = make_tiny_mlp(tmp_path / "mlp.onnx")
     data = tmp_path / "data"

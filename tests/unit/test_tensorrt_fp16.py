@@ -137,10 +137,10 @@ def test_the_graph_handed_to_the_parser(
 def test_the_search_excluded_nodes_run_fp16(tmp_path: Path) -> None:
     """With the project's own quantizer: a Gemm excluded from INT8 still gets FP16."""
     from edged.backends.base import TensorSpec
-    from edged.build.calibrate import CalibrationSet
-    from edged.build.quantize import quantize_qdq
     from edged.config import CalibrationConfig
-    from edged.demo import make_tiny_mlp
+    from edged.quantize.calibrate import CalibrationSet
+    from edged.quantize.qdq import quantize_qdq
+    from edged.tools.demo import make_tiny_mlp
 
     mlp = make_tiny_mlp(tmp_path / "mlp.onnx")
     model = onnx.load(str(mlp))

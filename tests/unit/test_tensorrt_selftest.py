@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edged import selftest
 from edged.backends.tensorrt.versions import read_model_traits
 from edged.config import GateConfig, from_mapping
-from edged.selftest import gate_metrics, run_selftest, selftest_qdq, synthetic_feeds
-from edged.selftest_checks import Check, _figures, demo_model
+from edged.tools import selftest
+from edged.tools.selftest import gate_metrics, run_selftest, selftest_qdq, synthetic_feeds
+from edged.tools.selftest_checks import Check, _figures, demo_model
 
 
 def _tensorrt_runs() -> bool:
@@ -67,7 +67,7 @@ def test_pass_only_for_what_passed(
 
 
 def test_the_demo_is_the_configured_model_built_as_the_daemon_would(tmp_path: Path) -> None:
-    from edged.demo import make_tiny_mlp
+    from edged.tools.demo import make_tiny_mlp
 
     model = make_tiny_mlp(tmp_path / "m.onnx")
     cfg = from_mapping(
@@ -96,8 +96,8 @@ def test_the_demo_detector_is_judged_on_rendered_text_by_its_mask(tmp_path: Path
     import onnxruntime as ort
 
     from edged.backends.base import TensorSpec
-    from edged.build.calibrate import CalibrationSet
-    from edged.selftest_checks import DEMO
+    from edged.quantize.calibrate import CalibrationSet
+    from edged.tools.selftest_checks import DEMO
 
     if not DEMO.is_file():
         pytest.skip(f"the demo detector {DEMO} is not here (scripts/fetch_models.sh brings it)")
@@ -141,7 +141,7 @@ def test_gate_metrics() -> None:
 def test_the_qdq_recipe_gives_what_tensorrt_builds(tmp_path: Path) -> None:
     import onnx
 
-    from edged.demo import make_tiny_mlp
+    from edged.tools.demo import make_tiny_mlp
 
     fp32 = make_tiny_mlp(tmp_path / "tiny.onnx")
     feeds = synthetic_feeds([("x", (4, 16), "float32")], 16, seed=1)
@@ -170,7 +170,7 @@ def test_the_qdq_recipe_gives_what_tensorrt_builds(tmp_path: Path) -> None:
 
 
 def test_a_configured_ocr_det_keeps_its_tensorrt_options_and_gets_the_demo_data(tmp_path: Path) -> None:
-    from edged.selftest_checks import DEMO
+    from edged.tools.selftest_checks import DEMO
 
     if not DEMO.is_file():
         pytest.skip(f"the demo detector {DEMO} is not here")
@@ -184,7 +184,7 @@ def test_a_configured_ocr_det_keeps_its_tensorrt_options_and_gets_the_demo_data(
 
 
 def test_the_build_note_names_dla_fallback_and_the_float_parts() -> None:
-    from edged.selftest_checks import _build_note
+    from edged.tools.selftest_checks import _build_note
 
     manifest = {
         "strongly_typed": True,

@@ -1,4 +1,4 @@
-"""Intra-op threads chosen at warm-up (edged/threadpick.py).
+"""Intra-op threads chosen at warm-up (edged/serving/threadpick.py).
 
 The search is pure logic: its instances are fakes (``FakeInstance``) whose runs take a scripted
 time per thread count on a fake clock (``FakeClock``), so each case says what the model costs
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edged import threadpick
 from edged.backends.base import Instance, LoadOptions
 from edged.backends.onnxruntime import OnnxRuntimeBackend
-from edged.threadpick import SAMPLES, TIE, TRIAL_MAX_US, candidates, fit_threads, pick_threads
+from edged.serving import threadpick
+from edged.serving.threadpick import SAMPLES, TIE, TRIAL_MAX_US, candidates, fit_threads, pick_threads
 from tests.helpers import FakeClock
 
 
@@ -181,7 +181,7 @@ def test_a_trial_on_a_host_busier_than_the_warm_up_keeps_the_rule(
     _need_cores()
     monkeypatch.setattr(threadpick, "TIE", 1e9)
     monkeypatch.setattr(threadpick, "BUSY", 0.0)  # the rule's run, however fast, counts as slowed
-    caplog.set_level(logging.INFO, logger="edged.threadpick")
+    caplog.set_level(logging.INFO, logger="edged.serving.threadpick")
     b = _backend(model_dir)
     insts: list[Instance] = [b.instance()]
     first = insts[0]

@@ -13,10 +13,10 @@ import orjson
 import pytest
 
 from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, DeadlineExceededError
-from edged.metrics import uncounted
-from edged.scheduler import ModelQueue
-from edged.stats import ModelStatistics, Statistics
-from edged.transports import triton_ext
+from edged.serving.metrics import uncounted
+from edged.serving.scheduler import ModelQueue
+from edged.serving.stats import ModelStatistics, Statistics
+from edged.transports.http import triton as triton_ext
 from tests.unit.test_scheduler import FakeInstance
 
 

@@ -1,4 +1,4 @@
-"""edged/validate.py: the one owner of a model's input rules (issue 14)."""
+"""edged/wire/validate.py: the one owner of a model's input rules (issue 14)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from edged.backends.base import TensorSpec
 from edged.errors import InvalidInputError
-from edged.validate import InputRule, InputRules, rules_of
+from edged.wire.validate import InputRule, InputRules, rules_of
 
 SPECS = (TensorSpec("images", "float32", (-1, 3, -1, -1)), TensorSpec("text", "object", (-1,)))
 RULES = rules_of(SPECS, {"images": ((1, 3, 32, 32), (8, 3, 640, 640))})

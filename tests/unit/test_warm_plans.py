@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from edged.client import encode_request
-from edged.protocol import PLANS, InferRequest, decode_infer
-from edged.warmpath import _bodies, _warm_planning
+from edged.lifecycle.path_warmup import _bodies, _warm_planning
+from edged.wire.decode import PLANS, InferRequest, decode_infer
 
 INPUTS: dict[str, np.ndarray] = {"x": np.zeros((1, 16), np.float32), "mask": np.ones((1, 4), np.int64)}
 OUTPUTS = ["probs", "logits"]
 
 
 class FakeService:
-    """Pure-logic stand-in for edged.service.Service: decodes as its decode_infer does, without
+    """Pure-logic stand-in for edged.serving.service.Service: decodes as its decode_infer does, without
     a model behind it (the limits are the defaults)."""
 
     def __init__(self) -> None:

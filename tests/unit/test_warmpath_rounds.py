@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from edged.warmpath import PATH_BUDGET_US, ROUNDS, SOCKET_ROUNDS, rounds_within
+from edged.lifecycle.path_warmup import PATH_BUDGET_US, ROUNDS, SOCKET_ROUNDS, rounds_within
 
 
 def test_cheap_models_take_every_round() -> None:

@@ -24,9 +24,9 @@ FUSED = """    async def _serve(self, scope: Scope, receive: Receive, send: Send
             q = rt.queue if rt is not None else None
             inst = q._inline_instance if q is not None else None
             if rt is not None and inst is not None:
-                from edged.encoding import _encode_small
-                from edged.protocol import decode_infer, parse_header_length
-                from edged.transports.http_body import body_headers, read_body
+                from edged.wire.encode import _encode_small
+                from edged.wire.decode import decode_infer, parse_header_length
+                from edged.transports.http.body import body_headers, read_body
 
                 headers = body_headers(scope)
                 body = await read_body(scope, receive, self.max_body, headers)
@@ -52,7 +52,7 @@ def main() -> None:
     http = dest / "edged" / "transports" / "http.py"
     text = http.read_text()
     if ANCHOR not in text:
-        raise SystemExit("edged/transports/http.py: App._serve changed; update the trial")
+        raise SystemExit("edged/transports/http/app.py: App._serve changed; update the trial")
     http.write_text(text.replace(ANCHOR, FUSED, 1))
     print(f"the fused trial of edged in {dest / 'edged'}")
 

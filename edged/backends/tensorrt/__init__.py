@@ -12,7 +12,7 @@ usable instead of failing. Its parts:
 - ``fingerprint``: what an engine is bound to, for the cache key;
 - ``trtlog``: TensorRT's logger bridged into ``logging``;
 - ``build`` and ``calibrator``: engine building (the build child process); the legacy
-  calibrator reads its samples through ``edged.build.calibrate``, the one loader;
+  calibrator reads its samples through ``edged.quantize.calibrate``, the one loader;
 - ``backend``: loading, instances, inference.
 """
 

@@ -37,7 +37,7 @@ from edged.backends.tensorrt.shapes import (
 from edged.backends.tensorrt.trtlog import capture_errors, get_logger
 from edged.backends.tensorrt.versions import BuildOptions, parse_version, unsupported_reason, uses_device_memory_v2
 from edged.errors import BackendError, CacheError, InvalidInputError
-from edged.validate import Bounds
+from edged.wire.validate import Bounds
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -232,7 +232,7 @@ class TensorRTBackend(Backend):
         return runtime, engine
 
     def check_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
-        """The shared rules (edged/validate.py), on the INT32 a direct caller's INT64 becomes."""
+        """The shared rules (edged/wire/validate.py), on the INT32 a direct caller's INT64 becomes."""
         super().check_inputs(self.narrowed(inputs))
 
     def _input_bounds(self) -> Mapping[str, Bounds]:

@@ -31,7 +31,7 @@ from edged.backends.tensorrt.versions import (
     plan_build,
     read_model_traits,
 )
-from edged.cache import atomic_write, file_digest
+from edged.cache.store import atomic_write, file_digest
 from edged.errors import BuildError
 
 if TYPE_CHECKING:

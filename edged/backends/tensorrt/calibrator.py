@@ -4,7 +4,7 @@ Explicit quantization (the Q/DQ model) is edged's INT8 path; this one exists for
 form loses accuracy on TensorRT 8/10, and because DLA on those versions takes its INT8 scales from a
 calibrator. TensorRT 11 removed it; ``versions.plan_build`` refuses it there.
 
-The samples are the build pipeline's calibration part (``edged.build.calibrate.CalibrationSet``,
+The samples are the build pipeline's calibration part (``edged.quantize.calibrate.CalibrationSet``,
 the one loader every backend uses), read one file at a time: nothing holds the whole set. TensorRT
 calibrates a dynamic-shape network at its calibration profile's ``opt`` shapes, so every sample is
 checked against exactly those shapes (a file of several rows is split into rows when the shape's
@@ -24,7 +24,7 @@ import numpy as np
 
 from edged.backends.tensorrt.cuda import driver
 from edged.backends.tensorrt.shapes import Shape
-from edged.cache import atomic_write
+from edged.cache.store import atomic_write
 from edged.errors import BuildError
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,7 +39,8 @@ def driver() -> Any:
     global _driver
     with _init_lock:
         if _driver is None:
-            cuda = importlib.import_module("pycuda.driver")
+            import pycuda.driver as cuda
+
             cuda.init()
             _driver = cuda
         return _driver

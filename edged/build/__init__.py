@@ -1,1 +1,0 @@
-"""Building cache entries: the child process that calibrates, quantizes, builds and gates."""

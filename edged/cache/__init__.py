@@ -1,0 +1,1 @@
+"""The engine cache: keys, manifests, locks, atomic writes, quarantine, and collection."""

@@ -1,0 +1,1 @@
+"""The daemon's lifecycle: start order, boot, reload, readiness, signals, drain and stop."""

@@ -1,0 +1,411 @@
+"""The operations both transports call: validate, infer, metadata, status, load and unload.
+
+This is the one place where a request is checked against a model and turned into a scheduler
+call, so the socket and MQTT answer the same input with the same result or the same error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edged import __version__
+from edged.backends.base import Backend
+from edged.config import Config, ModelConfig, parse_size
+from edged.errors import (
+    BadRequestError,
+    EdgedError,
+    ModelNotFoundError,
+    ModelNotReadyError,
+    ShuttingDownError,
+)
+from edged.host.memory import MemoryInfo, Plan, probe
+from edged.serving.metrics import Metrics, counted
+from edged.serving.registry import ModelRuntime, Registry
+from edged.serving.scheduler import ModelQueue, elements_of
+from edged.serving.sinks import OutputSink
+from edged.serving.states import READY, ModelState
+from edged.serving.stats import ModelStatistics, Statistics
+from edged.wire.decode import (
+    MAX_TENSORS,
+    OFFLOAD_BYTES,
+    InferRequest,
+    Limits,
+    ShmResolver,
+    decode_infer,
+    v2_datatype,
+)
+from edged.wire.jsonchild import decode_infer_async
+from edged.wire.tensors import is_bytes
+from edged.wire.validate import InputRules
+
+log = logging.getLogger(__name__)
+
+# Decoder plans remembered as checked, per model plan (then forgotten all at once).
+_PASSED = 256
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What every request to one model is checked against, built once per load and config (a
+    reload, a swap or a lazy model's load changes one of the three it was built from)."""
+
+    cfg: Config
+    model_cfg: ModelConfig
+    backend: Backend | None
+    limits: Limits  # what a request may name, before its tensors are decoded
+    outputs: frozenset[str]  # the model's output names (empty: not loaded)
+    rules: InputRules | None  # its inputs' names, datatypes and shapes (None: not loaded)
+    timeout_s: float
+    # The decoder's plans (InferRequest.shapes, hashed by identity) whose inputs passed
+    # ``rules``, with their element count: a stream of requests with one header is checked once.
+    passed: dict[object, int] = field(default_factory=dict, compare=False)
+
+    def checked(self, inputs: Mapping[str, np.ndarray], shapes: object) -> int:
+        """``rules.check(inputs)``, remembered by ``shapes`` (see above); the inputs' elements."""
+        elements = self.passed.get(shapes)  # never stored under None
+        if elements is not None:
+            return elements
+        assert self.rules is not None  # READY with a queue: loaded
+        self.rules.check(inputs)
+        elements = elements_of(inputs)
+        if shapes is not None:
+            if len(self.passed) >= _PASSED:
+                self.passed.clear()
+            self.passed[shapes] = elements
+        return elements
+
+    def current(self, cfg: Config, rt: ModelRuntime) -> bool:
+        return self.cfg is cfg and self.model_cfg is rt.cfg and self.backend is rt.backend
+
+
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_repository",
+    "system_shared_memory",
+    "statistics",
+    "model_configuration",
+    "logging",
+    "edged",
+]
+
+
+class Service:
+    def __init__(
+        self, registry: Registry, metrics: Metrics, loop: asyncio.AbstractEventLoop, memory: MemoryInfo, plan: Plan
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.loop = loop
+        self.memory = memory
+        self.plan = plan
+        self.ready = asyncio.Event()
+        self.stopping = False
+        self.warming = False
+        self.started = time.time()
+        self.status_line = "starting"
+        # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
+        self.unready: Callable[[], str] = lambda: ""
+        self._plans: dict[str, ModelPlan] = {}
+        # Triton's statistics extension: one record per configured model (edged/serving/stats.py).
+        self.stats = Statistics(lambda: self.registry.models)
+
+    # --- health and metadata ---
+
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and not self.stopping and not self.unready()
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "edged", "version": __version__, "extensions": EXTENSIONS}
+
+    def model(self, name: str) -> ModelRuntime:
+        rt = self.registry.models.get(name)
+        if rt is None:
+            raise ModelNotFoundError(f"unknown model '{name}'")
+        return rt
+
+    async def memory_available(self) -> int | None:
+        """Free memory now, from the configured probe, off the loop (jtop answers over a socket,
+        and can take a second); None when the probe fails (the caller reports without it)."""
+        try:
+            info = await asyncio.to_thread(probe, self.registry.cfg.memory.probe)
+        except Exception as e:
+            log.debug("memory probe failed: %s", e)
+            return None
+        return info.available
+
+    def model_metadata(self, name: str) -> dict[str, Any]:
+        rt = self.model(name)
+        if rt.backend is None:
+            raise ModelNotReadyError(f"model '{name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
+        return {
+            "name": name,
+            "versions": ["1"],
+            "platform": f"{rt.backend_cls.name if rt.backend_cls else ''}_{rt.precision}",
+            "inputs": [_tensor_meta(s.name, s.dtype, s.shape) for s in rt.inputs],
+            "outputs": [_tensor_meta(s.name, s.dtype, s.shape) for s in rt.outputs],
+        }
+
+    # --- inference ---
+
+    async def decode_infer(
+        self, name: str, body: bytes | memoryview, header_length: int | None, shm: ShmResolver | None = None
+    ) -> InferRequest:
+        """The one decoder both transports call: the model first (an unknown model is a 404
+        whatever the body holds), then the body, bounded by the model's own tensor counts and
+        decoded off the loop when large, then the requested outputs against the model's."""
+        plan = self.plan_for(self.model(name))
+        if len(body) <= OFFLOAD_BYTES:
+            return decode_now(plan, body, header_length, shm)  # the hot path: no hand-off
+        return _outputs_checked(plan, await decode_infer_async(body, header_length, shm, plan.limits))
+
+    def infer_now(
+        self,
+        rt: ModelRuntime,
+        plan: ModelPlan,
+        inputs: Mapping[str, np.ndarray],
+        request_id: str = "",
+        transport: str = "http",
+        received_ns: int = 0,
+        shapes: object = None,
+    ) -> dict[str, np.ndarray] | None:
+        """``infer`` without awaiting, for a request the loop answers at once: to a model that
+        runs inline, serving, no larger than its warm-up's request. None for any other request,
+        with no outcome counted (``infer`` serves it); a request that fails here is counted here.
+        ``rt`` and ``plan``: the caller's lookup, used only while they are still the model's.
+        ``shapes``: the request's InferRequest.shapes (its check remembered by it)."""
+        queue = self._serving_queue(rt)
+        if queue is None or not queue.inline:
+            return None
+        if not plan.current(self.registry.cfg, rt) or self.registry.models.get(rt.name) is not rt:
+            return None  # a caller's lookup that a reload or a load has overtaken: ``infer`` looks again
+        entered = time.perf_counter_ns()
+        stats = self.stats.counted(rt.name)
+        try:
+            elements = plan.checked(inputs, shapes)
+            rt.last_used = time.monotonic()
+            out = queue.run_now(inputs, stats, elements)
+        except Exception as e:
+            self._failed(rt.name, transport, e, stats, received_ns or entered, entered, request_id)
+            raise
+        if out is not None:  # else its instance is busy with a larger request, or its queue full
+            self._succeeded(rt.name, transport, stats, received_ns or entered, entered)
+        return out
+
+    async def infer(
+        self,
+        name: str,
+        inputs: Mapping[str, np.ndarray],
+        request_id: str = "",
+        transport: str = "http",
+        received_ns: int = 0,
+        tried_now: bool = False,
+        sink: OutputSink | None = None,
+    ) -> dict[str, np.ndarray]:
+        """``received_ns``: when the transport took the request (perf_counter_ns), so its
+        decoding counts in the statistics; 0 when there was nothing to decode. ``tried_now``:
+        the caller has just had None from ``infer_now`` for it (not tried again). ``sink``: where
+        the model's worker puts the outputs (ModelQueue.submit)."""
+        rt = self.registry.models.get(name)
+        if rt is not None and not tried_now and rt.queue is not None and rt.queue.inline:
+            now = self.infer_now(rt, self.plan_for(rt), inputs, request_id, transport, received_ns)
+            if now is not None:
+                return now
+        entered = time.perf_counter_ns()  # one clock for the statistics and the metrics
+        stats = self.stats.counted(name)
+        if rt is None:
+            self.metrics.reject(name, transport, ModelNotFoundError.code, known=False)
+            raise ModelNotFoundError(f"unknown model '{name}'")
+        try:
+            queue = self._serving_queue(rt)
+            if queue is None:
+                rt, queue = await self._await_model(rt)
+            plan = self.plan_for(rt)
+            assert plan.rules is not None  # READY with a queue: loaded
+            plan.rules.check(inputs)  # the one check of this request's tensors
+            rt.last_used = time.monotonic()
+            out = await queue.submit(inputs, plan.timeout_s, request_id, stats, sink)
+        except Exception as e:
+            self._failed(name, transport, e, stats, received_ns or entered, entered, request_id)
+            raise
+        self._succeeded(name, transport, stats, received_ns or entered, entered)
+        return out
+
+    def _serving_queue(self, rt: ModelRuntime) -> ModelQueue | None:
+        """The queue of a model that serves now; None while it must be waited for. Until READY=1
+        every request waits for readiness, even one for a model already warm (except the
+        daemon's own warm-up requests, which are what readiness waits for)."""
+        # The daemon's own warm-up requests are the ones run uncounted (a client's request that
+        # arrives during the warm-up waits, in _await_model, as any before READY=1).
+        return rt.queue if rt.state is READY and (self.ready.is_set() or (self.warming and not counted())) else None
+
+    def _succeeded(
+        self, name: str, transport: str, stats: ModelStatistics | None, since_ns: int, entered_ns: int
+    ) -> None:
+        now = time.perf_counter_ns()
+        if stats is not None:
+            stats.succeeded(since_ns, entered_ns, now)
+        self.metrics.observe(name, transport, "ok", (now - entered_ns) / 1e9)
+
+    def _failed(
+        self,
+        name: str,
+        transport: str,
+        error: Exception,
+        stats: ModelStatistics | None,
+        since_ns: int,
+        entered_ns: int,
+        request_id: str,
+    ) -> None:
+        now = time.perf_counter_ns()
+        if stats is not None:
+            stats.failed(since_ns, now)
+        code = error.code if isinstance(error, EdgedError) else EdgedError.code
+        self.metrics.observe(name, transport, code, (now - entered_ns) / 1e9)
+        if isinstance(error, EdgedError):
+            log.debug(
+                "%s: request %s failed: %s",
+                name,
+                request_id,
+                error.message,
+                extra={"model": name, "request_id": request_id},
+            )
+
+    def plan_for(self, rt: ModelRuntime) -> ModelPlan:
+        """The model's request plan, remembered until the config or its backend changes."""
+        cfg = self.registry.cfg
+        plan = self._plans.get(rt.name)
+        if plan is not None and plan.current(cfg, rt):
+            return plan
+        plan = self._plans[rt.name] = _make_plan(cfg, rt)
+        return plan
+
+    async def _await_model(self, rt: ModelRuntime) -> tuple[ModelRuntime, Any]:
+        if self.stopping:
+            raise ShuttingDownError("edged is shutting down")
+        timeout = self.registry.cfg.server.request_timeout_ms / 1000
+        deadline = self.loop.time() + timeout
+        while (gate := self.registry.holds.get(rt.name)) is not None:
+            # A reload is swapping this model and old and new do not fit together: wait for it
+            # (and for its rollback, which holds the model again if the swap failed).
+            try:
+                await asyncio.wait_for(gate.wait(), max(0.0, deadline - self.loop.time()))
+            except asyncio.TimeoutError:
+                raise ModelNotReadyError(f"model '{rt.name}' is being swapped by a reload") from None
+            rt = self.registry.models.get(rt.name, rt)
+        if not self.ready.is_set():
+            # A request that arrives while the daemon warms up (socket activation queues it in
+            # the kernel) waits for readiness rather than failing.
+            try:
+                await asyncio.wait_for(self.ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise ModelNotReadyError("edged is still starting") from None
+        # A lazy model loads on its first request (that is what lazy means); one unloaded by an
+        # operator stays unloaded until loaded again through the repository API.
+        if rt.state.loads_on_demand and rt.entry is not None:
+            await self.registry.ensure_loaded(rt, self.loop)
+        if rt.state == ModelState.UNLOADED:
+            raise ModelNotReadyError(
+                f"model '{rt.name}' is unloaded"
+                + (f" ({rt.reason})" if rt.reason else "")
+                + f"; load it with POST /v2/repository/models/{rt.name}/load"
+            )
+        if rt.state != ModelState.READY or rt.queue is None:
+            raise ModelNotReadyError(f"model '{rt.name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
+        return rt, rt.queue
+
+    # --- repository ---
+
+    def repository_index(self) -> list[dict[str, Any]]:
+        return [
+            {"name": rt.name, "version": "1", "state": rt.state.upper(), "reason": rt.reason}
+            for rt in self.registry.models.values()
+        ]
+
+    async def load(self, name: str) -> None:
+        rt = self.model(name)
+        if rt.state == ModelState.READY:
+            return
+        if rt.entry is None:
+            raise ModelNotReadyError(f"model '{name}' cannot load: {rt.reason or 'it has no built engine'}")
+        await self.registry.ensure_loaded(rt, self.loop)
+
+    async def unload(self, name: str) -> None:
+        rt = self.model(name)
+        if rt.state == ModelState.FAILED or rt.backend is None:
+            return
+        if rt.state in (ModelState.LOADING, ModelState.WARMING):
+            # Its warm-up still measures the backend and then starts its queue: unloaded under
+            # it, the model would come back READY with no backend (or FAILED, not unloaded).
+            raise ModelNotReadyError(f"model '{name}' is {rt.state.value}: unload it once it is ready")
+        await self.registry.unload(rt, ModelState.UNLOADED, "unloaded through the repository API")
+
+    # --- status ---
+
+    def status(self) -> dict[str, Any]:
+        reg = self.registry
+        return {
+            "version": __version__,
+            "ready": self.is_ready(),
+            "status": self.status_line,
+            "uptime_s": round(time.time() - self.started, 1),
+            "memory": {
+                "source": self.memory.source,
+                "total_bytes": self.memory.total,
+                "available_at_start_bytes": self.memory.available,
+                "detail": self.memory.detail,
+                "budget_bytes": reg.budget,
+                "used_bytes": reg.used(),
+            },
+            "plan": self.plan.to_dict(),
+            "builds": [b.to_dict() for b in reg.runner.active.values()],
+            "models": {
+                name: dict(
+                    rt.to_dict(), **self.metrics.model(name).percentiles(), requests=self.metrics.model(name).requests
+                )
+                for name, rt in reg.models.items()
+            },
+        }
+
+
+def _make_plan(cfg: Config, rt: ModelRuntime) -> ModelPlan:
+    max_json = parse_size(cfg.server.max_json)
+    inputs, outputs = rt.inputs, rt.outputs
+    if inputs and outputs:
+        strings = frozenset(s.name for s in inputs if is_bytes(s.np_dtype))
+        limits = Limits(len(inputs), len(outputs), rt.name, max_json, strings)
+    else:  # not loaded yet: its counts are unknown
+        limits = Limits(MAX_TENSORS, MAX_TENSORS, rt.name, max_json)
+    rules = None
+    if rt.backend is not None:
+        # The backend's input rules narrowed by the model's config (edged/wire/validate.py owns them).
+        bounds = {n: (tuple(p.min), tuple(p.max)) for n, p in rt.cfg.profiles.items()}
+        rules = rt.backend.input_rules.narrowed(rt.name, bounds, rt.cfg.max_batch)
+    timeout_s = (rt.cfg.timeout_ms or cfg.server.request_timeout_ms) / 1000
+    return ModelPlan(cfg, rt.cfg, rt.backend, limits, frozenset(s.name for s in outputs), rules, timeout_s)
+
+
+def decode_now(
+    plan: ModelPlan, body: bytes | memoryview, header_length: int | None, shm: ShmResolver | None
+) -> InferRequest:
+    """``Service.decode_infer`` on the caller's thread, for a body of at most OFFLOAD_BYTES."""
+    return _outputs_checked(plan, decode_infer(body, header_length, shm, plan.limits))
+
+
+def _outputs_checked(plan: ModelPlan, req: InferRequest) -> InferRequest:
+    """``req``, once every output it asks for is one of the model's."""
+    if req.outputs is not None and plan.outputs:
+        for out in req.outputs:
+            if out.name not in plan.outputs:
+                raise BadRequestError(f"requested output '{out.name}' is not an output of '{plan.limits.model}'")
+    return req
+
+
+def _tensor_meta(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    return {"name": name, "datatype": v2_datatype(dtype), "shape": list(shape)}

@@ -1,0 +1,1 @@
+"""The commands beside the daemon: top, plan and build, selftest, the demo models."""

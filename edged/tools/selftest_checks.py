@@ -1,0 +1,417 @@
+"""The checks of ``edged selftest`` (see ``edged.tools.selftest``): the demo model and its data, the int8
+build through the daemon's pipeline, several instances of a dynamic engine, mapped against copied
+host buffers, cold start and steady latency. Only the TensorRT checks need TensorRT; choosing the
+demo and making its data run anywhere (and are unit-tested here)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from edged.backends.base import BuildSpec, LoadOptions
+from edged.cache.store import Entry
+from edged.config import Config, ModelConfig, format_size, from_mapping
+
+Feed = dict[str, np.ndarray]
+Profiles = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+DEMO = Path("data/models/ocr_det.onnx")
+DEMO_PROFILE = {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640], "max": [1, 3, 1280, 1280]}
+# The detector's decision is its text mask: judge it by that (the gate's task metric), not by the
+# raw probability map's error. Keys the gate configuration does not know are left out.
+DEMO_GATE: dict[str, Any] = {"metric": "mask_iou"}
+PAGES, SAMPLES, INSTANCES, STEADY_RUNS = 40, 32, 3, 200
+MLP_PROFILE = ((1, 16), (4, 16), (8, 16))
+WORDS = ("edged", "Jetson", "INT8", "engine", "warm", "ready", "frame", "camera", "Orin", "text", "page", "model")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    detail: str
+
+
+@dataclass
+class Demo:
+    name: str
+    path: Path
+    origin: str
+    model: ModelConfig  # as the daemon would build it: backend tensorrt, precision int8
+    data_note: str
+
+
+# --- the demo model and its data ---------------------------------------------------------------
+
+
+def demo_model(cfg: Config, tmp: Path) -> Demo:
+    models = sorted(cfg.models.items(), key=lambda kv: kv[0] != "ocr_det")
+    for name, model in models:
+        if Path(model.path).is_file():
+            if name == "ocr_det" and model.calibration is None:
+                # The demo detector with the config's own profiles and TensorRT options (a static
+                # profile with dla_core, legacy_calibrator): the demo's data and gate.
+                raw = msgspec.to_builtins(model)
+                return _detector(Path(model.path), raw["profiles"], raw["tensorrt"], tmp, "config model 'ocr_det'")
+            return _configured(name, model, tmp)
+    if DEMO.is_file():
+        return _detector(DEMO, {"x": DEMO_PROFILE}, {}, tmp, "demo detector")
+    from edged.tools.demo import make_tiny_mlp
+
+    path = make_tiny_mlp(tmp / "tiny.onnx")
+    folder = write_feeds(tmp / "mlp-data", synthetic_feeds([("x", (4, 16), "float32")], PAGES, seed=1))
+    profile = {"x": {"min": list(MLP_PROFILE[0]), "opt": list(MLP_PROFILE[1]), "max": list(MLP_PROFILE[2])}}
+    raw = {"path": str(path), "profiles": profile, "calibration": {"data": str(folder)}}
+    return Demo("tiny", path, "tiny MLP (no demo model found)", _int8(raw), f"{PAGES} synthetic samples")
+
+
+def _detector(path: Path, profiles: Any, tensorrt: Any, tmp: Path, origin: str) -> Demo:
+    data = render_pages(tmp / "pages", PAGES)
+    calibration = {
+        "data": str(data),
+        "resize": [640, 640],
+        "color": "BGR",
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "max_samples": PAGES,
+    }
+    raw = {
+        "path": str(path),
+        "profiles": profiles,
+        "tensorrt": tensorrt,
+        "calibration": calibration,
+        "gate": _gate(DEMO_GATE),
+    }
+    return Demo("ocr_det", path, origin, _int8(raw), f"{PAGES} rendered text pages (640x640)")
+
+
+def _gate(wanted: dict[str, Any]) -> dict[str, Any]:
+    from edged.config import GateConfig
+
+    return {k: v for k, v in wanted.items() if k in GateConfig.__struct_fields__}
+
+
+def _int8(raw: dict[str, Any]) -> ModelConfig:
+    model: ModelConfig = from_mapping({"models": {"m": dict(raw, backend="tensorrt", precision="int8")}}).models["m"]
+    return model
+
+
+def _configured(name: str, model: ModelConfig, tmp: Path) -> Demo:
+    """A configured model, built as the daemon would at int8; without calibration data of its
+    own it gets synthetic samples (and the report says so)."""
+    model = msgspec.structs.replace(model, backend="tensorrt", precision="int8")
+    if model.calibration is not None:
+        return Demo(
+            name, Path(model.path), f"config model '{name}'", model, f"its calibration data {model.calibration.data}"
+        )
+    specs = input_specs(
+        Path(model.path), {k: (tuple(p.min), tuple(p.opt), tuple(p.max)) for k, p in model.profiles.items()}
+    )
+    folder = write_feeds(tmp / f"{name}-data", synthetic_feeds(specs, PAGES, seed=1))
+    raw = msgspec.to_builtins(model)
+    raw["calibration"] = {"data": str(folder)}
+    return Demo(
+        name,
+        Path(model.path),
+        f"config model '{name}'",
+        _int8(raw),
+        f"{PAGES} synthetic samples (no calibration data configured)",
+    )
+
+
+def input_specs(path: Path, profiles: Profiles) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape at the profile's opt, numpy dtype) of each model input."""
+    from edged.backends.onnxruntime import OnnxRuntimeBackend, ort_session
+
+    specs = []
+    for spec in OnnxRuntimeBackend.specs_of(ort_session(str(path))):
+        shape = profiles[spec.name][1] if spec.name in profiles else tuple(d if d > 0 else 1 for d in spec.shape)
+        specs.append((spec.name, tuple(shape), spec.dtype))
+    return specs
+
+
+def synthetic_feeds(specs: Sequence[tuple[str, tuple[int, ...], str]], count: int, seed: int) -> list[Feed]:
+    """Image inputs get document-like pictures (a light page with dark strokes, normalised as
+    ImageNet models expect); other inputs standard normal values."""
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for _ in range(count):
+        feed = {}
+        for name, shape, dtype in specs:
+            arr = _page(rng, shape) if len(shape) == 4 and shape[1] == 3 else rng.standard_normal(shape)
+            feed[name] = arr.astype(dtype)
+        feeds.append(feed)
+    return feeds
+
+
+def _page(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    n, c, h, w = shape
+    img = np.empty(shape, np.float32)
+    for i in range(n):
+        page = np.full((h, w), rng.uniform(0.75, 0.95), np.float32)
+        page += np.linspace(0, rng.uniform(-0.1, 0.1), w, dtype=np.float32)[None, :]
+        for _ in range(int(rng.integers(5, 25))):
+            y, x = int(rng.integers(0, h)), int(rng.integers(0, w))
+            length = int(rng.integers(max(1, w // 20), max(2, w // 3)))
+            page[y : y + max(2, h // 40), x : x + length] = rng.uniform(0.0, 0.3)
+        img[i] = page[None] + rng.normal(0, 0.02, (c, h, w))
+    mean = np.array([0.485, 0.456, 0.406], np.float32)[:, None, None]
+    std = np.array([0.229, 0.224, 0.225], np.float32)[:, None, None]
+    return (img - mean) / std
+
+
+def write_feeds(folder: Path, feeds: Sequence[Feed]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    savez: Any = np.savez  # numpy's stub reads **arrays as its allow_pickle keyword
+    for i, feed in enumerate(feeds):
+        savez(folder / f"sample{i:04d}.npz", **feed)
+    return folder
+
+
+def render_pages(folder: Path, count: int, size: int = 640) -> Path:
+    """Light pages with lines of dark text: what a text detector is for (its calibration and
+    held-out data go through the daemon's own image loader)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(2024)
+    for i in range(count):
+        img = Image.new("RGB", (size, size), tuple(int(v) for v in rng.integers(190, 256, 3)))
+        draw = ImageDraw.Draw(img)
+        y = int(rng.integers(4, 24))
+        while y < size - 40:
+            height = int(rng.integers(14, 40))
+            try:
+                font: Any = ImageFont.load_default(size=height)
+            except TypeError:  # Pillow < 10.1 has one bitmap size
+                font = ImageFont.load_default()
+            words = " ".join(rng.choice(WORDS, int(rng.integers(1, 6))))
+            ink = tuple(int(v) for v in rng.integers(0, 90, 3))
+            draw.text((int(rng.integers(4, size // 4)), y), words, fill=ink, font=font)
+            y += height + int(rng.integers(6, 40))
+        img.save(folder / f"page{i:03d}.png")
+    return folder
+
+
+# --- int8 through the daemon's pipeline --------------------------------------------------------
+
+
+def int8_check(demo: Demo, tmp: Path, say: Callable[[str], None]) -> tuple[Check, Entry | None, list[Feed]]:
+    """Build as the daemon does and report the int8 verdict; returns the entry served (int8, or
+    the fallback the gate chose) and held-out feeds for the other checks."""
+    from edged.backends.onnxruntime import OnnxRuntimeBackend, ort_session
+    from edged.backends.tensorrt import TensorRTBackend
+    from edged.cache.store import EngineCache, file_digest
+    from edged.quantize.calibrate import CalibrationSet, data_digest
+    from edged.quantize.job import job_key, make_job
+    from edged.quantize.pipeline import build_precision
+
+    model, cal = demo.model, demo.model.calibration
+    assert cal is not None
+    cache = EngineCache(tmp / "cache")
+    cache.prepare()
+    job = make_job(
+        demo.name, model, TensorRTBackend, "int8", str(cache.dir), file_digest, lambda m: data_digest(cal.data, cal)
+    )
+    seen: list[str] = []
+
+    def progress(phase: str, _fraction: float | None) -> None:
+        if not seen or seen[-1] != phase:
+            seen.append(phase)
+            say(phase)
+
+    entry = build_precision(job, TensorRTBackend, cache, progress)
+    record = cache.lookup(job.model, job_key(job, TensorRTBackend), TensorRTBackend.artifact_suffix)
+    manifest = record.manifest if record is not None else entry.manifest
+    gate = manifest.get("gate") or {}
+    samples = CalibrationSet.load(cal, OnnxRuntimeBackend.specs_of(ort_session(model.path)))
+    calib, held = samples.split(model.gate.holdout)
+    demo.data_note += f": {len(calib)} calibrate, {len(held)} held out for the gate"
+    served = str(entry.manifest.get("precision", "?"))
+    passed = bool(gate.get("passed")) and served == "int8"
+    detail = f"{_figures(gate)}; {gate.get('reason', 'no gate verdict')}; {_build_note(entry.manifest)}"
+    if served != "int8":
+        detail += f"; the daemon would serve {served}"
+    return Check("int8", "PASS" if passed else "FAIL", detail), entry, list(itertools.islice(held, 8))
+
+
+def _figures(gate: dict[str, Any]) -> str:
+    keys = ("mask_iou", "det_f1", "top1", "rel_l2", "cosine")
+    shown = [f"{k} {gate[k]:.4g}" for k in keys if isinstance(gate.get(k), (int, float))]
+    return ", ".join(shown) or "no figures"
+
+
+def _build_note(manifest: dict[str, Any]) -> str:
+    typing = (
+        "strongly typed" if manifest.get("strongly_typed") else "flags " + "+".join(manifest.get("builder_flags", []))
+    )
+    floats = manifest.get("fp16") or {}
+    if floats:
+        typing += f", float parts FP16 ({floats.get('fp16_nodes')} nodes; {floats.get('fp32_nodes')} kept FP32)"
+    if manifest.get("legacy_calibrator"):
+        typing += f", legacy calibrator on {manifest.get('calibration_samples')} samples"
+    dla = manifest.get("dla_gpu_fallback")
+    if dla:
+        names = ", ".join(dla["layers"][:5]) + (" ..." if dla["count"] > 5 else "")
+        typing += f", DLA core {manifest.get('dla_core')}: {dla['count']} of {dla['of']} layers on the GPU ({names})"
+    return typing
+
+
+# --- instances, buffers, timings -----------------------------------------------------------------
+
+
+def instances_check(tmp: Path) -> Check:
+    """``INSTANCES`` instances of a dynamic-batch engine (the tiny MLP) serving in parallel."""
+    import onnxruntime as ort
+
+    from edged.backends.tensorrt import TensorRTBackend
+    from edged.tools.demo import make_tiny_mlp
+
+    mlp = make_tiny_mlp(tmp / "instances.onnx")
+    engine = tmp / "instances.engine"
+    copies = TensorRTBackend.profiles_per_engine(INSTANCES)
+    TensorRTBackend.build(
+        BuildSpec(str(mlp), "fp32", {"x": MLP_PROFILE}, {"instances": copies}), engine, lambda p, f: None
+    )
+    sess = ort.InferenceSession(str(mlp), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal((n, 16), dtype=np.float32) for n in (1, 3, 8, 5)]
+    refs = [sess.run(None, {"x": x})[0] for x in xs]
+    backend = TensorRTBackend(engine, LoadOptions(instances=INSTANCES))
+    errors: list[str] = []
+    worst = [0.0]
+    try:
+        backend.load()
+        insts = [backend.instance() for _ in range(INSTANCES)]
+
+        def work(i: int) -> None:
+            try:
+                for _ in range(10):
+                    for x, ref in zip(xs, refs):
+                        got = insts[i].infer({"x": x})["probs"]
+                        worst[0] = max(worst[0], float(np.abs(got - ref).max()))
+            except Exception as e:  # reported in the check's detail
+                errors.append(f"instance {i + 1}: {e}")
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(INSTANCES)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        backend.unload()
+    what = f"{INSTANCES} instances of a dynamic engine (batch 1..8, {copies} profile(s)) in parallel"
+    if errors:
+        return Check("instances", "FAIL", f"{what}: {errors[0]}")
+    if worst[0] > 1e-3:
+        return Check("instances", "FAIL", f"{what}: max |diff| {worst[0]:.2g} from ONNX Runtime")
+    return Check("instances", "PASS", f"{what}, 40 runs each: max |diff| {worst[0]:.1g} from ONNX Runtime")
+
+
+def _run_all(engine: Path, feeds: Sequence[Feed], mapped: bool) -> tuple[list[Feed], float]:
+    from edged.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(engine, LoadOptions(options={"mapped": mapped}))
+    backend.load()
+    try:
+        inst = backend.instance()
+        outputs = [inst.infer(f) for f in feeds]
+        times = []
+        for i in range(40):
+            start = time.perf_counter()
+            inst.infer(feeds[i % len(feeds)])
+            times.append((time.perf_counter() - start) * 1e3)
+    finally:
+        backend.unload()
+    return outputs, float(np.median(times))
+
+
+def buffers_check(engine: Path, feeds: Sequence[Feed]) -> Check:
+    from edged.backends.tensorrt.cuda import shared_device
+
+    device = shared_device(0)
+    if not device.can_map:
+        return Check("buffers", "SKIP", f"{device.name} cannot map page-locked host memory")
+    mapped, t_mapped = _run_all(engine, feeds, True)
+    copied, t_copied = _run_all(engine, feeds, False)
+    diff = max(float(np.abs(a[k] - b[k]).max()) for a, b in zip(mapped, copied) for k in a)
+    default = "mapped" if device.integrated else "copied"
+    what = f"mapped p50 {t_mapped:.2f} ms, copied p50 {t_copied:.2f} ms (default here: {default})"
+    if diff > 1e-6:
+        return Check("buffers", "FAIL", f"{what}; outputs differ by {diff:.2g}")
+    return Check("buffers", "PASS", f"{what}; same outputs on {len(feeds)} samples")
+
+
+def steady(engine: Path, feeds: Sequence[Feed]) -> str:
+    from edged.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(engine)
+    backend.load()
+    try:
+        inst = backend.instance()
+        times = []
+        for i in range(STEADY_RUNS):
+            start = time.perf_counter()
+            inst.infer(feeds[i % len(feeds)])
+            times.append((time.perf_counter() - start) * 1e3)
+        footprint = backend.footprint()
+    finally:
+        backend.unload()
+    return (
+        f"p50 {np.median(times):.2f} ms, p99 {np.quantile(times, 0.99):.2f} ms over {STEADY_RUNS} runs, "
+        f"host copies included; footprint {format_size(footprint)}"
+    )
+
+
+def cold_start(engine: Path, feed: Feed) -> dict[str, float]:
+    """Time the first inference as the daemon's boot sees it: in a process that has not yet
+    imported TensorRT nor touched CUDA."""
+    npz = engine.with_suffix(".feed.npz")
+    savez: Any = np.savez  # numpy's stub reads **arrays as its allow_pickle keyword
+    savez(npz, **feed)
+    run = subprocess.run(
+        [sys.executable, "-m", "edged.tools.selftest", str(engine), str(npz)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"cold-start child failed: {run.stderr.strip()[-500:]}")
+    times: dict[str, float] = json.loads(run.stdout.strip().splitlines()[-1])
+    return times
+
+
+def cold_start_child(engine: str, feed_npz: str) -> dict[str, float]:
+    """The cold-start child's work: import, CUDA init, load, instance, first inference."""
+    marks = [time.perf_counter()]
+    from edged.backends.tensorrt import TensorRTBackend
+
+    ok, why = TensorRTBackend.available()  # imports tensorrt and initialises CUDA
+    if not ok:
+        raise RuntimeError(why)
+    marks.append(time.perf_counter())
+    backend = TensorRTBackend(Path(engine))
+    backend.load()
+    marks.append(time.perf_counter())
+    inst = backend.instance()
+    marks.append(time.perf_counter())
+    with np.load(feed_npz, allow_pickle=False) as z:
+        feed = {k: z[k] for k in z.files}
+    marks.append(time.perf_counter())
+    inst.infer(feed)
+    marks.append(time.perf_counter())
+    backend.unload()
+    ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+    return {"init_ms": ms[0], "load_ms": ms[1], "instance_ms": ms[2], "first_ms": ms[4]}

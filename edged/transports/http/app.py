@@ -1,0 +1,404 @@
+"""The Open Inference Protocol (KServe v2) over HTTP/1.1 on the Unix socket.
+
+A raw ASGI callable served by uvicorn (httptools parser, uvloop): the fastest well-kept stack
+measured on a small board (design section 2), with socket activation and graceful drain. Routing
+is a split of the path, not a framework, because the infer route is on every request's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeGuard
+
+import orjson
+
+from edged.config import parse_size
+from edged.errors import (
+    BadRequestError,
+    ConfigError,
+    EdgedError,
+    ForbiddenError,
+    ModelVersionNotFoundError,
+    NotFoundError,
+    UnauthorizedError,
+)
+from edged.serving.metrics import uncounted
+from edged.serving.service import Service
+from edged.serving.states import ModelState
+from edged.transports.http import openai, triton
+from edged.transports.http.body import accepted_encoding, compress, read_body
+from edged.transports.http.infer import ADMITTED, InferRoute, Rest, infer_target
+from edged.transports.http.infer import JSON_HEADERS as _JSON
+from edged.transports.http.methods import error_headers
+from edged.transports.http.methods import expect as _expect
+from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
+from edged.transports.shm.regions import SharedMemoryRegistry
+from edged.wire.decode import Part
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Body = bytes | list[Part]
+Headers = list[tuple[bytes, bytes]]
+Answer = tuple[int, Body, Headers]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# The largest body a control route takes (log settings, shared memory registration, load/unload).
+CONTROL_BODY = 64 * 1024
+
+
+class App:
+    def __init__(self, service: Service, shm: SharedMemoryRegistry, max_body: int) -> None:
+        self.service = service
+        self.shm = shm
+        self.max_body = max_body
+        self.infer = InferRoute(service, shm, max_body)
+        server = service.registry.cfg.server
+        self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
+        self.generation = openai.GenerationRoutes(service, max_body)
+        # Answers at least this large are compressed for clients that accept gzip or deflate.
+        self.compress_min = parse_size(server.compress_min_size)
+
+    @property
+    def accepting(self) -> bool:
+        return self.infer.accepting
+
+    @accepting.setter
+    def accepting(self, value: bool) -> None:  # False once the daemon stops: new requests are refused
+        self.infer.accepting = self.generation.accepting = value
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are not served
+        if self.service.warming and _own(scope.get(PEER_KEY)):
+            with uncounted():  # the daemon's warm-up through its own socket is not traffic
+                await self._serve(scope, receive, send)
+            return
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        answer = await self._answered(scope, self._route(scope, receive, send))
+        if answer is not None:
+            await _send(send, *answer)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> Answer | None:
+        """The request's answer; None from the generation routes, which stream (they own send)."""
+        door: Door | None = scope.get(DOOR_KEY)
+        if door is not None:
+            _check_door(door, scope)
+        path = scope["path"]
+        name = infer_target(path) if scope["method"] == "POST" else None
+        if name is not None:  # nearly every request: no routing beyond this
+            return await self.infer(name, scope, receive)
+        if openai.handles(path):  # language models: they stream, so they own send
+            await self.generation(scope, receive, send)  # answers its own errors
+            return None
+        return await self._dispatch(scope, receive)
+
+    async def _answered(self, scope: Scope, work: Awaitable[Answer | None]) -> Answer | None:
+        """``work``'s answer, compressed where the client asks for it, or the answer of its error."""
+        try:
+            answer = await work
+            if answer is None:
+                return None
+            status, body, headers = answer
+            if not self._as_is(answer):
+                body, headers = await self._encode(scope, body, headers)
+            return status, body, headers
+        except EdgedError as e:
+            return _error(e)
+        except Exception as e:  # a bug must answer 500, never drop the connection silently
+            return _internal(scope, e)
+
+    def wants(self, scope: Scope) -> str | None:
+        """The model of a request ``now`` may answer, from its head alone (the connection then
+        keeps its body until it is whole, rather than starting the ASGI call at once): an infer
+        request to a model that runs inline, let in by its listener. None for any other."""
+        if scope["method"] != "POST":
+            return None
+        name = infer_target(scope["path"])
+        if name is None or not self.infer.inline(name):
+            return None  # an unknown model, say, is answered before its body, as ever
+        door: Door | None = scope.get(DOOR_KEY)
+        try:
+            if door is not None:
+                _check_door(door, scope)
+        except EdgedError:
+            return None  # refused at once by __call__
+        scope[ADMITTED] = True  # also when the ASGI call serves it after all (a decline, a stop)
+        return name
+
+    def now(self, scope: Scope, body: bytes, name: str) -> Answer | ASGIApp | None:
+        """The answer of a request whose whole body is in hand, made at once on the connection's
+        parser callback (connection.py), for a request ``wants`` took (``name``: its answer).
+        Where only the answer's encoding or compression awaits, an ASGI app that finishes it.
+        None, with nothing done, where the route declines (served through ``__call__``)."""
+        if self.service.warming and _own(scope.get(PEER_KEY)):
+            with uncounted():  # the daemon's warm-up through its own socket is not traffic
+                answer = self._now(scope, body, name)
+            return answer if answer is None or isinstance(answer, tuple) else functools.partial(_uncounted, answer)
+        return self._now(scope, body, name)
+
+    def _now(self, scope: Scope, body: bytes, name: str) -> Answer | ASGIApp | None:
+        try:
+            answer = self.infer.now(name, scope, body)
+        except EdgedError as e:
+            return _error(e)
+        except Exception as e:  # a bug must answer 500, never drop the connection silently
+            return _internal(scope, e)
+        if answer is None:
+            return None
+        if isinstance(answer, tuple) and self._as_is(answer):
+            return answer
+        return functools.partial(self._finish, answer)
+
+    def _as_is(self, answer: Answer) -> bool:
+        """An answer sent as it is: an error, or a body too small to compress (``_encode``)."""
+        status, body, _ = answer
+        return status != 200 or (isinstance(body, bytes) and len(body) < self.compress_min)
+
+    async def _finish(self, answer: Answer | Rest, scope: Scope, receive: Receive, send: Send) -> None:
+        """The rest of an answer ``now`` began: encoded or compressed, then sent (an ASGI app)."""
+        done = await self._answered(scope, _ready(answer) if isinstance(answer, tuple) else answer())
+        assert done is not None
+        await _send(send, *done)
+
+    async def _encode(
+        self, scope: Scope, body: Body, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[Body, list[tuple[bytes, bytes]]]:
+        """``body`` compressed when the client accepts it and it is at least server.compress_min_size
+        (the uncompressed size: Inference-Header-Content-Length keeps counting uncompressed bytes).
+        The caller skips this for the common small answer."""
+        parts: list[Part] = body if isinstance(body, list) else [body]
+        size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        if size < self.compress_min:
+            return body, headers
+        encoding = accepted_encoding(scope)
+        vary = (b"vary", b"accept-encoding")
+        if encoding is None:
+            return body, [*headers, vary]
+        packed = await compress(parts, size, encoding)
+        if sum(len(p) for p in packed) >= size:  # incompressible (random or packed tensors): sent as is
+            return body, [*headers, vary]
+        out: list[Part] = [*packed]
+        return out, [*headers, (b"content-encoding", encoding.encode()), vary]
+
+    async def _read_small(self, scope: Scope, receive: Receive) -> bytes | memoryview:
+        """The body of a control route (settings, registrations): a few hundred bytes, parsed on
+        the loop, so bounded far below max_body (64 MiB of JSON took the loop for 1.25 s)."""
+        return await read_body(scope, receive, CONTROL_BODY)
+
+    async def _dispatch(self, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
+        path = scope["path"]
+        method = scope["method"]
+        parts = path.strip("/").split("/")
+        if parts[0] == "metrics" and len(parts) == 1:
+            _expect(method, "GET")
+            # Off the loop: formatting a few hundred samples takes milliseconds.
+            body = await asyncio.to_thread(self.service.metrics.render)
+            return 200, body, [(b"content-type", b"text/plain; version=0.0.4")]
+        if parts[0] != "v2":
+            raise NotFoundError(f"no route for {path}")
+        if parts[1:] == ["models", "stats"]:  # every model's statistics (Triton's reading, not a model "stats")
+            _expect(method, "GET")
+            return 200, triton.statistics(self.service, None), _JSON
+        if len(parts) >= 3 and parts[1] == "models":
+            return await self._models(method, parts[2], parts[3:], scope, receive)
+        return await self._other(method, parts[1:], scope, receive)
+
+    async def _models(
+        self, method: str, name: str, rest: list[str], scope: Scope, receive: Receive
+    ) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
+        if len(rest) >= 2 and rest[0] == "versions":
+            self.service.model(name)  # an unknown model is model_not_found whatever the version
+            if rest[1] != "1":
+                raise ModelVersionNotFoundError(
+                    f"model '{name}' has no version '{rest[1][:64]}'; edged serves version 1 of each model"
+                )
+            rest = rest[2:]
+        if rest == ["infer"]:
+            _expect(method, "POST")
+            return await self.infer(name, scope, receive)
+        _expect(method, "GET")
+        if not rest:
+            return 200, orjson.dumps(self.service.model_metadata(name)), _JSON
+        if rest == ["stats"]:
+            return 200, triton.statistics(self.service, name), _JSON
+        if rest == ["config"]:
+            return 200, triton.model_config(self.service, name), _JSON
+        if rest == ["ready"]:
+            rt = self.service.model(name)
+            ready = rt.state == ModelState.READY and not self.service.stopping
+            doc = {"name": name, "ready": ready, "state": rt.state, "reason": rt.reason}
+            return (200 if ready else 503), orjson.dumps(doc), _JSON
+        raise NotFoundError(f"no route for {scope['path']}")
+
+    async def _other(
+        self, method: str, parts: list[str], scope: Scope, receive: Receive
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        svc = self.service
+        if not parts or parts == [""]:
+            _expect(method, "GET")
+            return 200, orjson.dumps(svc.server_metadata()), _JSON
+        if parts[0] == "health" and len(parts) == 2 and parts[1] in ("live", "ready"):
+            _expect(method, "GET")
+            if parts[1] == "live":
+                return 200, orjson.dumps({"live": True}), _JSON
+            ready = svc.is_ready()
+            return (200 if ready else 503), orjson.dumps({"ready": ready, "status": svc.status_line}), _JSON
+        if parts[0] == "repository":
+            return await self._repository(method, parts[1:], scope, receive)
+        if parts[0] == "systemsharedmemory":
+            return await self._shm(method, parts[1:], scope, receive)
+        allowed = triton.methods(parts)  # logging, CUDA shared memory
+        if allowed:
+            _expect(method, *allowed)
+            if parts == ["logging"] and method == "POST":
+                await self._check_admin(scope, "change the log settings")
+            body = await self._read_small(scope, receive) if method == "POST" else b""
+            verb = "GET" if method == "HEAD" else method  # HEAD answers what GET would, without the body
+            return 200, triton.answer(verb, parts, body), _JSON
+        if parts == ["edged", "status"]:
+            _expect(method, "GET")
+            return 200, orjson.dumps(svc.status()), _JSON
+        raise NotFoundError(f"no route for {scope['path']}")
+
+    async def _repository(
+        self, method: str, parts: list[str], scope: Scope, receive: Receive
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        _expect(method, "POST")
+        await self._read_small(scope, receive)  # load/unload parameters are not used
+        if parts == ["index"]:
+            return 200, orjson.dumps(self.service.repository_index()), _JSON
+        if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
+            await self._check_admin(scope, f"{parts[2]} models")
+            if parts[2] == "load":
+                await self.service.load(parts[1])
+            else:
+                await self.service.unload(parts[1])
+            return 200, b"{}", _JSON
+        raise NotFoundError(f"no route for {scope['path']}")
+
+    async def _check_admin(self, scope: Scope, what: str) -> None:
+        gid = self.admin_gid
+        if gid is None:
+            return
+        peer: Peer | None = scope.get(PEER_KEY)
+        if peer is not None and (peer.uid == 0 or peer.gid == gid):
+            return
+        # Supplementary groups come from the user and group databases, which NSS may answer
+        # over the network (LDAP, sssd): looked up off the event loop.
+        if peer is None or not await asyncio.to_thread(in_group, peer, gid):
+            raise ForbiddenError(f"only root and members of server.admin_group may {what}")
+
+    async def _shm(
+        self, method: str, parts: list[str], scope: Scope, receive: Receive
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        peer: Peer | None = scope.get(PEER_KEY)
+        if parts == ["status"]:
+            _expect(method, "GET")
+            return 200, orjson.dumps(self.shm.status_for(peer)), _JSON
+        if parts == ["unregister"]:
+            _expect(method, "POST")
+            await self._read_small(scope, receive)
+            self.shm.unregister_for(peer)
+            return 200, b"{}", _JSON
+        if len(parts) == 3 and parts[0] == "region":
+            name, action = parts[1], parts[2]
+            if action == "status":
+                _expect(method, "GET")
+                return 200, orjson.dumps(self.shm.status_for(peer, name)), _JSON
+            _expect(method, "POST")
+            body = await self._read_small(scope, receive)
+            if action == "register":
+                self._register(peer, name, body)
+                return 200, b"{}", _JSON
+            if action == "unregister":
+                self.shm.unregister_for(peer, name)
+                return 200, b"{}", _JSON
+        raise NotFoundError(f"no route for {scope['path']}")
+
+    def _register(self, peer: Peer | None, name: str, body: bytes | memoryview) -> None:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise BadRequestError(f"malformed JSON: {e}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("key"), str):
+            raise BadRequestError('register needs {"key": str, "offset": int, "byte_size": int}')
+        offset, size = doc.get("offset", 0), doc.get("byte_size")
+        if not _is_int(offset) or not _is_int(size):
+            raise BadRequestError("'offset' and 'byte_size' must be integers")
+        self.shm.register(peer, name, doc["key"], offset, size)
+
+
+def _check_door(door: Door, scope: Scope) -> None:
+    """What the listener the request came through lets in (listener.py)."""
+    if door.token is not None:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if not hmac.compare_digest(given, b"Bearer " + door.token):
+            raise UnauthorizedError("this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)")
+    if door.metrics_only:
+        path = scope["path"]
+        if path != "/metrics" and not path.startswith("/v2/health/"):
+            raise NotFoundError(f"{door.label} serves only /metrics and /v2/health")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _group_id(name: str) -> int:
+    import grp
+
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.admin_group: no group named '{name}' on this system") from None
+
+
+def _own(peer: Peer | None) -> bool:
+    """A connection from the daemon itself (its warm-up of the socket path)."""
+    return peer is not None and peer.pid == os.getpid()
+
+
+async def _uncounted(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    with uncounted():
+        await app(scope, receive, send)
+
+
+async def _ready(answer: Answer) -> Answer:
+    return answer
+
+
+def _error(e: EdgedError) -> Answer:
+    headers = error_headers(e, _JSON)
+    if e.http_status == 401:
+        headers = [*_JSON, (b"www-authenticate", b"Bearer")]
+    return e.http_status, orjson.dumps(e.to_dict()), headers
+
+
+def _internal(scope: Scope, e: Exception) -> Answer:
+    log.exception("unhandled error on %s", scope.get("path"), exc_info=e)
+    return 500, orjson.dumps({"error": str(e), "code": "internal"}), _JSON
+
+
+async def _send(send: Send, status: int, body: Body, headers: Headers) -> None:
+    if isinstance(body, list):  # a large infer response, in parts
+        length = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in body)
+        await send({"type": "http.response.start", "status": status, "headers": [*headers, _length(length)]})
+        for i, part in enumerate(body):
+            await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(body)})
+        return
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, _length(len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _length(n: int) -> tuple[bytes, bytes]:
+    return (b"content-length", str(n).encode())

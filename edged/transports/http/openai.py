@@ -1,0 +1,332 @@
+"""Generation over HTTP: Triton's generate extension and the OpenAI-compatible API.
+
+- ``POST /v2/models/{m}/generate`` (``text_input`` and sampling parameters, top level or under
+  ``parameters``) → ``text_output``; ``/v2/models/{m}/generate_stream``: Server-Sent Events, one
+  event per token, as Triton sends them.
+- ``POST /v1/chat/completions`` (the model's own chat template), ``POST /v1/completions``,
+  ``stream: true`` as SSE ending with ``data: [DONE]``; ``GET /v1/models``. The official
+  ``openai`` client works unchanged; errors use OpenAI's ``{"error": {...}}`` shape there.
+
+A client that disconnects cancels its generation (the slot stops before its next token and the
+request leaves the queue). Generation runs on the model's slot threads, never on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from edged.errors import BadRequestError, EdgedError, NotFoundError, PayloadTooLargeError, ShuttingDownError
+from edged.llm import generation as gen
+from edged.serving.service import Service
+from edged.transports.http.body import read_body
+from edged.transports.http.methods import error_headers
+from edged.transports.http.methods import expect as _expect
+from edged.wire.decode import load_object
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+_JSON: Headers = [(b"content-type", b"application/json")]
+_SSE: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+# A generation request is a prompt and a few parameters; the context bounds the prompt anyway.
+MAX_BODY = 4 << 20
+
+
+def handles(path: str) -> bool:
+    """Whether a path belongs to the generation routes (checked before the v2 tensor routes)."""
+    if path.startswith("/v1/"):
+        return True
+    return path.startswith("/v2/models/") and (path.endswith("/generate") or path.endswith("/generate_stream"))
+
+
+class GenerationRoutes:
+    def __init__(self, service: Service, max_body: int) -> None:
+        self.service = service
+        self.max_body = min(max_body, MAX_BODY)
+        self.accepting = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        openai = scope["path"].startswith("/v1/")
+        try:
+            await self._dispatch(scope, receive, send)
+        except EdgedError as e:
+            await _respond(send, e.http_status, _error_body(e, openai), error_headers(e, _JSON))
+        except Exception as e:  # a bug answers 500, never drops the connection silently
+            log.exception("unhandled error on %s", scope.get("path"))
+            await _respond(send, 500, _error_body(EdgedError(f"internal error: {e}"), openai))
+
+    async def warm(self, name: str) -> None:
+        """Before READY=1: requests through these routes (chat and completions, streamed and
+        not, and Triton's stream), so the first client's request runs warm code end to end."""
+        short = {"max_tokens": 2, "temperature": 0.0}
+        chat = dict(short, model=name, messages=[{"role": "user", "content": "Hello"}])
+        calls = [
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", dict(chat, stream=True)),
+            ("/v1/completions", dict(short, model=name, prompt="Hello", stream=True)),
+            (f"/v2/models/{name}/generate_stream", dict(short, text_input="Hello")),
+        ]
+        for path, doc in calls:
+            status = await _call(self, path, orjson.dumps(doc))
+            if status != 200:
+                log.warning("%s: warm-up request on %s answered %d", name, path, status, extra={"model": name})
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, parts = scope["method"], scope["path"].strip("/").split("/")
+        if parts == ["v1", "models"]:
+            _expect(method, "GET")
+            await _respond(send, 200, orjson.dumps(self._models()))
+            return
+        if len(parts) == 3 and parts[:2] == ["v1", "models"]:
+            _expect(method, "GET")
+            await _respond(send, 200, orjson.dumps(self._model_card(parts[2])))
+            return
+        routes = {("v1", "chat", "completions"): self._chat, ("v1", "completions"): self._completions}
+        handler = routes.get(tuple(parts))
+        if handler is None and len(parts) == 4 and parts[:2] == ["v2", "models"]:
+            handler = self._triton
+        if handler is None:
+            raise NotFoundError(f"no route for {scope['path']}")
+        _expect(method, "POST")
+        if not self.accepting or self.service.stopping:
+            raise ShuttingDownError("edged is shutting down")
+        body = await self._body(scope, receive)
+        await handler(parts, body, receive, send)
+
+    async def _body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        limit = min(self.max_body, gen.MAX_BODY)  # parsed on the loop: a prompt, not a tensor
+        try:  # gzip and deflate bodies too, bounded as sent and as inflated
+            raw = await read_body(scope, receive, limit)
+        except PayloadTooLargeError:
+            raise PayloadTooLargeError(f"a generation request is limited to {limit} bytes") from None
+        return load_object(raw, "the body must be a JSON object")
+
+    # --- models ---
+
+    def _language_models(self) -> list[str]:
+        return [n for n, rt in self.service.registry.models.items() if gen.is_language_model(rt.cfg)]
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        if name not in self._language_models():
+            raise NotFoundError(f"no language model '{name}'")
+        return {"id": name, "object": "model", "created": int(self.service.started), "owned_by": "edged"}
+
+    def _models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card(n) for n in self._language_models()]}
+
+    def _model(self, name: Any) -> str:
+        if not isinstance(name, str) or not name:
+            raise BadRequestError("'model' must name a language model")
+        rt = self.service.model(name)
+        if not gen.is_language_model(rt.cfg):
+            raise BadRequestError(f"model '{name}' is not a language model")
+        return name
+
+    # --- OpenAI ---
+
+    async def _chat(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
+        name = self._model(body.get("model"))
+        job = self._job(name, body, messages=gen.messages_from(body.get("messages")))
+        await self._openai(name, job, body, receive, send, chat=True)
+
+    async def _completions(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
+        name = self._model(body.get("model"))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequestError("'prompt' must be a string")
+        await self._openai(name, self._job(name, body, prompt=prompt), body, receive, send, chat=False)
+
+    def _job(self, name: str, body: dict[str, Any], **kw: Any) -> gen.GenerationJob:
+        return gen.make_job(self.service.model(name).cfg, body, gen.request_timeout(self.service, name), **kw)
+
+    async def _openai(
+        self, name: str, job: gen.GenerationJob, body: dict[str, Any], receive: Receive, send: Send, chat: bool
+    ) -> None:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        head = {"id": rid, "created": int(time.time()), "model": name}
+        if not body.get("stream"):
+            text = await _until_disconnect(gen.complete(self.service, name, job, rid), receive)
+            if text is None:
+                return
+            choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            doc = dict(
+                head, object="chat.completion" if chat else "text_completion", choices=[choice], usage=_usage(job)
+            )
+            await _respond(send, 200, orjson.dumps(doc))
+            return
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
+
+        def chunk(delta: str | None, finish: str | None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["delta"] = {} if delta is None else {"content": delta}
+            else:
+                choice["text"] = delta or ""
+            return dict(head, object=kind, choices=[choice])
+
+        async def events() -> AsyncIterator[bytes]:
+            if chat:
+                first = chunk(None, None)
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield _sse(first)
+            async for piece in gen.stream(self.service, name, job, rid):
+                yield _sse(chunk(piece, None))
+            yield _sse(chunk(None, job.finish_reason))
+            if usage:
+                yield _sse(dict(head, object=kind, choices=[], usage=_usage(job)))
+            yield b"data: [DONE]\n\n"
+
+        await _stream(send, receive, events(), openai=True)
+
+    # --- Triton's generate extension ---
+
+    async def _triton(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
+        name, route = parts[2], parts[3]
+        if route not in ("generate", "generate_stream"):
+            raise NotFoundError(f"no route for /{'/'.join(parts)}")
+        self._model(name)
+        params = body.get("parameters", {})
+        if not isinstance(params, dict):
+            raise BadRequestError("'parameters' must be an object")
+        text = body.get("text_input")
+        if not isinstance(text, str):
+            raise BadRequestError("'text_input' must be a string")
+        merged = {**{k: v for k, v in body.items() if k not in ("text_input", "parameters")}, **params}
+        job = self._job(name, merged, prompt=text)
+        rid = str(body.get("id", "")) or uuid.uuid4().hex
+        head = {"model_name": name, "model_version": "1", "id": rid}
+        if route == "generate":
+            out = await _until_disconnect(gen.complete(self.service, name, job, rid), receive)
+            if out is not None:
+                await _respond(send, 200, orjson.dumps(dict(head, text_output=out, **_triton_tail(job))))
+            return
+
+        async def events() -> AsyncIterator[bytes]:
+            async for piece in gen.stream(self.service, name, job, rid):
+                yield _sse(dict(head, text_output=piece))
+            yield _sse(dict(head, text_output="", **_triton_tail(job)))
+
+        await _stream(send, receive, events(), openai=False)
+
+
+async def _call(app: GenerationRoutes, path: str, body: bytes) -> int:
+    """One request through the routes without a socket; returns the status."""
+    scope: Scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    sent = False
+    status = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:  # the client stays: the disconnect watcher waits until it is cancelled
+            await asyncio.get_running_loop().create_future()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    await app(scope, receive, send)
+    return status
+
+
+def _triton_tail(job: gen.GenerationJob) -> dict[str, Any]:
+    return {"finish_reason": job.finish_reason, "prompt_tokens": job.prompt_tokens, "tokens": job.completion_tokens}
+
+
+def _usage(job: gen.GenerationJob) -> dict[str, int]:
+    return {
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.completion_tokens,
+        "total_tokens": job.prompt_tokens + job.completion_tokens,
+    }
+
+
+def _sse(doc: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def _error_body(e: EdgedError, openai: bool) -> bytes:
+    if openai:  # the shape OpenAI's clients read; the stable code is kept
+        return orjson.dumps({"error": {"message": e.message, "type": e.code, "code": e.code, "param": None}})
+    return orjson.dumps(e.to_dict())
+
+
+async def _respond(send: Send, status: int, body: bytes, headers: Headers = _JSON) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(work: Awaitable[str], receive: Receive) -> str | None:
+    """``work``'s result, or None once the client has gone (the generation is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return None
+    return task.result()
+
+
+async def _stream(send: Send, receive: Receive, events: AsyncIterator[bytes], openai: bool) -> None:
+    """Send ``events`` as Server-Sent Events. Errors before the first event are a plain HTTP
+    error; after it, one last ``error`` event. A disconnect stops the generation."""
+    started = False
+
+    async def pump() -> None:
+        nonlocal started
+        try:
+            async for event in events:
+                if not started:
+                    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+                    started = True
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        except EdgedError as e:
+            if not started:
+                raise
+            await send({"type": "http.response.body", "body": b"data: " + _error_body(e, openai) + b"\n\n"})
+            return
+        await send({"type": "http.response.body", "body": b""})
+
+    task = asyncio.ensure_future(pump())
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()  # the client left: closing the stream cancels the generation
+            await asyncio.gather(task, return_exceptions=True)
+    if task.done() and not task.cancelled():
+        task.result()
