@@ -74,7 +74,7 @@ class ServerConfig(_Table, frozen=True):
     max_region_bytes: str = "2GiB"
     max_region_bytes_per_peer: str = "1GiB"
     # A second socket, <socket>.fd, where a client hands over a sealed memfd (SCM_RIGHTS) that the
-    # daemon maps and uses in place: no copy of a frame in or out (fd_socket.py).
+    # daemon maps and uses in place: no copy of a frame in or out (memfd_socket.py).
     memfd_socket: bool = True
     # "" = every client may load/unload models; else only members of this group (and root).
     admin_group: str = ""

@@ -33,6 +33,10 @@ CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAK
 # install the stubs alone so mypy can check the TensorRT backend against the real API.
 .venv/bin/python -m pip install -q --no-deps tensorrt-stubs
 
+# The commit-message rule of CONTRIBUTING.md, on every commit since the rule began.
+if git rev-parse --git-dir >/dev/null 2>&1; then
+  .venv/bin/python scripts/check_commits.py
+fi
 .venv/bin/ruff check edged tests scripts bench
 .venv/bin/ruff format --check edged tests scripts bench
 .venv/bin/mypy

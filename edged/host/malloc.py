@@ -8,7 +8,7 @@
   trim threshold of 16 MiB keep such buffers in the heap, already faulted in by the warm-up, at
   the price of up to 16 MiB of freed heap per arena kept (not returned) between requests.
   Measured (3 models, two frames through shared memory, 2-core machine): resident memory after
-  serving 178 MiB as before the change; 191 MiB with a 64 MiB trim threshold.
+  serving 178 MiB, as with glibc's defaults; 191 MiB with a 64 MiB trim threshold.
 - The collection below frees the start-up's garbage at once; when that leaves more than the trim
   threshold free at the top of the heap, glibc returns all of it to the kernel but 128 KiB
   (M_TOP_PAD), the frame-sized buffers the warm-up had faulted in with it. Under systemd the

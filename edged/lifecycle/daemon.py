@@ -292,11 +292,11 @@ class Daemon:
             self.fd_socket = FdSocket(memfd.sock, self.shm, s.max_connections, memfd.owned_path)
             self.fd_socket.start(asyncio.get_running_loop())
         self.server = await listener.start(app, self.cfg, [x for x in listeners if not x.memfd])
-        # Unix sockets of the API, for the warm-up of the connection path (warmpath.py).
+        # Unix sockets of the API, for the warm-up of the connection path (path_warmup.py).
         self._api_sockets = [
             str(x.sock.getsockname())
             for x in listeners
-            if x.sock.family == socket.AF_UNIX and not x.memfd and not x.door.metrics_only and x.sock.getsockname()
+            if x.sock.family == socket.AF_UNIX and not x.memfd and not x.access.metrics_only and x.sock.getsockname()
         ]
 
     def _summary(self) -> str:

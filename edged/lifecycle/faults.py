@@ -50,7 +50,7 @@ class _WedgeableInstance(Instance):
         return self._inner._infer_into_impl(inputs, into)
 
     def _hang(self) -> None:
-        # The scheduler's worker threads only, as before: not a tiny model run inline on the event
+        # The scheduler's worker threads only: not a tiny model run inline on the event
         # loop (signals, the watchdog and health checks go on, as with a stuck GPU call).
         if self._switch.armed.is_set() and threading.current_thread().name.startswith(WORKER_THREAD_PREFIX):
             while os.path.exists(self._switch.path):

@@ -4,7 +4,7 @@ to keep in float (:mod:`edged.quantize.search`), each trial built and judged as 
 The passing trial's artefact replaces the all-INT8 one at the build's temporary path, so the
 pipeline commits it as usual; its manifest carries the exclusion list, every trial's figures and
 the share of the compute left in INT8. When no trial passes within ``max_trials`` the all-INT8
-verdict stands with the search recorded, and the pipeline falls back as before, saying so.
+verdict stands with the search recorded, and the pipeline falls back a precision, saying so.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def mixed_precision(
     build_and_judge: BuildAndJudge,
 ) -> Found:
     """The search, or the all-INT8 verdict with the reason when the search itself fails (a model
-    the ranking cannot run, a trial the quantizer refuses): INT8 then falls back as before."""
+    the ranking cannot run, a trial the quantizer refuses): INT8 then falls back a precision."""
     try:
         return _search(job, cls, cache, calib, first, tmp, progress, all_int8, build_and_judge)
     except Exception as e:  # a failed search must not cost the model its fallback

@@ -1,4 +1,4 @@
-"""Builds that never block serving (issue 11, items 3 and 4).
+"""Builds that never block serving.
 
 A model whose engine is missing (a new model, a changed one, every model after a TensorRT or
 JetPack upgrade) serves at once from a stand-in that needs no build: an engine of another precision

@@ -19,7 +19,7 @@ from typing import Any
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+; older kernels answer ENOPROTOOPT
 _CRED = struct.Struct("3i")
 PEER_KEY = "edged.peer"  # where the protocol puts the Peer in the ASGI scope
-DOOR_KEY = "edged.door"  # ... and the Door it came through
+ACCESS_KEY = "edged.access"  # ... and the ListenerAccess it came through
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Peer:
 
 
 @dataclass(frozen=True)
-class Door:
+class ListenerAccess:
     """What a listener lets through: the whole API or only metrics and health, and the bearer
     token its requests must carry (TCP listeners on a non-loopback address)."""
 

@@ -223,7 +223,7 @@ async def encode_large_async(
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_async`` for results ``encode_now`` found above OFFLOAD_BYTES (not added up
     again: a BYTES output's size is a walk of its elements). ``written``: every output bound for
-    shared memory is there already (shm_io.EarlyWrites). On the loop when what is left to do is
+    shared memory is there already (worker_writes.EarlyWrites). On the loop when what is left to do is
     small: a binary output goes out as a view of its array, so a frame-sized answer in binary or
     in shared memory costs its header, and a thread's two wake-ups would cost more (a
     detector's 1.6 MB answer: 0.55 ms of its request on a 16-core host, docs/performance.md)."""
@@ -259,7 +259,7 @@ def _resolved_on_the_loop(
     """The shared-memory destinations taken here, on the loop (region lookups and their use
     counts live there), handed to the worker thread in the order ``encode_infer_parts`` asks for
     them, so that the JSON of the other outputs is not encoded on the loop. None (encode all
-    on the loop, as before) when a BYTES output goes to shared memory: its size is known only
+    on the loop) when a BYTES output goes to shared memory: its size is known only
     once it is serialised."""
     wanted = [out for out in _wanted(req, results) if out.shm_region is not None]
     if any(is_bytes(_output(model, out, results).dtype) for out in wanted):

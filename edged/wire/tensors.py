@@ -45,7 +45,7 @@ NUMPY_TO_V2 = {v: k for k, v in V2_TO_NUMPY.items()}
 # (region name, offset, byte size) -> a writable view of exactly that many bytes.
 ShmResolver = Callable[[str, int, int], memoryview]
 # The same for an output, or None: its bytes are there already (written by the model's worker
-# thread right after the run, shm_io.EarlyWrites).
+# thread right after the run, worker_writes.EarlyWrites).
 OutputResolver = Callable[[str, int, int], "memoryview | None"]
 
 

@@ -1,6 +1,6 @@
 """Whether a request's tensors fit a model: names, datatypes, shapes and their bounds.
 
-The one owner of these rules (issue 14). The wire rules of a single tensor (datatype names,
+The one owner of these rules. The wire rules of a single tensor (datatype names,
 shape limits, byte sizes, BYTES framing) are edged/wire/tensors.py's; this module checks decoded
 arrays against what a model takes. A backend builds its ``InputRules`` once at load (adding what
 is truly its own, such as a TensorRT engine's profile bounds); the service narrows them with the

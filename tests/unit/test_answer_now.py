@@ -22,7 +22,7 @@ import pytest
 from edged.serving.service import Service
 from edged.transports.http.app import App
 from edged.transports.http.listener import Listener, start
-from edged.transports.peer import Door
+from edged.transports.peer import ListenerAccess
 from edged.transports.shm.regions import SharedMemoryRegistry
 from tests.unit.test_http_infer import inline_service
 
@@ -68,7 +68,7 @@ async def served(tmp_path: Path, **server: Any) -> AsyncIterator[Served]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(path))
     sock.listen(16)
-    stack = await start(app, reg.cfg, [Listener(sock, Door(str(path)))])
+    stack = await start(app, reg.cfg, [Listener(sock, ListenerAccess(str(path)))])
     try:
         yield Served(app, path, svc, stack)
     finally:

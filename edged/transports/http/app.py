@@ -36,7 +36,7 @@ from edged.transports.http.infer import ADMITTED, InferRoute, Rest, infer_target
 from edged.transports.http.infer import JSON_HEADERS as _JSON
 from edged.transports.http.methods import error_headers
 from edged.transports.http.methods import expect as _expect
-from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, in_group
+from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, in_group
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.decode import Part
 
@@ -90,9 +90,9 @@ class App:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> Answer | None:
         """The request's answer; None from the generation routes, which stream (they own send)."""
-        door: Door | None = scope.get(DOOR_KEY)
-        if door is not None:
-            _check_door(door, scope)
+        access: ListenerAccess | None = scope.get(ACCESS_KEY)
+        if access is not None:
+            _check_access(access, scope)
         path = scope["path"]
         name = infer_target(path) if scope["method"] == "POST" else None
         if name is not None:  # nearly every request: no routing beyond this
@@ -126,10 +126,10 @@ class App:
         name = infer_target(scope["path"])
         if name is None or not self.infer.inline(name):
             return None  # an unknown model, say, is answered before its body, as ever
-        door: Door | None = scope.get(DOOR_KEY)
+        access: ListenerAccess | None = scope.get(ACCESS_KEY)
         try:
-            if door is not None:
-                _check_door(door, scope)
+            if access is not None:
+                _check_access(access, scope)
         except EdgedError:
             return None  # refused at once by __call__
         scope[ADMITTED] = True  # also when the ASGI call serves it after all (a decline, a stop)
@@ -338,16 +338,16 @@ class App:
         self.shm.register(peer, name, doc["key"], offset, size)
 
 
-def _check_door(door: Door, scope: Scope) -> None:
+def _check_access(access: ListenerAccess, scope: Scope) -> None:
     """What the listener the request came through lets in (listener.py)."""
-    if door.token is not None:
+    if access.token is not None:
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if not hmac.compare_digest(given, b"Bearer " + door.token):
+        if not hmac.compare_digest(given, b"Bearer " + access.token):
             raise UnauthorizedError("this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)")
-    if door.metrics_only:
+    if access.metrics_only:
         path = scope["path"]
         if path != "/metrics" and not path.startswith("/v2/health/"):
-            raise NotFoundError(f"{door.label} serves only /metrics and /v2/health")
+            raise NotFoundError(f"{access.label} serves only /metrics and /v2/health")
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -13,7 +13,7 @@ clients needs and uvicorn does not do (design section 2):
   keep being served;
 - the peer's credentials (SO_PEERCRED and a pidfd) in the ASGI scope as ``edged.peer``, which the
   shared memory extension and ``admin_group`` use;
-- answers made at once (answer_now.py, the class this one extends): an infer request to a model
+- answers made at once (inline.py, the class this one extends): an infer request to a model
   that runs inline is answered on the parser's callback once its body is whole, with no task and
   no ASGI call.
 
@@ -38,8 +38,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from edged.config import Config, parse_size
 from edged.ratelog import RateLimitedLog
-from edged.transports.http.inline import ANSWERS_PER_READ, AnswersNow, missing_internals
-from edged.transports.peer import DOOR_KEY, PEER_KEY, Door, Peer, close_peer, peer_of
+from edged.transports.http.inline import ANSWERS_PER_READ, InlineAnswers, missing_internals
+from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, close_peer, peer_of
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class ConnectionLimits:
         return cls(parse_size(s.max_header_size), s.max_headers, s.read_timeout_s, s.max_connections)
 
 
-class Gate:
+class ConnectionSlots:
     """Open connections across every listener, and the log of refusals: at most one line per
     kind every ratelog.EVERY_S seconds (with the count since), so a flood cannot fill the journal."""
 
@@ -90,12 +90,12 @@ def error_response(status: int, code: str, message: str, reason: str) -> bytes:
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
-class EdgedProtocol(AnswersNow):
-    def __init__(self, *args: Any, gate: Gate, door: Door, **kw: Any) -> None:
+class EdgedProtocol(InlineAnswers):
+    def __init__(self, *args: Any, slots: ConnectionSlots, access: ListenerAccess, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self._gate = gate
-        self._door = door
-        self._limits = gate.limits
+        self._slots = slots
+        self._access = access
+        self._limits = slots.limits
         self._counted = False
         self._peer: Peer | None = None
         self._read_timer: asyncio.TimerHandle | None = None
@@ -106,8 +106,10 @@ class EdgedProtocol(AnswersNow):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self._gate.open >= self._limits.max_connections:
-            self._gate.note("limit", f"connection refused: {self._gate.open} connections open (server.max_connections)")
+        if self._slots.open >= self._limits.max_connections:
+            self._slots.note(
+                "limit", f"connection refused: {self._slots.open} connections open (server.max_connections)"
+            )
             self._answer(
                 503,
                 "too_many_connections",
@@ -115,17 +117,17 @@ class EdgedProtocol(AnswersNow):
                 "(server.max_connections); retry later",
             )
             return
-        self._gate.open += 1
+        self._slots.open += 1
         self._counted = True
         try:
             self._peer = peer_of(transport.get_extra_info("socket"))
         except OSError as e:
-            self._gate.note("cred", f"cannot read the peer's credentials: {e}")
+            self._slots.note("cred", f"cannot read the peer's credentials: {e}")
         self._arm_read_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._counted:
-            self._gate.open -= 1
+            self._slots.open -= 1
             self._counted = False
         self._cancel_read_timer()
         close_peer(self._peer)
@@ -152,7 +154,7 @@ class EdgedProtocol(AnswersNow):
         self._read_timer = None
         if self.transport.is_closing():
             return
-        self._gate.note(
+        self._slots.note(
             "timeout", f"closed a connection that sent no whole request within {self._limits.read_timeout_s:g} s"
         )
         cycle = self.cycle
@@ -188,7 +190,7 @@ class EdgedProtocol(AnswersNow):
             if isinstance(e.__context__, _Reject):
                 self._reject(e.__context__)
             else:
-                self._gate.note("invalid", f"invalid HTTP request: {e.__context__!r}")
+                self._slots.note("invalid", f"invalid HTTP request: {e.__context__!r}")
                 self._answer(400, "bad_request", "invalid HTTP request")
         except httptools.HttpParserError:
             self._answer(400, "bad_request", "invalid HTTP request")
@@ -196,7 +198,7 @@ class EdgedProtocol(AnswersNow):
             self._answer(400, "bad_request", "protocol upgrades are not supported")
 
     def _reject(self, r: _Reject) -> None:
-        self._gate.note(r.code, f"refused a request: {r.message}")
+        self._slots.note(r.code, f"refused a request: {r.message}")
         self._answer(r.status, r.code, r.message)
 
     def _too_large(self) -> str:
@@ -210,7 +212,7 @@ class EdgedProtocol(AnswersNow):
         self._unset_keepalive_if_required()
         super().on_message_begin()
         self.scope[PEER_KEY] = self._peer  # type: ignore[literal-required]
-        self.scope[DOOR_KEY] = self._door  # type: ignore[literal-required]
+        self.scope[ACCESS_KEY] = self._access  # type: ignore[literal-required]
         self._arm_read_timer()
 
     def on_headers_complete(self) -> None:
@@ -231,7 +233,7 @@ class EdgedProtocol(AnswersNow):
         self._cancel_read_timer()
         self._in_headers = True
         self._raw_header_bytes = 0
-        super().on_message_complete()  # where a kept request is answered at once (answer_now.py)
+        super().on_message_complete()  # where a kept request is answered at once (inline.py)
 
 
 # --- uvicorn internals relied on ---------------------------------------------------------------

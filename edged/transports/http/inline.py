@@ -73,7 +73,7 @@ class _Kept:
         self.disconnected = self.response_started = self.response_complete = False
 
 
-class AnswersNow(HttpToolsProtocol):
+class InlineAnswers(HttpToolsProtocol):
     """uvicorn's protocol, with answers made at once (see the module's text)."""
 
     def __init__(self, *args: Any, direct: Direct | None = None, **kw: Any) -> None:

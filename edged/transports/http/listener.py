@@ -30,8 +30,8 @@ from edged.config import Config
 from edged.errors import ConfigError
 from edged.host import systemd
 from edged.paths import fd_socket_for
-from edged.transports.http.connection import ConnectionLimits, EdgedProtocol, Gate, check_uvicorn
-from edged.transports.peer import Door
+from edged.transports.http.connection import ConnectionLimits, ConnectionSlots, EdgedProtocol, check_uvicorn
+from edged.transports.peer import ListenerAccess
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ class Listener:
     created (removed at stop)."""
 
     sock: socket.socket
-    door: Door
+    access: ListenerAccess
     owned_path: str | None = None
-    memfd: bool = False  # the descriptor socket (fd_socket.py), not served by uvicorn
+    memfd: bool = False  # the descriptor socket (memfd_socket.py), not served by uvicorn
 
 
 def parse_address(text: str, key: str) -> tuple[str, int]:
@@ -95,7 +95,7 @@ def _tcp(text: str, key: str, token: bytes | None, metrics_only: bool) -> Listen
     sock.setblocking(False)
     what = "metrics and health only" if metrics_only else "the API"
     auth = ", bearer token required" if exposed else ""
-    return Listener(sock, Door(f"tcp {text} ({what}{auth})", metrics_only, token if exposed else None))
+    return Listener(sock, ListenerAccess(f"tcp {text} ({what}{auth})", metrics_only, token if exposed else None))
 
 
 def _activated(fds: list[int], names: list[str], token: bytes | None, memfd: bool) -> list[Listener]:
@@ -111,7 +111,7 @@ def _activated(fds: list[int], names: list[str], token: bytes | None, memfd: boo
                 sock.close()
                 continue
             sock.setblocking(False)
-            out.append(Listener(sock, Door(f"activated descriptor socket (fd {fd})"), memfd=True))
+            out.append(Listener(sock, ListenerAccess(f"activated descriptor socket (fd {fd})"), memfd=True))
             continue
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):
             log.warning("socket activation passed fd %d (%s), not a stream socket edged can serve: closed", fd, name)
@@ -129,7 +129,10 @@ def _activated(fds: list[int], names: list[str], token: bytes | None, memfd: boo
         what = "metrics and health only" if metrics_only else "the API"
         out.append(
             Listener(
-                sock, Door(f"activated socket '{name}' (fd {fd}, {what})", metrics_only, token if exposed else None)
+                sock,
+                ListenerAccess(
+                    f"activated socket '{name}' (fd {fd}, {what})", metrics_only, token if exposed else None
+                ),
             )
         )
     return out
@@ -148,11 +151,11 @@ def listeners_from(cfg: Config, bind_unix: Callable[[str, int, str, int], socket
             out += _activated(fds, names, token, s.memfd_socket)
         else:
             path, mode = s.socket, int(s.socket_mode, 8)
-            out.append(Listener(bind_unix(path, mode, s.socket_group, socket.SOCK_STREAM), Door(path), path))
+            out.append(Listener(bind_unix(path, mode, s.socket_group, socket.SOCK_STREAM), ListenerAccess(path), path))
             if s.memfd_socket:
                 fds_path = fd_socket_for(path)
                 sock = bind_unix(fds_path, mode, s.socket_group, socket.SOCK_SEQPACKET)
-                out.append(Listener(sock, Door(fds_path), fds_path, memfd=True))
+                out.append(Listener(sock, ListenerAccess(fds_path), fds_path, memfd=True))
         out += [_tcp(addr, "tcp", token, False) for addr in s.tcp]
         if s.metrics:
             out.append(_tcp(s.metrics, "metrics", token, True))
@@ -186,20 +189,20 @@ async def start(app: Any, cfg: Config, listeners: list[Listener]) -> uvicorn.Ser
     # the lifecycle (and its signal handling) stays in one place.
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
-    gate = Gate(ConnectionLimits.from_config(cfg))
-    # The app's answers made at once on the connection (answer_now.Direct), where it has them.
+    slots = ConnectionSlots(ConnectionLimits.from_config(cfg))
+    # The app's answers made at once on the connection (inline.Direct), where it has them.
     direct = app if hasattr(app, "wants") and hasattr(app, "now") else None
     loop = asyncio.get_running_loop()
     server.servers = []
     for listener in listeners:
 
-        def protocol(door: Door = listener.door) -> EdgedProtocol:
+        def protocol(access: ListenerAccess = listener.access) -> EdgedProtocol:
             state = server.server_state
             return EdgedProtocol(
-                config=config, server_state=state, app_state={}, _loop=loop, gate=gate, door=door, direct=direct
+                config=config, server_state=state, app_state={}, _loop=loop, slots=slots, access=access, direct=direct
             )
 
         server.servers.append(await loop.create_server(protocol, sock=listener.sock, backlog=config.backlog))
-        log.info("serving on %s", listener.door.label)
+        log.info("serving on %s", listener.access.label)
     server.started = True
     return server

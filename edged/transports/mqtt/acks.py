@@ -1,5 +1,5 @@
-"""Which MQTT messages to run, and when to acknowledge them (issue 10: MQTT cannot poison the
-session).
+"""Which MQTT messages to run, and when to acknowledge them, so that no message can poison the
+session.
 
 A QoS 1/2 message is acknowledged only once it is answered or deliberately dropped, never on
 arrival: a message that was still running when the connection dropped (or when edged died) is
@@ -9,7 +9,7 @@ later quick ones, never their answers.
 
 A redelivery carries the DUP flag and the packet id of the first delivery. This session
 remembers, for a bounded number of recent messages (``mqtt.dedup_window``), whether each is still
-running or done, and the journal (mqtt_journal.py) what the previous run of edged was running
+running or done, and the journal (journal.py) what the previous run of edged was running
 when it ended:
 
   * running here: the redelivered copy waits for the first and is acknowledged with it;

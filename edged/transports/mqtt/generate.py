@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class Requests(Protocol):
-    """What a generation needs of the MQTT request handler (mqtt_requests.Requests)."""
+    """What a generation needs of the MQTT request handler (requests.Requests)."""
 
     service: Service
     v5: bool

@@ -5,7 +5,7 @@ paho runs without its network thread: its socket is registered with the loop (pa
 external-loop API: ``loop_read``/``loop_write``/``loop_misc`` and the socket callbacks), so a
 message is read, answered and written on the loop with no thread hand-off. Measured on the
 2-core machine, the network thread cost 0.1-0.15 ms a round trip in wake-ups and GIL
-hand-overs (issue 6 bench). Only the blocking part of a (re)connect (DNS, TCP connect, TLS
+hand-overs (``python -m bench mqtt``). Only the blocking part of a (re)connect (DNS, TCP connect, TLS
 handshake) runs in a worker thread, and the client is left alone while it does.
 """
 
@@ -87,7 +87,7 @@ class Link:
         self._runner: asyncio.Task[None] | None = None
         self._misc: asyncio.Task[None] | None = None
         self._loop_thread = threading.get_ident()
-        mqtt_props.install()  # PUBLISH properties parsed later, linearly (mqtt_props.py says why)
+        mqtt_props.install()  # PUBLISH properties parsed later, linearly (props.py says why)
         self.client = self._make_client(client_id, on_message, will_topic)
         # Only a persistent session is redelivered to a later run: only it keeps a journal.
         path = journal_dir / f"{client_id}.running" if journal_dir is not None and self.persistent else None
@@ -100,7 +100,7 @@ class Link:
             client_id=client_id,
             protocol=MQTTProtocolVersion.MQTTv5 if self.v5 else MQTTProtocolVersion.MQTTv311,
             clean_session=None if self.v5 else not self.persistent,
-            # Acknowledged by the transport once answered or dropped (mqtt_acks.py), so that a
+            # Acknowledged by the transport once answered or dropped (acks.py), so that a
             # message edged dies on is redelivered, recognised and dropped, not lost or rerun.
             manual_ack=True,
         )

@@ -1,5 +1,5 @@
 """Worker threads for the MQTT work whose cost grows with a message: reading properties and
-payloads, encoding large replies. The event loop only moves bytes (issue 10).
+payloads, encoding large replies. The event loop only moves bytes.
 
 Not asyncio's default executor: its threads are joined at interpreter exit, so one pathological
 message still being decoded would hold up a SIGTERM, and a burst of large messages would queue

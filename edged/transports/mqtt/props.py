@@ -4,7 +4,7 @@ paho decodes a PUBLISH's properties while it reads the packet, on the event loop
 ``Properties.unpack`` copies the rest of the packet (properties *and* payload) once per property:
 quadratic. Measured: 10,000 user properties (70 KB) took 0.77 s, 50,000 (350 KB) 8.2 s, so a
 1 MB property block outlives the broker keep-alive, the broker drops edged before the ack, and
-redelivers the same message at every reconnect (issue 10). So edged installs, for PUBLISH packets
+redelivers the same message at every reconnect. So edged installs, for PUBLISH packets
 only, a ``Properties`` that keeps the raw block (an O(1) slice: its length is the first field) and
 parses it on first use with :func:`parse`, one pass over the bytes, where the transport chooses
 (in a worker thread when the block is large). Other packet types keep paho's class.

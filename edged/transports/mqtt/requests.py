@@ -1,11 +1,11 @@
 """MQTT requests: from a PUBLISH to a reply or a counted drop, and then its acknowledgement.
 
-paho's callback does O(1) work on the loop: it records the delivery (mqtt_acks.py decides whether
+paho's callback does O(1) work on the loop: it records the delivery (acks.py decides whether
 it runs) and starts a task. The task reads the properties and payload (in a worker thread when the
-message is large, mqtt_offload.py), hands the request to ``service.infer`` like a socket request,
+message is large, offload.py), hands the request to ``service.infer`` like a socket request,
 publishes the reply, and only then lets the message be acknowledged. Every request ends in
 exactly one of: a reply, or a drop counted in ``edged_dropped_total{reason=...}``; the message is
-acknowledged after either, never before (issue 10: MQTT cannot poison the session).
+acknowledged after either, never before: a message that fails cannot come back forever.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ WAITING_FACTOR = 16
 
 
 def property_block(msg: mqtt.MQTTMessage) -> bytes:
-    """The raw MQTT 5 property block of a PUBLISH (mqtt_props.py keeps it unparsed)."""
+    """The raw MQTT 5 property block of a PUBLISH (props.py keeps it unparsed)."""
     props = msg.properties
     if props is None:
         return b""
@@ -144,7 +144,7 @@ class Requests:
                 extra={"model": model or "", "request_id": ""},
             )
         if d.verdict is not Verdict.NEW:
-            return d.verdict.value  # 'duplicate' or 'redelivered' (mqtt_acks.py)
+            return d.verdict.value  # 'duplicate' or 'redelivered' (acks.py)
         if model is None:
             return "bad_topic"
         if msg.retain:

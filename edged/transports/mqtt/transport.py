@@ -1,15 +1,15 @@
 """MQTT: the same models, validation and errors as the socket, for sensors and apps that only
 speak MQTT (design section 4; topics and payloads in the README's MQTT section).
 
-paho-mqtt is driven by the event loop (mqtt_link.py says why); paho's callbacks never block,
-they start a task (mqtt_requests.py) that reads the request, off the loop when it is large,
+paho-mqtt is driven by the event loop (link.py says why); paho's callbacks never block,
+they start a task (requests.py) that reads the request, off the loop when it is large,
 hands it to ``service.infer`` like a socket request and publishes the reply. The transport
 knows nothing of backends.
 
 Reliability: with MQTT 5 the session is persistent (clean start off, a session expiry), so QoS 1
 requests sent while edged was briefly away are delivered when it reconnects. A message is
 acknowledged once answered or dropped, in arrival order; a redelivery of one that an earlier run
-never answered is dropped and counted, never run again (mqtt_acks.py). Retained requests are
+never answered is dropped and counted, never run again (acks.py). Retained requests are
 ignored: MQTT 5 subscriptions ask for the retain flag as published and no retained messages at
 subscription time.
 """

@@ -1,4 +1,4 @@
-"""One message of the descriptor socket (fd_socket.py): its descriptors and its JSON, checked.
+"""One message of the descriptor socket (memfd_socket.py): its descriptors and its JSON, checked.
 
 Pure functions apart from the closer: a descriptor that cannot carry seals may be anything (a
 socket with a long SO_LINGER, a file on a FUSE mount that never answers), and closing it can

@@ -1,16 +1,16 @@
 """Sealed memfd regions: client memory the daemon may map, because it cannot shrink.
 
-A POSIX shared memory object is copied with preadv/pwrite (shm_io.py): its owner can truncate it
+A POSIX shared memory object is copied with preadv/pwrite (copies.py): its owner can truncate it
 at any time, and a mapped page past the new end is SIGBUS, which kills the process. A memfd that
 carries the F_SEAL_SHRINK seal cannot be truncated by anyone, ever (seals only ever grow), so a
 mapping of it stays valid for its whole life: inputs are read and outputs written in place, with
 no copy through the kernel. The client hands the descriptor over a Unix socket (SCM_RIGHTS,
-fd_socket.py), so possession of the memory is the permission: the daemon opens nothing by name.
+memfd_socket.py), so possession of the memory is the permission: the daemon opens nothing by name.
 
 What a client hands over is untrusted, so, in this order:
 - ``sealable`` asks for the seals first: F_GET_SEALS answers at once for any descriptor and
   touches no file system (a FUSE file or a hung NFS mount could block an fstat or a close forever;
-  such descriptors are closed on a thread of their own, fd_socket.py);
+  such descriptors are closed on a thread of their own, memfd_socket.py);
 - only a memfd on the daemon's own shmem device is mapped: a hugetlbfs memfd takes the seal too,
   but a hole punched in it gives its huge pages back and the next access is SIGBUS;
 - the pages are faulted in (``populate``, a thread, without the interpreter's lock) only where
@@ -53,7 +53,7 @@ _UNMAP_RETRY_S = 0.05  # a view still alive: try the unmap again this much later
 _UNMAP_GIVE_UP_S = 60.0  # a view kept longer than any request: left to the garbage collector
 
 # Threads of their own: a populate or an unmap of a large region must not wait behind, or hold
-# up, the copies of other clients' frames (shm_io.py).
+# up, the copies of other clients' frames (copies.py).
 _populator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edged-shm-populate")
 _unmapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edged-shm-unmap")
 

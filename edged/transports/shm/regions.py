@@ -350,7 +350,7 @@ class SharedMemoryRegistry:
         return [self._region(peer, name).status()]
 
     def region_for(self, peer: Peer | None) -> Callable[[str], Region]:
-        """Look up regions of ``peer`` by name (for shm_io.ShmRequest)."""
+        """Look up regions of ``peer`` by name (for copies.ShmRequest)."""
         return lambda name: self._region(_local(peer), name)
 
     def _region(self, peer: Peer, name: str) -> Region:

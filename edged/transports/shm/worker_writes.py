@@ -5,10 +5,10 @@ thread and back: two more thread wake-ups and a copy of data the run left in oth
 (a detector's 1.6 MB answer took 0.55 ms of its request that way on a 16-core host). The worker
 is awake and off the loop already, so it writes there.
 
-The destinations are taken on the loop before the run (shm_io.ShmRequest.write_early), for the
+The destinations are taken on the loop before the run (copies.ShmRequest.write_early), for the
 size the request gave. The worker writes each output of a fixed-size type that fits; the
 encoder, on the loop, claims each output in the request's order and finds it written, or writes
-it as before (an output the worker skipped, a run made on the loop, a write that failed: the
+it itself (an output the worker skipped, a run made on the loop, a write that failed: the
 encoder then raises the worker's error). A lock makes the worker's writes and the request's
 release exclusive: a request released before its worker starts writing (answered without the
 worker, failed, cancelled) is never written, and one released during the writes keeps its
