@@ -20,22 +20,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fuzz": ("bench.fuzz", "mutated requests against a live daemon: crashes, loop stalls, 5xx"),
     "soak": ("bench.soak", "mixed socket, shm and MQTT clients with a reload and a broker restart"),
     "llm": ("bench.llm", "language model: TTFT and tokens/s against llama.cpp's server and a lazy loader"),
-    "placement": ("bench.placement", "CPU placement and intra-op threads: tiny and frame against the floor"),
     "first-request": (
         "bench.first_request",
         "first request after READY=1 against one after the same idle gap, per stage",
     ),
-    "overhead": ("bench.overhead", "where a request's time goes outside the model, with trial fixes"),
-    "app": ("bench.app_cost", "edged's app in process against the fused path: microseconds and lines per request"),
-    "handoff": ("bench.handoff", "the hand-off to a model's worker thread and back, and spinning after a gap"),
-    "spinning": ("bench.spinning", "ONNX Runtime's spinning intra-op threads on and off"),
-    "pools": ("bench.pools", "two instances: a thread pool each against one process-wide pool, in process"),
-    "threads": ("bench.threads", "intra-op threads against one run's time and CPU, in process, per model"),
-    "session": (
-        "bench.session_probe",
-        "edged's ONNX Runtime session (build artefact, spinning stop) against a default one",
+    "overhead": (
+        "bench.overhead",
+        "where a request's time goes outside the model: edged against its twin, FastAPI and the limits",
     ),
-    "shm-copy": ("bench.shm_copy", "the safe kernel copy of a shared-memory frame against the old mapping"),
 }
 
 

@@ -11,11 +11,12 @@ took 0.9-1.4 ms against 0.12 ms steady), and a ratio of two single samples measu
 much as the first request. Each request also records the client's part (the producer's copy into
 the region, connect, send to last byte) and the daemon's minor page faults and thread count around
 it (from /proc), so a cold first request shows what it paid for. ``--variants`` alternates
-daemons start by start (the current one, ONNX Runtime's pool left spinning after a run, other intra-op thread
-counts for the frame models, frames through POSIX shared memory or in the request body) and
-reports each. ``--stages`` runs the daemon under bench.stage_probe (timers around each stage of
-the request path: decode, copy in, hand-off and run, encode, copy out, each with its thread's page
-faults) and prints them for the first and the after-gap request.
+daemons start by start (edged as configured, ONNX Runtime's pool left spinning after a run, other
+intra-op thread counts for the frame models, frames through POSIX shared memory or in the request
+body, the bare limit servers of bench/limit.py) and reports each. Every edged daemon is started
+through bench/stages.py; ``--stages`` turns its timers on (around each stage of the request path:
+decode, copy in, hand-off and run, encode, copy out, each with its thread's page faults) and
+prints them for the first and the after-gap request.
 
     scripts/bench.sh first-request [--starts 7] [--gaps 5] [--stages] [--models tiny,conv640,ocr_det]
                                    [--variants default,posix,body,spinning,threads=15]
@@ -36,15 +37,15 @@ from typing import Any
 from bench.measure import AFTER_GAPS, STEADY, _client_conns, _steady
 from bench.models import ModelSpec, prepare, write_specs
 from bench.servers import EdgedServer, LimitServer, LimitWorkerServer, Server
-from bench.stage_probe import hops
+from bench.stages import hops
 from bench.wire import Conn, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
 GAP_S = 0.5
 
 
-class ProbedEdged(EdgedServer):
-    """edged started through bench.stage_probe: the same daemon, with stage timers when
+class StagedEdged(EdgedServer):
+    """edged started through bench.stages: the same daemon, with stage timers when
     ``stages_file`` is given, with ONNX Runtime's pool left spinning when ``spinning``."""
 
     def __init__(
@@ -61,7 +62,7 @@ class ProbedEdged(EdgedServer):
         self.spinning = spinning
 
     def command(self) -> list[str]:
-        return [self.python, "-m", "bench.stage_probe", "serve", "--config", str(self.config())]
+        return [self.python, "-m", "bench.stages", "serve", "--config", str(self.config())]
 
     def extra_env(self) -> dict[str, str]:
         env = super().extra_env()
@@ -83,14 +84,14 @@ def variant_server(variant: str, work: Path, specs: dict[str, ModelSpec], stages
     if variant in ("limit", "limitworker"):
         return (LimitServer if variant == "limit" else LimitWorkerServer)(work, specs)
     if variant == "default":
-        return ProbedEdged(work, specs, stages)
+        return StagedEdged(work, specs, stages)
     if variant in ("posix", "body"):
-        return ProbedEdged(work, specs, stages, shm=variant)
+        return StagedEdged(work, specs, stages, shm=variant)
     if variant == "spinning":
-        return ProbedEdged(work, specs, stages, spinning=True)
+        return StagedEdged(work, specs, stages, spinning=True)
     if variant.startswith("threads="):
         n = int(variant.split("=", 1)[1])
-        return ProbedEdged(work, specs, stages, options={m: {"threads": n} for m, s in specs.items() if s.frame})
+        return StagedEdged(work, specs, stages, options={m: {"threads": n} for m, s in specs.items() if s.frame})
     raise SystemExit(f"unknown variant {variant!r}: default, posix, body, spinning, threads=N, limit or limitworker")
 
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=7)
     ap.add_argument("--gaps", type=int, default=AFTER_GAPS, help="requests after the same idle gap per model and start")
-    ap.add_argument("--stages", action="store_true", help="daemon-side stage timers (bench.stage_probe)")
+    ap.add_argument("--stages", action="store_true", help="daemon-side stage timers (bench.stages)")
     ap.add_argument("--models", default="tiny,conv640,ocr_det")
     ap.add_argument(
         "--variants",

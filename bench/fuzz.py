@@ -1,7 +1,7 @@
-"""Fuzz a live daemon with mutated infer requests (issue 10): JSON bodies, the binary tensor
+"""Fuzz a live daemon with mutated infer requests: JSON bodies, the binary tensor
 extension, shared memory parameters and header values, from valid requests mutated at the
 document and at the byte level, with a few hostile floods among them; some bodies compressed
-(gzip, deflate, and encodings edged does not read) and some BYTES tensors (issue 12). Beside
+(gzip, deflate, and encodings edged does not read) and some BYTES tensors. Beside
 them, a tenth as many cases on the descriptor socket (bench/fuzz_fd.py).
 
     .venv/bin/python -m bench.fuzz [--cases 100000] [--workers 4] [--seed 0] [--out bench-results/fuzz.json]
@@ -37,7 +37,8 @@ import orjson
 
 from bench import fuzz_fd
 from bench.wire import connect, http_bytes
-from edged.client import Client, ShmRegion
+from edged.client import Client
+from edged.client.shm import ShmRegion
 
 if TYPE_CHECKING:
     from tests.helpers import DaemonProcess

@@ -10,7 +10,7 @@ all-INT8 one and FP32 run interleaved, in alternating blocks with a pause betwee
 Runtime's spinning pools would otherwise steal each other's CPU), on the same held-out input.
 Speed is reported as ratios, which survive a shared machine better than milliseconds.
 
-Targets (issue 11): every model serves int8 (mixed) and passes its task gate (mask IoU >= 0.95
+Targets: every model serves int8 (mixed) and passes its task gate (mask IoU >= 0.95
 for the text detector, detection F1 >= 0.95 for the YOLO-style one), two of them >= 1.2x FP32.
 """
 

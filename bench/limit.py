@@ -5,8 +5,8 @@ loop for every request, on an input the server already holds: no request to pars
 decode or check, no hand-off to a worker thread, no frame crossing the socket, a fixed 100-byte
 answer. What is left is the socket round trip, HTTP, and the model run after the idle time a
 request/response exchange puts between two runs (the in-process floor runs them back to back).
-Issue 13 asks, where a target is beyond a machine, for "a bare Unix socket echo plus the model
-run": this is that, measured in the same interleaved rounds as edged and the floor.
+Where a target is beyond a machine, "a bare Unix socket echo plus the model run" is its bound:
+this is that, measured in the same interleaved rounds as edged and the floor.
 
 The session is built as every server's is (``bench.models.session``), warmed before the socket
 is bound, so the first request finds it ready.

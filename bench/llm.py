@@ -1,4 +1,4 @@
-"""Issue 15's benchmark: a language model served warm by edged, against llama-cpp-python's own
+"""A language model served warm by edged, against llama-cpp-python's own
 OpenAI-compatible server (``llama_cpp.server``, which loads at start) and a lazy-loading wrapper
 (bench/llm_lazy.py: loads on the first request, as Ollama does), with the engine in process as
 the floor. Same GGUF (SmolLM2-135M-Instruct Q4_1), same prompts (``/v1/completions``, so every
@@ -158,8 +158,8 @@ def llama_server_peer(model: Path) -> Peer:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port)]
     cmd += ["--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--n_ctx", str(CONTEXT), "--verbose", "0"]
-    # By default a new request interrupts the stream in progress (3 of 4 concurrent streams were cut
-    # in a trial run); queueing them is what a user serving several clients would configure.
+    # By default a new request interrupts the stream in progress (3 of 4 concurrent streams cut in
+    # one run); queueing them is what a user serving several clients would configure.
     cmd += ["--interrupt_requests", "False"]
     return Peer("llama_cpp.server", cmd, "/v1/models", port=port)
 

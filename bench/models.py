@@ -141,13 +141,6 @@ def prepare(data_dir: Path, bench_models: Path) -> dict[str, ModelSpec]:
     return {s.name: s for s in specs}
 
 
-def probe_specs(repo: Path) -> dict[str, ModelSpec]:
-    """The benchmark's models and the batchable MLP (mlp2k), for the in-process probes."""
-    specs = prepare(repo / "data", repo / "data" / "bench")
-    specs["mlp2k"] = batchable(repo / "data" / "bench")
-    return specs
-
-
 def write_specs(path: Path, specs: dict[str, ModelSpec]) -> Path:
     path.write_text(json.dumps([s.to_json() for s in specs.values()]))
     return path
@@ -157,15 +150,12 @@ def read_specs(path: Path) -> dict[str, ModelSpec]:
     return {d["name"]: ModelSpec.from_json(d) for d in json.loads(path.read_text())}
 
 
-def session(spec: ModelSpec, threads: int = 0, config: dict[str, str] | None = None) -> Any:
-    """An ONNX Runtime session as every server builds it (same threads, default optimisation);
-    ``threads`` (0: the spec's) and session ``config`` entries for the probes that vary them."""
+def session(spec: ModelSpec) -> Any:
+    """An ONNX Runtime session as every server builds it (the spec's threads, default optimisation)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.intra_op_num_threads = threads or spec.threads
+    so.intra_op_num_threads = spec.threads
     so.inter_op_num_threads = 1
-    for key, value in (config or {}).items():
-        so.add_session_config_entry(key, value)
     return ort.InferenceSession(spec.path, so, providers=["CPUExecutionProvider"])

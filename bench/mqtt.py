@@ -16,7 +16,7 @@ Correlation Data: the broker and both clients' costs, without edged. Cases:
 
 Echo and edged take turns in blocks of 25 round trips per case (who goes first alternating), so
 both see the same noise over the run. The requester drives its paho client from one thread (no network
-thread), MQTT 5, TCP_NODELAY. Target (issue 6): edged adds at most 0.3 ms to the echo's median
+thread), MQTT 5, TCP_NODELAY. Target: edged adds at most 0.3 ms to the echo's median
 for the tiny model.
 """
 

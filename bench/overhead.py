@@ -1,4 +1,6 @@
-"""Probe: where a request's time goes outside the model, with trial fixes side by side.
+"""Where a request's time goes outside the model: edged against a second daemon of the same code
+(the A/A spread), the hand-written FastAPI server, a bare echo and the bounds of this machine and
+of the protocol (the limit lanes), all as ratios to the in-process floor measured in the same run.
 
 Daemons serving the same model, interleaved with the in-process floor, at concurrency 1 and 4
 (``--lanes`` picks them; default ``edged,inline,worker``):
@@ -8,16 +10,13 @@ Daemons serving the same model, interleaved with the in-process floor, at concur
     event loop: no hand-off to a worker thread and back;
   * ``edged-worker``: ``inline_threshold_us = 0``: every request goes to the model's worker
     thread (two thread hops per request);
-  * ``edged-onewrite``: uvicorn's httptools protocol writes a response's head and body with two
-    ``transport.write`` calls (two ``write`` syscalls, seen with strace on the daemon);
-    bench/trials/onewrite/sitecustomize.py coalesces them, without touching edged's code;
   * ``edged-twin``: the edged lane's daemon again, the same code and configuration: the spread
     of two daemons that should measure the same (an A/A check for every other comparison);
   * ``edged-auto``: the model's intra-op threads left to the daemon (``threads = 0``; the other
     lanes and the peers run the spec's count, one thread for tiny): the rule's count, cores divided
     by instances, or fewer where the warm-up measures the model as fast with fewer;
   * ``fastapi``: the hand-written FastAPI/uvicorn server of the peer benchmark (bench/peer_fastapi.py),
-    the figure issue 13's throughput target is a ratio to;
+    the figure the throughput target is a ratio to;
   * ``echo``: a bare ASGI app on the same uvicorn stack (uvloop, httptools, a Unix socket) that
     reads the request and answers a fixed 100-byte body: the transport's own cost, the limit under
     edged's figure (not checked against the model's answer; it runs no model);
@@ -58,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.first_request import ProbedEdged
+from bench.first_request import StagedEdged
 from bench.measure import (
     FLOOR,
     Budget,
@@ -84,22 +83,17 @@ from bench.servers import (
     check,
     get_status,
 )
-from bench.stage_probe import hops
+from bench.stages import hops
 from bench.wire import closed_loop, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "twin", "inline", "worker", "onewrite", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
+LANES = ("edged", "twin", "inline", "worker", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
 
 
 def _first_on_path(folder: Path) -> str:
     """``folder`` first on the daemon's path, then this checkout and the caller's own path
     (scripts/bench_offline.sh puts its private site-packages there)."""
     return os.pathsep.join(p for p in (str(folder), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-
-
-class OneWriteEdged(EdgedServer):
-    def extra_env(self) -> dict[str, str]:
-        return dict(super().extra_env(), PYTHONPATH=_first_on_path(REPO / "bench" / "trials" / "onewrite"))
 
 
 class BaseEdged(EdgedServer):
@@ -123,9 +117,9 @@ class BaseEdged(EdgedServer):
 
     def command(self) -> list[str]:
         # Not ``python -m edged``: -m puts the working directory (this checkout) first on
-        # sys.path, ahead of PYTHONPATH, so the daemon ran this tree's edged, not the base's (every
-        # --base lane from 30 Nov to 1 Dec compared this tree with itself). The tree goes first
-        # explicitly, and the daemon refuses to start if edged comes from anywhere else.
+        # sys.path, ahead of PYTHONPATH, so the daemon would run this tree's edged, not the base's.
+        # The tree goes first explicitly, and the daemon refuses to start if edged comes from
+        # anywhere else.
         boot = tree_boot("sys.argv[0] = 'edged'; runpy.run_module('edged', run_name='__main__', alter_sys=True)")
         return [self.python, "-c", boot, str(self.tree), *super().command()[3:]]
 
@@ -176,10 +170,9 @@ def servers_for(
 ) -> list[Server]:
     one = {spec.name: spec, **(beside or {})}
     make: dict[str, Callable[[], Server]] = {
-        "edged": lambda: EdgedServer(work, one, label="edged") if stages is None else ProbedEdged(work, one, stages),
+        "edged": lambda: EdgedServer(work, one, label="edged") if stages is None else StagedEdged(work, one, stages),
         "inline": lambda: EdgedServer(work, one, label="edged-inline", server={"inline_threshold_us": 10_000_000}),
         "worker": lambda: EdgedServer(work, one, label="edged-worker", server={"inline_threshold_us": 0}),
-        "onewrite": lambda: OneWriteEdged(work, one, label="edged-onewrite"),
         # The models' intra-op threads left to the daemon (threads = 0): the rule's count, or
         # fewer where its warm-up measures them as fast (edged/serving/threadpick.py).
         "auto": lambda: EdgedServer(work, one, {m: {"threads": 0} for m in one}, label="edged-auto"),
@@ -332,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--stages",
         action="store_true",
-        help="the edged lane's daemon with stage timers (bench.stage_probe): per lane, the median of each stage",
+        help="the edged lane's daemon with stage timers (bench.stages): per lane, the median of each stage",
     )
     args = ap.parse_args(argv)
     lanes = [n for n in args.lanes.split(",") if n]
@@ -343,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--stages times the edged lane's daemon only: its twin would not be the same daemon")
     specs = prepare(REPO / "data", REPO / "data" / "bench")
     spec = specs[args.model]
-    work = Path(tempfile.mkdtemp(prefix="edged-probe-"))
+    work = Path(tempfile.mkdtemp(prefix="edged-overhead-"))
     if args.starts:
         beside = {m: specs[m] for m in args.beside.split(",") if m and m != spec.name}
         starts(work, spec, lanes, args.base, args.starts, beside)

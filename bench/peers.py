@@ -1,5 +1,5 @@
-"""Issue 7's benchmark: edged, PyTriton, a hand-written FastAPI server and the in-process floor on
-the same ONNX models, in one run, as ratios to the floor measured in that run.
+"""edged against PyTriton, a hand-written FastAPI server and the in-process floor on the same
+ONNX models, in one run, as ratios to the floor measured in that run.
 
     scripts/bench.sh peers [--quick] [--out bench-results] [--publish docs/img]
     (sets up bench/.venv for PyTriton and the models, then runs this)
@@ -57,7 +57,7 @@ class Plan:
     gap_s: float = 0.5
     # Starts of every server in the serving phase, the rounds shared among them: a start's threads
     # stay where they first land, and two daemons of the same code differed by up to 29% at c=4 in
-    # one start each (docs/performance.md, session 23).
+    # one start each (docs/performance.md, "The A/A spread").
     serving_starts: int = 1
 
 

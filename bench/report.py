@@ -1,4 +1,4 @@
-"""Turning a run into figures: summaries with ratios to the floor, the issue's targets, a Markdown
+"""Turning a run into figures: summaries with ratios to the floor, the targets, a Markdown
 report and PNG plots (latency distributions, throughput, the cold-start timeline)."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def cold_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = {m: _med([s[key][m] for s in starts]) for m in models}
     out["first_over_steady"] = {m: out["first_ms"][m] / out["steady_ms"][m] for m in models}
     out["first_over_after_gap"] = {m: out["first_ms"][m] / out["after_gap_ms"][m] for m in models}
-    # Requests after the gap per start and model (one in runs from before they were several).
+    # Requests after the gap per start and model (1 for a results file without after_gaps_ms).
     out["after_gaps_per_start"] = len(starts[0].get("after_gaps_ms", {}).get(models[0], [0.0]))
     if "warmup_s" in starts[0]:
         out["warmup_s"] = _med([s["warmup_s"] for s in starts])
@@ -110,7 +110,7 @@ def cold_summary(starts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, each with the figure, the bound and whether it was met."""
+    """The targets, each with the figure, the bound and whether it was met."""
     sv, cold = r["serving"], {n: cold_summary(v) for n, v in r["cold_start"].items()}
     r["cold_summary"] = cold
     rows: list[dict[str, Any]] = []

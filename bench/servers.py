@@ -37,8 +37,8 @@ from bench.wire import (
     v2_request,
     v2_request_in_place,
 )
-from edged.client import Client, ShmRegion, ShmTensor
-from edged.client.shm import MemfdRegion
+from edged.client import Client
+from edged.client.shm import MemfdRegion, ShmRegion, ShmTensor
 from edged.paths import fd_socket_for
 
 REPO = Path(__file__).resolve().parent.parent

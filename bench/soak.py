@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soak: mixed socket, shared-memory and MQTT clients against one edged, with a reload (SIGHUP)
 and a broker restart in the middle; the daemon's RSS and open file descriptors sampled
-throughout and fitted with a line (issue 10, item 6).
+throughout and fitted with a line.
 
   scripts/bench.sh soak [--seconds 600] [--out bench-results/soak.json]
   python -m bench soak --seconds 60

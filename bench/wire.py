@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edged.client import ShmTensor, encode_request
+from edged.client import encode_request
+from edged.client.shm import ShmTensor
 
 Address = str | tuple[str, int]  # a Unix socket path or (host, port)
 

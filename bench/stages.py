@@ -1,7 +1,7 @@
-"""edged with per-stage timers, for the first-request benchmark: ``python -m bench.stage_probe
-serve --config FILE`` runs the real daemon (edged.cli.main) after wrapping the stages of an infer
-request with timers. Nothing of this is in the product: the wrappers are installed here, in the
-benchmark's own launcher, and cost the same on every request they time.
+"""The daemon launcher of ``first-request`` and ``overhead --stages``: ``python -m bench.stages
+serve --config FILE`` runs the real daemon (edged.cli.main), with the stages of an infer request
+wrapped in timers when BENCH_STAGES names a file. Nothing of this is in the product: the wrappers
+are installed here, in the benchmark's own launcher, and cost the same on every request they time.
 
 Per request, in order of the path: the ASGI call as a whole (``app``), the body read from
 uvicorn (``read``), body decode with the shared-memory input buffers it allocates (``decode``),
@@ -11,7 +11,7 @@ hand-off, run and wake-up (``infer``) and the model run alone on its worker (``r
 (``send``, both calls). Each stage records its wall time and the minor page faults of the
 thread it ran on (RUSAGE_THREAD). The records are written as JSON lines to the file named by
 BENCH_STAGES when the daemon exits. BENCH_KEEP_SPINNING=1 leaves ONNX Runtime's pool spinning after
-each run (as edged did before), for a same-run comparison.
+each run (ONNX Runtime's default; edged stops it), for a same-run comparison.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def _dump() -> None:
 
 
 def keep_spinning() -> None:
-    """ONNX Runtime's intra-op pool left spinning after a run returns (edged's sessions before
-    session.force_spinning_stop), for a same-run comparison."""
+    """ONNX Runtime's intra-op pool left spinning after a run returns (its default; edged's serving
+    sessions set session.force_spinning_stop), for a same-run comparison."""
     from edged.backends import onnxruntime as ort_backend
 
     ort_backend.SERVING_CONFIG.pop("session.force_spinning_stop", None)
