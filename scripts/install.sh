@@ -149,9 +149,10 @@ install_system_files() {
         install -m 0644 "$REPO/systemd/$unit" "$UNIT_DIR/$unit"
     done
     install_apt_hook
-    if [ -e "$REPO/docs/systemd.md" ]; then
-        install -D -m 0644 "$REPO/docs/systemd.md" "$PREFIX/docs/systemd.md"
-    fi
+    # Every page: the unit's Documentation= names docs/systemd.md, which links to the others.
+    for page in "$REPO"/docs/*.md; do
+        [ -e "$page" ] && install -D -m 0644 "$page" "$PREFIX/docs/$(basename "$page")"
+    done
 }
 
 # After a TensorRT, CUDA or L4T upgrade through apt, the hook restarts a running edged: it serves

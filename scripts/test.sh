@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 # prometheus: its promtool checks the /metrics output (tests/*/test_metrics.py).
-APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc systemd openssl prometheus)
+# g++: llama-cpp-python builds llama.cpp (C and C++) from source.
+APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config gcc g++ systemd openssl prometheus)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -13,7 +13,7 @@ import logging
 
 from edged.errors import CacheError, EdgedError
 from edged.host import systemd
-from edged.host.memory import Plan, PlanItem, plan
+from edged.serving.admission import Plan, PlanItem, plan
 from edged.serving.background import BackgroundBuilds, stand_in
 from edged.serving.registry import ModelRuntime, Registry
 from edged.serving.states import ModelState

@@ -29,7 +29,7 @@ from edged.cache.store import EngineCache
 from edged.config import Config, format_size, max_body_bytes, parse_size
 from edged.errors import ConfigError, EdgedError, SocketInUseError
 from edged.host import malloc, systemd
-from edged.host.memory import MemoryInfo, budget_bytes, plan, probe
+from edged.host.memory import MemoryInfo, budget_bytes, probe
 from edged.lifecycle import early_signals
 from edged.lifecycle.boot import Boot
 from edged.lifecycle.faults import wedge_switch_from_env
@@ -39,6 +39,7 @@ from edged.lifecycle.readiness import summary, unready
 from edged.lifecycle.reload import Reloader
 from edged.paths import isolate_library_files
 from edged.quantize.runner import BuildRunner
+from edged.serving.admission import plan
 from edged.serving.background import BackgroundBuilds
 from edged.serving.metrics import Metrics
 from edged.serving.registry import ModelRuntime, Registry

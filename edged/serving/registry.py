@@ -26,10 +26,11 @@ from edged.cache.store import EngineCache, Entry
 from edged.config import Config, ModelConfig, format_size
 from edged.errors import BackendError, BudgetError, CacheError, EdgedError, ModelNotReadyError
 from edged.host import malloc
-from edged.host.memory import PlanItem, choose_evictions, rss_bytes
+from edged.host.memory import rss_bytes
 from edged.quantize.figures import describe, precision_text
 from edged.quantize.job import BuildJob, job_key, make_job
 from edged.quantize.runner import BuildRunner
+from edged.serving.admission import PlanItem, choose_evictions
 from edged.serving.metrics import Metrics
 from edged.serving.scheduler import ModelQueue
 from edged.serving.states import ModelState

@@ -25,7 +25,8 @@ from edged.errors import (
     ModelNotReadyError,
     ShuttingDownError,
 )
-from edged.host.memory import MemoryInfo, Plan, probe
+from edged.host.memory import MemoryInfo, probe
+from edged.serving.admission import Plan
 from edged.serving.metrics import Metrics, counted
 from edged.serving.registry import ModelRuntime, Registry
 from edged.serving.scheduler import ModelQueue, elements_of

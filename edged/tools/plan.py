@@ -13,10 +13,11 @@ from typing import Any, TextIO
 from edged.cache.store import EngineCache
 from edged.config import Config, format_size
 from edged.errors import EdgedError
-from edged.host.memory import budget_bytes, plan, probe
+from edged.host.memory import budget_bytes, probe
 from edged.paths import isolate_library_files
 from edged.quantize.figures import describe, precision_text
 from edged.quantize.runner import BuildRunner
+from edged.serving.admission import plan
 from edged.serving.metrics import Metrics
 from edged.serving.registry import Registry
 from edged.serving.states import ModelState

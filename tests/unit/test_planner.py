@@ -5,9 +5,10 @@ from pathlib import Path
 
 from edged.cache.store import EngineCache
 from edged.config import MemoryConfig, from_mapping
-from edged.host.memory import PlanItem, budget_bytes, choose_evictions, plan, probe_meminfo
+from edged.host.memory import budget_bytes, probe_meminfo
 from edged.lifecycle.boot import Boot
 from edged.quantize.runner import BuildRunner
+from edged.serving.admission import PlanItem, choose_evictions, plan
 from edged.serving.background import BackgroundBuilds
 from edged.serving.metrics import Metrics
 from edged.serving.registry import ModelRuntime, Registry

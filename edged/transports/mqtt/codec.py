@@ -1,7 +1,7 @@
 """MQTT payloads: topics, requests (the HTTP infer JSON or one raw tensor) and replies.
 
 Pure functions of bytes and properties, no client and no loop, so the wire format can be read
-(and tested) in one place. The README's MQTT section describes the same format for users.
+(and tested) in one place. docs/mqtt.md describes the same format for users.
 """
 
 from __future__ import annotations

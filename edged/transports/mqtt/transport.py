@@ -1,5 +1,5 @@
 """MQTT: the same models, validation and errors as the socket, for sensors and apps that only
-speak MQTT (design section 4; topics and payloads in the README's MQTT section).
+speak MQTT (design section 4; topics and payloads in docs/mqtt.md).
 
 paho-mqtt is driven by the event loop (link.py says why); paho's callbacks never block,
 they start a task (requests.py) that reads the request, off the loop when it is large,
