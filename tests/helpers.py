@@ -1,4 +1,5 @@
-"""Shared test helpers: a real edged daemon as a subprocess, and waiting on conditions.
+"""Shared test helpers: a real edged daemon as a subprocess, waiting on conditions, a health
+prober of its own process, and skipping for what a machine lacks (a failure under CI).
 
 Nothing here fakes the daemon: it is started as ``python -m edged serve`` on a temporary socket
 and cache, exactly as a user starts it, and stopped by PID.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib.util
 import os
 import signal
 import socket
@@ -17,11 +19,41 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+import pytest
 
 from edged.client import Client
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A loop that answers nothing for this long is frozen. The bound of every "does not hang or
+# freeze" check: how fast an answer comes is for the benchmarks (bench/), not for a timed test.
+FREEZE_S = 1.0
+
+
+def under_ci() -> bool:
+    """Whether this is CI (it sets CI=true): there scripts/test.sh has installed every tool and
+    package the tests use, and runs them as root on Debian with systemd."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip a test for something this machine lacks, printing why. Under CI, which provides
+    everything but TensorRT, a Jetson and an NVIDIA GPU, the same absence fails the test instead:
+    a broken set-up must not pass green as a row of skips."""
+    if under_ci():
+        pytest.fail(f"{reason} (CI must provide it: scripts/test.sh)", pytrace=False)
+    print(f"SKIP: {reason}")
+    pytest.skip(reason)
+
+
+def tensorrt_installed() -> bool:
+    """Whether the tensorrt module itself is installed, not only the tensorrt-stubs' .pyi files
+    (a namespace package): found without importing it, and without asking edged."""
+    spec = importlib.util.find_spec("tensorrt")
+    return spec is not None and spec.origin is not None
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "condition") -> Any:
@@ -187,3 +219,56 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+_PROBER = """
+import select, sys, time
+from edged.client import Client
+worst, count = 0.0, 0
+with Client(sys.argv[1], timeout=60) as c:
+    for _ in range(3):  # the connection's set-up is not what is measured
+        assert c.live()
+    print("ready", flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our stdin
+        t0 = time.perf_counter()
+        assert c.live()
+        worst = max(worst, time.perf_counter() - t0)
+        count += 1
+print(count, worst, flush=True)
+"""
+
+
+class HealthProber:
+    """Asks /v2/health/live back to back over its own connection, from its own process (so the
+    test's own work cannot delay it), and keeps the slowest answer: the longest the daemon's
+    event loop left a request waiting while the prober ran."""
+
+    def __init__(self, sock: Path) -> None:
+        self.sock = sock
+        self.worst = 0.0
+        self.count = 0
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[HealthProber]:
+        """Probing from its first answer (when the block starts) until the block ends."""
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PROBER, str(self.sock)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            assert proc.stdout.readline() == "ready\n", "the health prober did not start"
+            yield self
+            proc.stdin.close()
+            line = proc.stdout.readline()
+            assert line, "the health prober failed: a health check timed out (60 s) while it ran"
+            count, worst = line.split()
+            self.count, self.worst = int(count), float(worst)
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait(30)
+        assert self.count > 0, "no health check ran while the prober ran"

@@ -5,7 +5,11 @@ raw stream handle (exactly what ``execute_async_v3`` receives), and a CuPy kerne
 CUDA *runtime* library like TensorRT, so it shows the runtime and pycuda share one context.
 The backend's own instance code runs against a stand-in execution context (``_FakeContext``).
 
-    pytest --noconftest -p no:cacheprovider tests/device     # or: python tests/device/this_file.py
+The tests skip, saying which, only where there is no GPU to run on: pycuda not installed, no CUDA
+driver, or a driver that finds no device (``missing_gpu``). Past that, any exception, edged's own
+included, fails the test.
+
+    pytest --noconftest -p no:cacheprovider tests/device     # or: python tests/device/test_tensorrt_cuda.py
 
 Set EDGED_DEVICE_REPORT=path to keep the measurements as JSON.
 """
@@ -13,6 +17,7 @@ Set EDGED_DEVICE_REPORT=path to keep the measurements as JSON.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import re
@@ -40,12 +45,42 @@ REPORT: dict[str, Any] = {}
 MiB = 1 << 20
 
 
+# The CUDA driver API's results that mean "no GPU here" (cuda.h).
+CUDA_ERROR_STUB_LIBRARY, CUDA_ERROR_NO_DEVICE = 34, 100
+
+
+def missing_gpu() -> str | None:
+    """Why this machine has no NVIDIA GPU to test on, or None: pycuda not installed, no CUDA driver
+    (libcuda.so.1 does not load, or is the toolkit's stub), or a driver that finds no device.
+    Asked of the driver directly, so that nothing of edged's can turn into a skip."""
+    if importlib.util.find_spec("pycuda") is None:
+        return "pycuda is not installed (pip install 'edged[tensorrt]' on a machine with CUDA)"
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"no CUDA driver: libcuda.so.1 does not load ({e})"
+    rc = lib.cuInit(0)
+    if rc == CUDA_ERROR_STUB_LIBRARY:
+        return "no CUDA driver: libcuda.so.1 is the CUDA toolkit's stub"
+    if rc == CUDA_ERROR_NO_DEVICE:
+        return "no NVIDIA GPU: the CUDA driver finds no device"
+    count = ctypes.c_int(0)
+    if rc == 0 and lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value == 0:
+        return "no NVIDIA GPU: the CUDA driver counts no device"
+    return None  # a GPU to run on; any other driver error is for the test to fail on
+
+
+def skip_without_gpu() -> None:
+    why = missing_gpu()
+    if why is not None:
+        print(f"SKIP: {why}")
+        pytest.skip(why)
+
+
 @pytest.fixture(scope="module")
 def device() -> Iterator[CudaDevice]:
-    try:
-        dev = shared_device(0)
-    except Exception as e:
-        pytest.skip(f"no NVIDIA GPU through pycuda here ({type(e).__name__}: {e})")
+    skip_without_gpu()
+    dev = shared_device(0)  # edged's own code: an exception here fails every test that uses it
     REPORT["device"] = {
         "name": dev.name,
         "cc": dev.compute_capability,
@@ -127,7 +162,7 @@ def test_worker_threads_push_and_pop_the_primary_context(device: CudaDevice) -> 
 
 
 def test_the_cuda_runtime_uses_the_same_primary_context(device: CudaDevice) -> None:
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="cupy (a CUDA runtime library) is not installed")
 
     def work(_: int) -> int:
         cupy.arange(4).sum().item()  # the runtime picks a context on this fresh thread
@@ -139,7 +174,7 @@ def test_the_cuda_runtime_uses_the_same_primary_context(device: CudaDevice) -> N
 @pytest.mark.parametrize("mapped", [False, True], ids=["device-buffers", "mapped-host"])
 def test_instances_round_trip_on_their_own_streams(device: CudaDevice, mapped: bool) -> None:
     if mapped and not device.can_map:
-        pytest.skip("this GPU cannot map page-locked memory")
+        pytest.skip(f"{device.name} cannot map page-locked host memory")
     shape = (8, 3, 64, 64)
 
     def work(i: int) -> int:
@@ -166,7 +201,7 @@ def test_instances_round_trip_on_their_own_streams(device: CudaDevice, mapped: b
 @pytest.mark.filterwarnings("ignore:ExternalStream is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("mapped", [False, True], ids=["device-buffers", "mapped-host"])
 def test_a_runtime_kernel_computes_on_the_instance_stream(device: CudaDevice, mapped: bool) -> None:
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="cupy (a CUDA runtime library) is not installed")
     affine = cupy.ElementwiseKernel("T x", "T y", "y = x * 2 + 1", "edged_affine")
     shape = (4, 1000)
     with device.activate():

@@ -9,7 +9,8 @@ file so a restart mid-test keeps sessions, subscriptions and queued QoS 1 messag
     def test_x(broker): broker.port ...
 
 It also holds ``Peer``, a paho client that records what it receives and waits on a condition
-with a deadline (never a sleep) for what it expects.
+with a deadline (never a sleep) for what it expects, and ``need``, which finds mosquitto's programs:
+a test without them is skipped with the reason, and under CI (which installs them) fails.
 """
 
 from __future__ import annotations
@@ -34,8 +35,18 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+from tests.helpers import unavailable
+
 START_TIMEOUT_S = 10.0
+
+
+def need(program: str, package: str) -> str:
+    """The path of one of mosquitto's programs (mosquitto lives in /usr/sbin, off a user's PATH);
+    without it the test is skipped, saying which package brings it, or fails under CI."""
+    found = shutil.which(program) or shutil.which(program, path="/usr/sbin:/sbin")
+    if found is None:
+        unavailable(f"{program} is not installed (Debian package '{package}')")
+    return found
 
 
 def free_port() -> int:
@@ -169,7 +180,9 @@ class Broker:
 
     def start(self) -> None:
         with open(self.dir / "mosquitto.stderr", "ab") as err:
-            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=err)
+            self.proc = subprocess.Popen(
+                [need("mosquitto", "mosquitto"), "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=err
+            )
         try:
             wait_port(self.host, self.port, time.monotonic() + START_TIMEOUT_S, self.proc)
         except (RuntimeError, TimeoutError) as e:
@@ -195,8 +208,7 @@ class Broker:
 
 
 def _running(directory: Path) -> Iterator[Broker]:
-    if not os.path.exists(MOSQUITTO):
-        pytest.skip("mosquitto is not installed (Debian package 'mosquitto')")
+    need("mosquitto", "mosquitto")
     b = Broker(directory)
     b.start()
     try:

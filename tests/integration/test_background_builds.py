@@ -1,4 +1,4 @@
-"""Builds that never block serving (issue 11, items 3 and 4), on a real daemon process.
+"""Builds that never block serving, on a real daemon process.
 
 A model whose engine is missing serves on a stand-in (the FP32 model on ONNX Runtime) right after
 READY=1 while its engine builds in the child (slowed on purpose by the build child's test delay);
@@ -87,11 +87,12 @@ def test_a_cheap_engine_swapped_in_under_traffic_still_runs_on_the_loop(
     daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
     """The built engine is warmed on a thread while its stand-in serves on the loop. That
-    thread's runs wait for the GIL the busy loop holds: the tiny MLP measured 275-379 us there
-    (20 us idle, 2-core machine), over the inline threshold, and ran on its worker thread for the
-    daemon's life at half the throughput. A cost in the band above the threshold is timed again
-    on the loop (edged.serving.warmup.loop_cost_us). The threshold is raised so that the idle
-    measurement is far below it on any host, and the thread's under traffic well above."""
+    thread's runs wait for the GIL the busy loop holds: the tiny MLP measures 275-379 us there
+    (20 us idle, 2-core machine), over the inline threshold, and judged by that alone it would run
+    on its worker thread for the daemon's life at half the throughput. A cost in the band above
+    the threshold is timed again on the loop (edged.serving.warmup.loop_cost_us). The threshold
+    is raised so that the idle measurement is far below it on any host, and the thread's under
+    traffic well above."""
     model = make_tiny_mlp(tmp_path / "m.onnx")
     d = daemon_factory(
         {"m": {"path": str(model), "threads": 1}},  # set, as the benchmark's: no thread trials

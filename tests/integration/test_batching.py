@@ -164,16 +164,17 @@ def test_requests_that_cannot_share_a_batch_do_not_wait_for_company(
     daemon_factory: Callable[..., DaemonProcess], probe: Path
 ) -> None:
     """Requests of 5 rows with max_batch 8: no two fit one batch. A worker that sees the next
-    compatible request cannot fit runs what it has instead of waiting out the 100 ms queue delay
-    for each one (which would push 20 such requests far past their 250 ms deadline)."""
+    compatible request cannot fit runs what it has instead of waiting out the 1 s queue delay for
+    each one (which would push most of 20 such requests past their 3 s deadline). Only the last,
+    with nothing behind it, waits the delay out."""
     d = daemon_factory(
         {
             "probe": {
                 "path": str(probe),
                 "backend": "onnxruntime",
                 "max_batch": MAX_BATCH,
-                "max_queue_delay_us": 100_000,
-                "timeout_ms": 250,
+                "max_queue_delay_us": 1_000_000,
+                "timeout_ms": 3_000,
                 "queue_depth": 128,
             }
         }

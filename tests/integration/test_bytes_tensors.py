@@ -1,4 +1,4 @@
-"""BYTES tensors (issue 12): a real daemon serving an ONNX model with string inputs and outputs
+"""BYTES tensors: a real daemon serving an ONNX model with string inputs and outputs
 through ONNX Runtime, over the socket (JSON, the binary extension, shared memory, batching) and
 MQTT; the framing checked against Triton's own client library (tritonclient.utils)."""
 

@@ -20,7 +20,7 @@ import pytest
 
 from edged.paths import DEFAULT_SOCKET
 from edged.tools.top import ENTER, LEAVE
-from tests.helpers import DaemonProcess, wait_for, write_config
+from tests.helpers import DaemonProcess, unavailable, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ def test_unreachable_names_the_socket_and_its_source(tmp_path: Path) -> None:
 
 def test_the_default_socket_says_it_is_the_default(tmp_path: Path) -> None:
     if os.path.exists(DEFAULT_SOCKET):
-        pytest.skip(f"{DEFAULT_SOCKET} exists on this machine: the fallback would reach it")
+        unavailable(f"{DEFAULT_SOCKET} exists on this machine: the fallback would reach it")
     absent = tmp_path / "absent.toml"
     out = cli("status", env={"EDGED_CONFIG": str(absent)})
     assert out.returncode == 1

@@ -1,10 +1,10 @@
 """Requests that pass their deadline behind a stuck worker, against the real daemon (uvloop):
 each is answered 504 deadline_exceeded, never a 500 or a dropped connection.
 
-uvloop keeps its clock in whole milliseconds; a deadline told from that clock was read as the
-caller's own cancellation for 20-35% of such requests (a 500 from uvicorn with a logged traceback;
-over MQTT, no answer and no acknowledgement). The scheduler now marks the request its timer
-expired (tests/unit/test_scheduler.py has the unit-level cases).
+uvloop keeps its clock in whole milliseconds: a deadline told from that clock can be read as the
+caller's own cancellation (for 20-35% of such requests), which would be a 500 from uvicorn with a
+logged traceback, and over MQTT no answer and no acknowledgement. The scheduler marks the request
+its timer expired (tests/unit/test_scheduler.py has the unit-level cases).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_every_request_queued_past_its_deadline_is_answered_504(
                     outcomes["answered"] += 1
                 except errors.DeadlineExceededError:
                     outcomes["504"] += 1
-                except Exception as e:  # what the bug looked like: a 500, or a closed connection
+                except Exception as e:  # anything else: a 500, or a closed connection
                     outcomes[f"{type(e).__name__}: {str(e)[:80]}"] += 1
     finally:
         wedge.unlink(missing_ok=True)
@@ -71,8 +71,9 @@ def test_every_request_queued_past_its_deadline_is_answered_504(
 def test_every_mqtt_request_queued_past_its_deadline_is_answered(
     broker: Broker, tmp_path: Path, daemons: list[Edged]
 ) -> None:
-    """Over MQTT a deadline read as a cancellation left the request unanswered and unacknowledged
-    (acknowledgements go out in arrival order: every later one waited behind it)."""
+    """Over MQTT a deadline read as a cancellation would leave the request unanswered and
+    unacknowledged (acknowledgements go out in arrival order: every later one would wait behind
+    it)."""
     wedge = tmp_path / "wedge"
     tiny = {"tiny": {"path": str(make_tiny_mlp(tmp_path / "tiny.onnx")), "timeout_ms": 50}}
     d = Edged(

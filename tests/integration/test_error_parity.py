@@ -1,4 +1,4 @@
-"""The same fault gets the same error code on the socket and over MQTT (issue 12).
+"""The same fault gets the same error code on the socket and over MQTT.
 
 One real daemon with a real mosquitto; every bad request of the table below is sent both ways,
 the HTTP body as the MQTT payload (the binary tensor extension's header length as the

@@ -1,13 +1,11 @@
 """Hostile requests against a real daemon: each is refused (or served) with a 4xx or a result,
-and a concurrent health check stays fast while it runs. Before the fixes these froze the event
-loop: 40,000 input names 11 s, one output listed 480,000 times 3.2 s, a 2M-row request to an
-inline model 0.3 s."""
+and a health prober in its own process is answered throughout. Checked on the event loop, the
+first two would freeze it for seconds (40,000 input names 11 s, one output listed 480,000 times
+3.2 s, where measured); run on the loop, a 2M-row request to an inline model would hold it for the
+whole run (0.3 s there), so that one is held to a fraction of the run's own time."""
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,13 +14,9 @@ import orjson
 import pytest
 
 from edged.client import Client
-from tests.helpers import DaemonProcess, write_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import FREEZE_S, DaemonProcess, HealthProber, write_config
 
 pytestmark = pytest.mark.integration
-
-STALL_LIMIT_S = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -44,57 +38,6 @@ def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
     assert d.stop() == 0, d.log()
 
 
-_PROBER = """
-import select, sys, time
-from edged.client import Client
-worst, count = 0.0, 0
-with Client(sys.argv[1], timeout=60) as c:
-    for _ in range(3):  # the connection's set-up is not what is measured
-        assert c.live()
-    print("ready", flush=True)
-    while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our stdin
-        t0 = time.perf_counter()
-        assert c.live()
-        worst = max(worst, time.perf_counter() - t0)
-        count += 1
-print(count, worst, flush=True)
-"""
-
-
-class HealthProber:
-    """Asks /v2/health/live back to back over its own connection, from its own process (so the
-    test's own work cannot delay it), and keeps the slowest answer."""
-
-    def __init__(self, sock: Path) -> None:
-        self.sock = sock
-        self.worst = 0.0
-        self.count = 0
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[HealthProber]:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _PROBER, str(self.sock)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            assert proc.stdout.readline() == "ready\n", "the health prober did not start"
-            yield self
-            proc.stdin.close()
-            line = proc.stdout.readline()
-            assert line, "the health prober failed: a health check timed out (60 s) during the hostile request"
-            count, worst = line.split()
-            self.count, self.worst = int(count), float(worst)
-            assert proc.wait(30) == 0
-        finally:
-            proc.kill()
-            proc.wait(30)
-        assert self.count > 0, "no health check ran during the hostile request"
-
-
 def post(sock: Path, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     with Client(str(sock), timeout=120) as c:
         status, data, _ = c.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
@@ -111,7 +54,7 @@ def test_40000_input_names(served: DaemonProcess) -> None:
     with HealthProber(served.socket).running() as prober:
         status, data = post(served.socket, "/v2/models/tiny/infer", body)
     assert status == 400 and orjson.loads(data)["code"] == "invalid_input", data[:300]
-    assert prober.worst < STALL_LIMIT_S, f"health check took {prober.worst * 1000:.0f} ms"
+    assert prober.worst < FREEZE_S, f"a health check waited {prober.worst * 1000:.0f} ms"
 
 
 def test_one_output_listed_480000_times(served: DaemonProcess) -> None:
@@ -121,7 +64,15 @@ def test_one_output_listed_480000_times(served: DaemonProcess) -> None:
     with HealthProber(served.socket).running() as prober:
         status, data = post(served.socket, "/v2/models/tiny/infer", body, {})
     assert status == 400 and orjson.loads(data)["code"] == "invalid_input", data[:300]
-    assert prober.worst < STALL_LIMIT_S, f"health check took {prober.worst * 1000:.0f} ms"
+    assert prober.worst < FREEZE_S, f"a health check waited {prober.worst * 1000:.0f} ms"
+
+
+def compute_infer_s(d: DaemonProcess, model: str) -> float:
+    """The seconds the model's runs have taken so far, as the daemon's statistics count them."""
+    with d.client() as c:
+        status, data, _ = c.request("GET", f"/v2/models/{model}/stats")
+    assert status == 200, data
+    return float(orjson.loads(data)["model_stats"][0]["inference_stats"]["compute_infer"]["ns"]) / 1e9
 
 
 def test_2m_row_request_to_an_inline_model_runs_off_the_loop(served: DaemonProcess) -> None:
@@ -136,11 +87,18 @@ def test_2m_row_request_to_an_inline_model_runs_off_the_loop(served: DaemonProce
         }
     )
     headers = {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
+    before = compute_infer_s(served, "tiny")
     with HealthProber(served.socket).running() as prober:
         status, data = post(served.socket, "/v2/models/tiny/infer", header + x.tobytes(), headers)
     assert status == 200, data[:300]
     assert len(data) > rows * 4 * 4  # the binary probabilities came back
-    assert prober.worst < STALL_LIMIT_S, f"health check took {prober.worst * 1000:.0f} ms"
+    # Run on the loop, the run would hold a health check for as long as it took: the slowest
+    # answer is held to half the run's own time (two figures of this run, whatever the machine).
+    run_s = compute_infer_s(served, "tiny") - before
+    assert prober.worst < min(run_s / 2, FREEZE_S), (
+        f"a health check waited {prober.worst * 1000:.0f} ms during a run of {run_s * 1000:.0f} ms"
+    )
+    print(f"\nslowest health check {prober.worst * 1000:.1f} ms during a run of {run_s * 1000:.0f} ms")
     # Small requests still run inline and give the right answer afterwards.
     with served.client() as c:
         out = c.infer("tiny", {"x": x[:1]})

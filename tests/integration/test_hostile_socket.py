@@ -1,6 +1,7 @@
 """The connection layer against hostile clients, on a real daemon: stalled and idle connections,
-oversize headers, the connection limit and admin_group. While each hostile connection is open,
-a concurrent /v2/health/live must answer in under 100 ms."""
+oversize headers, the connection limit and admin_group. A stalled connection holds nothing up:
+/v2/health/live is answered while it is still open, before its read timeout; after each hostile
+connection the daemon is alive and its loop answers."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from edged.client import Client
 from tests.helpers import DaemonProcess, wait_for
-from tests.integration.test_shm_security import assert_live_fast
+from tests.integration.test_shm_security import assert_live
 from tests.integration.users import AsUser, need_root, temp_group, temp_user
 
 pytestmark = pytest.mark.integration
@@ -45,6 +46,19 @@ def read_to_eof(s: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
+def still_open(s: socket.socket) -> bool:
+    """Nothing received on ``s`` yet, and not closed by the daemon (a peek that does not wait)."""
+    timeout = s.gettimeout()
+    s.setblocking(False)
+    try:
+        s.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    finally:
+        s.settimeout(timeout)
+    return False
+
+
 def error_of(response: bytes) -> tuple[int, str]:
     head, _, body = response.partition(b"\r\n\r\n")
     return int(head.split()[1]), orjson.loads(body)["code"]
@@ -65,18 +79,24 @@ STALLS = {
 }
 
 
+READ_TIMEOUT_S = 2.0
+
+
 @pytest.mark.parametrize("stall", list(STALLS))
 def test_stalled_connection_is_closed_after_the_read_timeout(tiny: Callable[..., DaemonProcess], stall: str) -> None:
-    d = tiny(read_timeout_s=1.0)
+    d = tiny(read_timeout_s=READ_TIMEOUT_S)
     s = connect(d.socket)
     opened = time.monotonic()
     s.sendall(STALLS[stall])
-    assert_live_fast(d)  # the stalled connection holds nothing up
+    assert_live(d)
+    # Answered while the stalled connection is still open, its timeout not yet reached: the
+    # stall holds nothing up (a loop blocked on it would answer only after the 408).
+    assert still_open(s), "the health checks were answered only once the stalled connection was closed"
     response = read_to_eof(s)
     took = time.monotonic() - opened
     s.close()
     assert error_of(response) == (408, "request_timeout")
-    assert 0.9 < took < 10, took
+    assert READ_TIMEOUT_S - 0.1 < took < 10 * READ_TIMEOUT_S, took  # closed at its timeout, not before
     with d.client() as c:
         assert c.infer("tiny", {"x": np.zeros((1, 16), np.float32)})["probs"].shape == (1, 4)
 
@@ -85,7 +105,7 @@ def test_keep_alive_connection_serves_requests_back_to_back(tiny: Callable[..., 
     """The read timeout counts per request: a connection used for many requests is not cut."""
     d = tiny(read_timeout_s=1.0)
     with d.client() as c:
-        deadline = time.monotonic() + 2.5
+        deadline = time.monotonic() + 2.5  # longer than the read timeout, with requests throughout
         n = 0
         while time.monotonic() < deadline:
             assert c.live()
@@ -109,7 +129,7 @@ def test_oversize_headers_get_431(
     s.sendall(f"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n{lines}\r\n".encode())
     assert error_of(read_to_eof(s)) == (431, code)
     s.close()
-    assert_live_fast(d)
+    assert_live(d)
 
 
 def test_a_header_that_never_ends_is_cut_at_the_limit(tiny: Callable[..., DaemonProcess]) -> None:
@@ -137,7 +157,7 @@ def test_a_header_that_never_ends_is_cut_at_the_limit(tiny: Callable[..., Daemon
     assert error_of(response) == (431, "header_too_large")
     assert sent < 64 << 20  # the rest was never accepted
     assert _rss(d.proc.pid) - rss_before < 32 << 20
-    assert_live_fast(d)
+    assert_live(d)
 
 
 def _rss(pid: int) -> int:
@@ -156,9 +176,7 @@ def test_connection_limit_refuses_one_more_and_serves_the_rest(tiny: Callable[..
         extra = connect(d.socket)
         assert error_of(read_to_eof(extra)) == (503, "too_many_connections")
         extra.close()
-        started = time.perf_counter()
-        assert held[0].live()  # the connections inside the limit keep being served
-        assert time.perf_counter() - started < 0.1
+        assert all(c.live() for c in held)  # the connections inside the limit keep being served
         held.pop().close()
         with Client(str(d.socket), timeout=5) as c:
             assert wait_for(c.live, 10, what="a slot to free up")

@@ -179,7 +179,7 @@ def test_build_waits_for_memory_headroom_then_fails_with_what_it_needs(
         {"tiny": {"path": str(model_dir / "tiny.onnx")}},
         extra={"build": {"headroom": "100TiB", "wait_for_memory_s": 0}},
     )
-    d.start(wait_ready=False)  # not ready: its only boot model failed (it used to say ready with 0 models)
+    d.start(wait_ready=False)  # not ready: its only boot model failed, and 0 models ready is not ready
     with d.client() as c:
         wait_for(lambda: c.status()["models"]["tiny"]["state"] == "failed", 60, what="the build to give up")
         st = c.status()["models"]["tiny"]

@@ -17,7 +17,7 @@ import pytest
 from edged import errors
 from edged.tools.demo import make_tiny_mlp, save_graph
 from tests.helpers import DaemonProcess, wait_for, write_config
-from tests.integration.mosquitto import Broker, Peer, Received, module_broker
+from tests.integration.mosquitto import Broker, Peer, Received, module_broker, need
 
 pytestmark = pytest.mark.integration
 
@@ -288,9 +288,10 @@ def test_third_party_clients_mosquitto_rr_and_pub(
 ) -> None:
     x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
     topic = f"{MODELS}/tiny/infer"
+    mosquitto_rr, mosquitto_pub = need("mosquitto_rr", "mosquitto-clients"), need("mosquitto_pub", "mosquitto-clients")
     rr = subprocess.run(
         [
-            "mosquitto_rr",
+            mosquitto_rr,
             "-p",
             str(module_broker.port),
             "-t",
@@ -325,7 +326,7 @@ def test_third_party_clients_mosquitto_rr_and_pub(
     peer.subscribe("reply/pub")
     subprocess.run(
         [
-            "mosquitto_pub",
+            mosquitto_pub,
             "-p",
             str(module_broker.port),
             "-V",
@@ -427,7 +428,7 @@ BAD: dict[str, tuple[str, bytes, str, list[tuple[str, str]], str]] = {
         "invalid_input",
     ),
     "unknown-model": ("nope", json_request(_X), "", [], "model_not_found"),
-    # An unknown model is a 404 whatever the body holds, as on the socket (issue 12).
+    # An unknown model is a 404 whatever the body holds, as on the socket.
     "unknown-model-no-inputs": ("nope", b'{"inputs": []}', "", [], "model_not_found"),
     "unknown-model-raw-garbage": ("nope", b"\x00\x01", OCTET, [("dtype", "FP99")], "model_not_found"),
     "header-length-negative": ("tiny", b"{}", OCTET, [("inference-header-content-length", "-1")], "bad_request"),

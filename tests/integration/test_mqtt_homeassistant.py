@@ -1,4 +1,4 @@
-"""Home Assistant MQTT discovery (issue 12) against a real mosquitto: the discovery payloads, the
+"""Home Assistant MQTT discovery against a real mosquitto: the discovery payloads, the
 re-announcement on Home Assistant's birth message, and removal when a model leaves the config."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.mosquitto import MOSQUITTO
+from tests.integration.mosquitto import need
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -19,8 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_short_soak_has_no_errors(tmp_path: Path) -> None:
-    if not Path(MOSQUITTO).exists():
-        pytest.skip("mosquitto is not installed (Debian package 'mosquitto')")
+    need("mosquitto", "mosquitto")
     out = tmp_path / "soak.json"
     run = subprocess.run(
         [sys.executable, "-m", "bench", "soak", "--seconds", "25", "--out", str(out)],

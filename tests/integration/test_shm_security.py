@@ -1,5 +1,6 @@
-"""Shared memory against hostile clients, on a real daemon: shrunk objects (SIGBUS before),
-cross-user access with two real users, region limits, and regions of exited processes."""
+"""Shared memory against hostile clients, on a real daemon: shrunk objects (an error for that
+request, never a SIGBUS), cross-user access with two real users, region limits, and regions of
+exited processes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import orjson
 import pytest
 
 from edged.client import Client, ShmRegion
-from tests.helpers import DaemonProcess, wait_for
+from tests.helpers import FREEZE_S, DaemonProcess, unavailable, wait_for
 from tests.integration.users import AsUser, need_root, temp_group, temp_user
 
 pytestmark = pytest.mark.integration
@@ -79,17 +80,18 @@ def register(c: Client, name: str, key: str, size: int) -> tuple[int, Any]:
     return post(c, f"/v2/systemsharedmemory/region/{name}/register", {"key": key, "offset": 0, "byte_size": size})
 
 
-def assert_live_fast(d: DaemonProcess) -> None:
-    """The daemon is alive, and its loop free: /v2/health/live answers in under 100 ms."""
+def assert_live(d: DaemonProcess) -> None:
+    """The daemon is alive and its loop not frozen: /v2/health/live answers, each time within
+    FREEZE_S."""
     assert d.proc is not None, "edged was never started"
     assert d.proc.poll() is None, f"edged died ({d.proc.returncode}):\n{d.log()}"
-    with d.client(timeout=5) as c:
-        c.live()  # connect first: the measured requests are the loop's latency only
+    with d.client(timeout=30) as c:
+        c.live()  # connect first: the measured requests are the loop's answers only
         for _ in range(3):
-            started = time.perf_counter()
+            started = time.monotonic()
             assert c.live()
-            took = time.perf_counter() - started
-            assert took < 0.1, f"/v2/health/live took {took * 1000:.0f} ms"
+            took = time.monotonic() - started
+            assert took < FREEZE_S, f"/v2/health/live took {took * 1000:.0f} ms"
 
 
 def reference(model: Path, x: np.ndarray) -> np.ndarray:
@@ -125,7 +127,7 @@ def test_shrunk_input_object_is_a_400_not_sigbus(tiny: DaemonProcess, shm_keys: 
         status, doc = post(c, "/v2/models/tiny/infer", body=infer_body("in"))
         assert (status, doc["code"]) == (400, "shm_region_truncated"), doc
         assert "shrunk" in doc["error"]
-    assert_live_fast(tiny)
+    assert_live(tiny)
     with tiny.client() as c:
         assert c.infer("tiny", {"x": X})["probs"].shape == (1, 4)
 
@@ -156,7 +158,7 @@ def test_shrunk_large_input_copied_on_a_thread_is_a_400_not_sigbus(
         status, doc = post(c, "/v2/models/wide/infer", body=body)
         assert (status, doc["code"]) == (400, "shm_region_truncated"), doc
         assert c.infer("wide", {"x": x})["probs"].shape == (1, 4)
-    assert_live_fast(d)
+    assert_live(d)
 
 
 def test_an_answer_that_cannot_be_written_is_a_failure_in_the_statistics(
@@ -187,7 +189,7 @@ def test_shrunk_output_object_is_a_400_not_sigbus(tiny: DaemonProcess, shm_keys:
         status, doc = post(c, "/v2/models/tiny/infer", body=infer_body(None, "out"))
         assert (status, doc["code"]) == (400, "shm_region_truncated"), doc
         assert os.stat(f"/dev/shm/{key}").st_size == 0  # not grown back by the write either
-    assert_live_fast(tiny)
+    assert_live(tiny)
 
 
 def test_region_stays_bound_to_the_object_registered(tiny: DaemonProcess, shm_keys: list[str]) -> None:
@@ -278,7 +280,7 @@ def test_a_second_user_cannot_see_use_unregister_or_reach_the_first_users_region
     assert names == ["input0"] and after == before  # her region, her data, untouched
     assert np.frombuffer(Path(f"/dev/shm/{key_a}").read_bytes()[:64], np.float32).tolist() == X.ravel().tolist()
     assert owners == {("input0", alice.uid), ("input0", bob.uid)}
-    assert_live_fast(d)
+    assert_live(d)
 
 
 # --- limits ---------------------------------------------------------------------------------------
@@ -307,7 +309,7 @@ def test_region_limits_are_clear_errors_and_others_are_served(
         status, doc = register(c, "r2", keys[2], 4096)
         assert (status, doc["code"]) == (429, "shm_limit") and key in doc["error"], doc
         assert other.infer("tiny", {"x": X})["probs"].shape == (1, 4)  # everyone else is served
-        assert_live_fast(d)
+        assert_live(d)
         assert post(c, "/v2/systemsharedmemory/region/r0/unregister")[0] == 200
         assert register(c, "r2", keys[2], 4096)[0] == 200  # room again
         big = make_object(2 << 20)
@@ -375,7 +377,7 @@ def test_client_objects_are_shared_with_the_daemon_user_alone() -> None:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         with temp_user() as daemon_user, temp_user() as other:
             if not region.grant(daemon_user.uid):
-                pytest.skip("/dev/shm has no POSIX ACLs here (tmpfs without CONFIG_TMPFS_POSIX_ACL)")
+                unavailable("/dev/shm has no POSIX ACLs here (tmpfs without CONFIG_TMPFS_POSIX_ACL)")
             as_daemon, as_other = AsUser(daemon_user, [can_open]), AsUser(other, [can_open])
             try:
                 assert as_daemon.call(can_open) is True

@@ -11,14 +11,13 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
+import tritonclient.http as httpclient  # the test-core extra's tritonclient[http]
+from tritonclient.utils import InferenceServerException
 
 from tests.helpers import DaemonProcess, wait_for
 from tests.integration.mosquitto import Broker, Peer, module_broker
 from tests.integration.test_listeners import free_port, tcp
 from tests.integration.test_mqtt import Edged, json_request
-
-httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] comes with the test-core extra")
-from tritonclient.utils import InferenceServerException  # noqa: E402
 
 pytestmark = pytest.mark.integration
 __all__ = ["module_broker"]  # a fixture: imported so that pytest finds it

@@ -1,6 +1,6 @@
 """The repository API's unload of a model whose load is still warming it: refused with a precise
-error, and the load ends READY with its backend (unloaded under the warm-up, the model came back
-READY with no backend, its sessions alive and its memory no longer counted).
+error, and the load ends READY with its backend (unloaded under the warm-up, the model would come
+back READY with no backend, its sessions alive and its memory no longer counted).
 
 A real registry, backend and service over the tiny MLP; the instance wrapper (a test hook,
 like edged/lifecycle/faults.py's) holds the warm-up's first run on its thread until the unload was tried."""
@@ -19,8 +19,9 @@ from edged.backends.base import Instance
 from edged.cache.store import EngineCache
 from edged.config import from_mapping
 from edged.errors import ModelNotReadyError
-from edged.host.memory import plan, probe_meminfo
+from edged.host.memory import probe_meminfo
 from edged.quantize.runner import BuildRunner
+from edged.serving.admission import plan
 from edged.serving.background import stand_in
 from edged.serving.metrics import Metrics
 from edged.serving.registry import ModelRuntime, Registry

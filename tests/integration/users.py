@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import pytest
+
+from tests.helpers import unavailable
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,7 @@ class User:
 
 def need_root() -> None:
     if os.geteuid() != 0:
-        reason = "creating users (useradd/userdel) needs root; CI runs these tests as root"
-        print(f"SKIP: {reason}")
-        pytest.skip(reason)
+        unavailable("creating users (useradd/userdel) needs root")
 
 
 @contextlib.contextmanager

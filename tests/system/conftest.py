@@ -2,23 +2,18 @@
 
 See systemd_ns.py for how, and docs/systemd.md ("System tests") for why each step is there.
 The tests skip, with the reason, when not root or when this machine cannot boot systemd; under
-CI (CI=true, where .ci/run is root on a machine that boots it) either is a failure instead, so
-a regression in the namespace set-up cannot pass green as a row of skips.
+CI (where .ci/run is root on a machine that boots it) either is a failure instead
+(tests.helpers.unavailable), so a broken namespace set-up cannot pass green as a row of skips.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 
 import pytest
 from systemd_ns import Boot, BootError, BootOptions, SystemdNamespace, missing_prerequisite
 
-
-def _cannot_run(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"system tests must run under CI: {reason}")
-    pytest.skip(reason)
+from tests.helpers import unavailable
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +27,7 @@ def boot_systemd(systemd_prerequisite: str | None, tmp_path_factory: pytest.Temp
     a systemd whose edged-test.target wants those units; every namespace is torn down after the
     test (units stopped, then its init killed by PID, then its cgroup removed)."""
     if systemd_prerequisite is not None:
-        _cannot_run(systemd_prerequisite)
+        unavailable(systemd_prerequisite)
     booted: list[SystemdNamespace] = []
 
     def boot(units: Mapping[str, str], options: BootOptions | None = None) -> SystemdNamespace:
@@ -43,7 +38,7 @@ def boot_systemd(systemd_prerequisite: str | None, tmp_path_factory: pytest.Temp
         try:
             ns.boot()
         except (BootError, TimeoutError) as e:
-            _cannot_run(f"systemd cannot boot in a namespace here: {e}")
+            unavailable(f"systemd cannot boot in a namespace here: {e}")
         return ns
 
     yield boot

@@ -84,8 +84,8 @@ def test_install_upgrade_uninstall(boot_systemd: Boot, checkout: Path) -> None:
     ns.wait_state("edged.service", "active", timeout=120)
     assert ns.state("edged.socket") == "active"
     assert http_get(ns, "/v2/health/live") == "HTTP/1.1 200 OK"
-    # The shipped config's example model has no file yet: no boot model serves, so not ready (it
-    # used to answer ready with 0 models ready).
+    # The shipped config's example model has no file yet: no boot model serves, so not ready (0
+    # models ready is not ready).
     assert http_get(ns, "/v2/health/ready") == "HTTP/1.1 503 Service Unavailable"
     conf = ns.root_path("/etc/edged/edged.toml")
     st = conf.stat()

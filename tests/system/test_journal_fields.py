@@ -11,6 +11,9 @@ import sys
 import pytest
 from systemd_ns import REPO, Boot, wait_until
 
+from edged.host import systemd as sd
+from tests.helpers import unavailable
+
 ONE_LINER = (
     "import logging, signal, edged.host.systemd as s; "
     "s._sd_journal = None if {fallback} else s._sd_journal; "
@@ -31,7 +34,8 @@ ExecStart={sys.executable} -c "{ONE_LINER.format(fallback=fallback)}"
 
 @pytest.mark.system
 def test_extras_become_journal_fields(boot_systemd: Boot) -> None:
-    pytest.importorskip("systemd.journal")
+    if sd._sd_journal is None:
+        unavailable("systemd-python is not installed (pip install 'edged[systemd]')")
     ns = boot_systemd({"probe.service": logging_unit(fallback=False)})
     ns.wait_state("probe.service", "active")
 

@@ -10,12 +10,13 @@ service sends, ``probe("auto")`` picks jtop when its socket exists, and the plan
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 from jtop_ns import FAKE_DMI, JTOP_SOCKET, JtopNamespace, SetupError, jtop_config_dir, missing_prerequisite
+
+from tests.helpers import unavailable
 
 PROBE = "from edged.host.memory import probe; i = probe('auto'); print(i.source, i.total, i.available)"
 RAM = (
@@ -23,15 +24,6 @@ RAM = (
     "with jtop() as j:\n"
     "    print(json.dumps({'ram': j.memory['RAM'], 'hardware': j.board['hardware']}))"
 )
-
-
-def skip(reason: str) -> None:
-    """Skip where the real jtop service cannot run; under CI (root, jetson-stats installed by
-    scripts/test.sh) that is a failure, not a silent skip."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"the jtop system test must run under CI: {reason}")
-    print(f"SKIP: {reason}")
-    pytest.skip(reason)
 
 
 def mem_total_kib(meminfo: Path) -> int:
@@ -66,7 +58,7 @@ def edged_command() -> list[str]:
 def test_memory_probe_reads_the_real_jtop_service(tmp_path: Path) -> None:
     reason = missing_prerequisite()
     if reason is not None:
-        skip(reason)
+        unavailable(reason)  # under CI (root, jetson-stats from scripts/test.sh): a failure
     config = tmp_path / "edged.toml"
     config.write_text(
         '[server]\nsocket = "run/edged.sock"\n\n[cache]\ndir = "cache"\n\n'
@@ -80,7 +72,7 @@ def test_memory_probe_reads_the_real_jtop_service(tmp_path: Path) -> None:
         try:
             ns.start()
         except SetupError as e:
-            skip(f"cannot build the jtop namespace here: {e}")
+            unavailable(f"cannot build the jtop namespace here: {e}")
         # What jtop itself saw: the namespace's /proc (same kernel, so the machine's figure).
         total_kib = mem_total_kib(ns.root_path("/proc/meminfo"))
 

@@ -17,11 +17,20 @@ from pathlib import Path
 import pytest
 from systemd_ns import REPO
 
+from tests.helpers import unavailable
+
 UNITS = REPO / "systemd"
 EXEC = "/opt/edged/venv/bin/edged"
 MAX_EXPOSURE = 3.0
 
-needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+
+@pytest.fixture
+def _systemd_analyze() -> None:
+    if shutil.which("systemd-analyze") is None:
+        unavailable("systemd-analyze is not installed (Debian package 'systemd')")
+
+
+needs_analyze = pytest.mark.usefixtures("_systemd_analyze")
 
 
 def analyze(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -58,7 +67,7 @@ def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
 def test_security_exposure_is_low(tmp_path: Path) -> None:
     out = analyze(tmp_path, "security", "--offline=yes", "--no-pager", str(UNITS / "edged.service"))
     if "--offline" in out.stderr and out.returncode != 0:
-        pytest.skip(f"systemd-analyze security --offline needs systemd 252+: {out.stderr.strip()}")
+        unavailable(f"systemd-analyze security --offline needs systemd 252+: {out.stderr.strip()}")
     m = re.search(r"Overall exposure level for edged\.service: (\d+\.\d+)", out.stdout)
     assert m, out.stdout + out.stderr
     assert float(m.group(1)) <= MAX_EXPOSURE, out.stdout

@@ -10,9 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import unavailable
+
 HOOK = Path(__file__).resolve().parents[2] / "systemd" / "edged-apt-hook"
 
-pytestmark = pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="needs dpkg-query (a Debian system)")
+
+@pytest.fixture(autouse=True)
+def _dpkg_query() -> None:
+    if shutil.which("dpkg-query") is None:
+        unavailable("needs dpkg-query (a Debian system)")
 
 
 def run(tmp_path: Path, action: str, patterns: str = "mosquitto* libc6") -> subprocess.CompletedProcess[str]:

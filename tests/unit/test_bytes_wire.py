@@ -1,4 +1,4 @@
-"""BYTES tensors on the wire (issue 12): Triton's length-prefixed framing, JSON strings, the
+"""BYTES tensors on the wire: Triton's length-prefixed framing, JSON strings, the
 encoder, the MQTT raw form and the large-JSON child, checked against tritonclient.utils."""
 
 from __future__ import annotations

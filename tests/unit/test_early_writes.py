@@ -29,8 +29,14 @@ from edged.transports.shm.worker_writes import EarlyWrites
 from edged.wire import encode as encoding
 from edged.wire.encode import encode_infer_parts
 from edged.wire.tensors import InferRequest, OutputRequest
+from tests.helpers import unavailable
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create on this platform")
+
+@pytest.fixture(autouse=True)
+def _memfd_create() -> None:
+    if not hasattr(os, "memfd_create"):
+        unavailable("no memfd_create on this platform")
+
 
 SIZE = 1 << 22
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from edged.host import malloc as heap
+from tests.helpers import unavailable
 
 # A 3 MB buffer made, touched and freed (the warm-up's), then made and touched again (the first
 # request's): the faults of the second.
@@ -41,12 +42,21 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.fixture
+def _glibc() -> None:
+    if not sys.platform.startswith("linux"):
+        unavailable("glibc's mallopt and malloc_trim: Linux only")
+
+
+glibc = pytest.mark.usefixtures("_glibc")
+
+
 def faults(mode: str) -> int:
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
     return int(out.stdout)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@glibc
 def test_a_frame_sized_buffer_made_again_costs_no_page_faults() -> None:
     untuned, tuned = faults("untuned"), faults("tuned")
     # 3 MB is 768 pages. Untuned, glibc mapped the first buffer and unmapped it when freed, then
@@ -55,17 +65,17 @@ def test_a_frame_sized_buffer_made_again_costs_no_page_faults() -> None:
     assert tuned < 50, f"{tuned} faults making a 3 MB buffer again"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+@glibc
 def test_a_heap_trimmed_after_the_warm_up_is_faulted_in_again_by_prefault() -> None:
     trimmed, prefaulted = faults("trimmed"), faults("prefaulted")
     assert trimmed > 500, f"a trimmed heap costs no faults ({trimmed}): the probe measures nothing"
     assert prefaulted < 50, f"{prefaulted} faults making a 3 MB buffer after prefault"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+@glibc
 def test_the_largest_prefault_stays_in_the_heap() -> None:
-    # Up to the trim threshold less glibc's top pad: a block of the threshold less a page went
-    # back to the kernel as soon as it was freed (3,810 faults on the 15 MiB buffer after it).
+    # Up to the trim threshold less glibc's top pad: a block of the threshold less a page goes
+    # back to the kernel as soon as it is freed (3,810 faults on a 15 MiB buffer after it).
     assert faults("prefaulted-at-the-cap") < 100
 
 

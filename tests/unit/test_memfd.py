@@ -16,6 +16,7 @@ import pytest
 from edged.errors import SharedMemoryError
 from edged.transports.shm.memfd import map_sealed, mapping_address, populate, sealable, unmap
 from edged.wire.tensors import from_bytes
+from tests.helpers import unavailable
 
 SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -105,13 +106,13 @@ def test_a_hugetlb_memfd_is_refused(fds: list[int]) -> None:
     try:
         fd = os.memfd_create("edged-huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
     except OSError as e:
-        pytest.skip(f"no hugetlbfs memfd here: {e}")
+        unavailable(f"no hugetlbfs memfd here: {e}")
     fds.append(fd)
     try:
         os.ftruncate(fd, 2 << 20)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALED)
     except OSError as e:
-        pytest.skip(f"cannot size or seal a hugetlbfs memfd here: {e}")
+        unavailable(f"cannot size or seal a hugetlbfs memfd here: {e}")
     with pytest.raises(SharedMemoryError, match="hugetlbfs"):
         map_sealed(fd, seals_of(fd), 0, 4096)
 
@@ -160,8 +161,9 @@ def test_populate_makes_the_range_resident(fds: list[int], writable: bool) -> No
 
 
 def test_populate_takes_the_read_only_mapping_of_a_write_sealed_memfd(fds: list[int]) -> None:
-    """Its address was taken with ctypes' from_buffer, which refuses a read-only buffer: every
-    write-sealed region's populate failed (a TypeError, logged) and its first frame paid the faults."""
+    """A write-sealed memfd's mapping is read-only, which ctypes' from_buffer refuses: its address
+    is found another way, so its populate works (failing, with a TypeError logged, it would leave
+    every write-sealed region's first frame to pay the faults)."""
     size = 64 * mmap.PAGESIZE
     fd = memfd(fds, size, seals=0)
     os.posix_fallocate(fd, 0, size)

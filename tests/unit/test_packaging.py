@@ -1,4 +1,4 @@
-"""The installed package's metadata says what pyproject.toml promises (issue 12.8)."""
+"""The installed package's metadata says what pyproject.toml promises."""
 
 from __future__ import annotations
 

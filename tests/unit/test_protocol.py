@@ -190,8 +190,8 @@ def test_json_part_is_bounded_by_max_json() -> None:
 
 
 def test_a_late_duplicate_among_40000_names_is_found() -> None:
-    """The check is a set (it was a quadratic list scan: 11 s for 40,000 names); how long it
-    takes is for the integration test's health prober, not for a timed unit test."""
+    """The duplicate check over 40,000 names (a set: a quadratic list scan would take 11 s); how
+    long it takes is for the integration test's health prober, not for a timed unit test."""
     names = [{"name": f"n{i}", "shape": [1], "datatype": "FP32", "data": [0]} for i in range(40_000)]
     names.append(dict(names[0]))
     body = orjson.dumps({"inputs": names})

@@ -30,7 +30,7 @@ def test_ready_needs_every_boot_model_settled_and_one_serving(tmp_path: Path) ->
     assert unready(reg) == ""  # degraded, with its reason in the summary
     assert summary(reg, []) == "1 models ready, 1 failed: model file b.onnx does not exist"
     a.state, a.reason = ModelState.DEFERRED, "budget: needs 2 GiB"
-    assert unready(reg) == "no boot model serves"  # it used to say ready with 0 models ready
+    assert unready(reg) == "no boot model serves"  # 0 models ready is not ready
 
 
 def test_summary_says_what_serves_while_an_engine_builds_and_keeps_a_reload_failure(tmp_path: Path) -> None:

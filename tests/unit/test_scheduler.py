@@ -278,9 +278,10 @@ async def _deadlines(n: int, timeout: float) -> tuple[dict[str, int], int]:
 
 @pytest.mark.parametrize("timeout", [0.01, 0.05])
 def test_every_deadline_under_uvloop_is_a_deadline(timeout: float) -> None:
-    """uvloop keeps whole milliseconds: a deadline told from the loop's clock read as 'not yet'
-    for 20-35% of requests, which then ended as CancelledError (a 500 over HTTP, no answer
-    and no acknowledgement over MQTT). The timer marks the request it expired."""
+    """uvloop keeps whole milliseconds: told from the loop's clock, a deadline can read as 'not
+    yet' when its timer fires (for 20-35% of requests), and the request would end as
+    CancelledError (a 500 over HTTP, no answer and no acknowledgement over MQTT). The timer marks
+    the request it expired: every one is a deadline."""
     import uvloop
 
     outcomes, backlog = uvloop.run(_deadlines(40 if timeout < 0.05 else 12, timeout))

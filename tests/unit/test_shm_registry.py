@@ -128,7 +128,7 @@ def test_cancelled_copy_keeps_the_descriptor_until_the_thread_is_done(
 ) -> None:
     pool = GatedExecutor()
     # The copies run on shm_io's own pool (not the loop's default executor): gate that one, or
-    # the copy may finish before the assertions below and the test checks nothing (it flaked).
+    # the copy may finish before the assertions below and the test checks nothing.
     monkeypatch.setattr(shm_io, "_copiers", pool)
 
     async def main() -> None:

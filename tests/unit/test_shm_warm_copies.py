@@ -9,13 +9,14 @@ import os
 import threading
 
 import numpy as np
-import pytest
 
 from edged.transports.shm import copies as shm_io
+from tests.helpers import unavailable
 
 
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create on this platform")
 def test_warm_copies_runs_the_copy_path_and_leaves_no_descriptor() -> None:
+    if not hasattr(os, "memfd_create"):
+        unavailable("no memfd_create on this platform")
     before = set(os.listdir("/proc/self/fd"))
     copied: list[int] = []
     read_all = shm_io._read_all

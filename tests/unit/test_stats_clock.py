@@ -1,6 +1,6 @@
 """edged/serving/stats.py's wall-clock reading of the last request (Triton's last_inference): the same
-record reads the same every time. It was rebuilt from two clocks at each read, so two reads
-could differ by a millisecond of rounding (seen in tests/integration/test_triton_extensions.py).
+record reads the same every time. Rebuilt from two clocks at each read, two reads could differ
+by a millisecond of rounding (which tests/integration/test_triton_extensions.py would see).
 
 Pure logic: the clocks are a fake (``FakeClocks``) whose wall clock gains 300 ns on the
 performance counter at each pair of reads, as two real clocks read a few microseconds apart do."""

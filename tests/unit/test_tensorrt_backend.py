@@ -20,21 +20,13 @@ from edged.backends import resolve
 from edged.backends.tensorrt import TensorRTBackend
 from edged.backends.tensorrt.build import timing_cache_path
 from edged.backends.tensorrt.versions import BuildOptions, read_model_traits
+from tests.helpers import tensorrt_installed, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "edged" / "backends" / "tensorrt"
 
 
-def _tensorrt_runs() -> bool:
-    try:
-        import tensorrt
-
-        return bool(tensorrt.__version__)
-    except Exception:
-        return False
-
-
-needs_no_tensorrt = pytest.mark.skipif(_tensorrt_runs(), reason="TensorRT is installed here")
+needs_no_tensorrt = pytest.mark.skipif(tensorrt_installed(), reason="TensorRT is installed here")
 
 
 @needs_no_tensorrt
@@ -164,7 +156,7 @@ def _stubs(dest: Path) -> Path:
     try:
         dist = importlib.metadata.distribution("tensorrt-stubs")
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("the tensorrt-stubs package is not installed")
+        unavailable("the tensorrt-stubs package is not installed (pip install --no-deps tensorrt-stubs)")
     for rel in ("tensorrt/__init__.pyi", "tensorrt_bindings/__init__.pyi", "tensorrt_bindings/tensorrt.pyi"):
         text = Path(str(dist.locate_file(rel))).read_text()
         text = re.sub(r"([(,] ?)in: ", r"\1in_: ", text)
@@ -176,7 +168,7 @@ def _stubs(dest: Path) -> Path:
 
 def _mypy(tmp_path: Path, *targets: str) -> subprocess.CompletedProcess[str]:
     if importlib.util.find_spec("mypy") is None:
-        pytest.skip("mypy is not installed")
+        unavailable("mypy is not installed")
     ini = tmp_path / "mypy.ini"
     ini.write_text(_MYPY_INI.format(stubs=_stubs(tmp_path / "stubs"), cache=tmp_path / "cache"))
     return subprocess.run(

@@ -99,7 +99,7 @@ def test_keep_fp32_replaces_the_default_list(tmp_path: Path) -> None:
     to_mixed_fp16(detector_like(tmp_path / "det.onnx"), out, keep_fp32=["HardSigmoid", "conv_excluded"])
     t, nodes = dtypes(out), producer(out)
     assert t["hs"] == F and t["c2"] == F
-    assert t[nodes["final_sigmoid"].output[0]] == H  # no longer kept by the default list
+    assert t[nodes["final_sigmoid"].output[0]] == H  # the default list would keep it: replaced, it is not
     assert t["act"] == H and t["y"] == F
 
 

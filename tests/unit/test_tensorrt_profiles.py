@@ -29,7 +29,7 @@ class FakeEngine:
       PROFILE_SHARING_0806;
     - from 9.0 every context starts on profile 0 and any number may share it;
     - ``set_input_shape`` fails on a context without a profile (the "TensorRT refused shape"
-      the issue saw on instances 2..N)."""
+      that instances 2..N would get without one)."""
 
     def __init__(self, version: tuple[int, int, int], num_profiles: int, sharing_0806: bool = False) -> None:
         self.version = version

@@ -11,18 +11,13 @@ import pytest
 
 from edged.backends.tensorrt.versions import read_model_traits
 from edged.config import GateConfig, from_mapping
-from edged.tools import selftest
+from edged.tools import selftest, selftest_checks
 from edged.tools.selftest import gate_metrics, run_selftest, selftest_qdq, synthetic_feeds
 from edged.tools.selftest_checks import Check, _figures, demo_model
+from tests.helpers import tensorrt_installed
 
 
-def _tensorrt_runs() -> bool:
-    from edged.backends.tensorrt import TensorRTBackend
-
-    return TensorRTBackend.available()[0]
-
-
-@pytest.mark.skipif(_tensorrt_runs(), reason="TensorRT is usable here: the full test would run")
+@pytest.mark.skipif(tensorrt_installed(), reason="TensorRT is installed here: the selftest runs its checks")
 def test_without_tensorrt_the_report_says_why_and_exits_2() -> None:
     out = io.StringIO()
     assert run_selftest(None, out) == 2
@@ -89,18 +84,19 @@ def test_the_demo_is_the_configured_model_built_as_the_daemon_would(tmp_path: Pa
         assert z["x"].shape == (2, 16)
 
 
-def test_the_demo_detector_is_judged_on_rendered_text_by_its_mask(tmp_path: Path) -> None:
-    """The issue's point: synthetic strokes gave the detector nothing to find, so its INT8 error
-    was judged on noise. Rendered text pages, through the daemon's image loader, give FP32 a
-    text mask to compare against."""
+def test_the_demo_detector_is_judged_on_rendered_text_by_its_mask(
+    tmp_path: Path, demo_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Synthetic strokes would give the detector nothing to find, so its INT8 error would be
+    judged on noise. Rendered text pages, through the daemon's image loader, give FP32 a text
+    mask to compare against. The detector is the demo's (``demo_models``: data/models/ when
+    scripts/demo.sh has set it up, else extracted from its wheel), where the selftest looks."""
     import onnxruntime as ort
 
     from edged.backends.base import TensorSpec
     from edged.quantize.calibrate import CalibrationSet
-    from edged.tools.selftest_checks import DEMO
 
-    if not DEMO.is_file():
-        pytest.skip(f"the demo detector {DEMO} is not here (scripts/fetch_models.sh brings it)")
+    monkeypatch.setattr(selftest_checks, "DEMO", demo_models)
     demo = demo_model(from_mapping({}), tmp_path)
     assert demo.origin == "demo detector" and demo.model.calibration is not None
     if "metric" in GateConfig.__struct_fields__:  # the task-aware gate
@@ -109,7 +105,7 @@ def test_the_demo_detector_is_judged_on_rendered_text_by_its_mask(tmp_path: Path
     assert len(samples) == 40
     feed = next(iter(samples))
     assert feed["x"].shape == (1, 3, 640, 640)
-    sess = ort.InferenceSession(str(DEMO), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(demo_models), providers=["CPUExecutionProvider"])
     text = float((sess.run(None, feed)[0] > 0.3).mean())
     assert text > 0.01, f"FP32 finds text on {text:.2%} of the page"
 
@@ -169,13 +165,15 @@ def test_the_qdq_recipe_gives_what_tensorrt_builds(tmp_path: Path) -> None:
     assert metrics["cosine"] > 0.99, metrics
 
 
-def test_a_configured_ocr_det_keeps_its_tensorrt_options_and_gets_the_demo_data(tmp_path: Path) -> None:
-    from edged.tools.selftest_checks import DEMO
-
-    if not DEMO.is_file():
-        pytest.skip(f"the demo detector {DEMO} is not here")
+def test_a_configured_ocr_det_keeps_its_tensorrt_options_and_gets_the_demo_data(
+    tmp_path: Path, demo_models: Path
+) -> None:
     static = {"min": [1, 3, 640, 640], "opt": [1, 3, 640, 640], "max": [1, 3, 640, 640]}
-    model = {"path": str(DEMO), "profiles": {"x": static}, "tensorrt": {"dla_core": 0, "legacy_calibrator": True}}
+    model = {
+        "path": str(demo_models),
+        "profiles": {"x": static},
+        "tensorrt": {"dla_core": 0, "legacy_calibrator": True},
+    }
     demo = demo_model(from_mapping({"models": {"ocr_det": model}}), tmp_path)
     assert demo.origin == "config model 'ocr_det'" and "rendered text pages" in demo.data_note
     assert demo.model.tensorrt.dla_core == 0 and demo.model.tensorrt.legacy_calibrator

@@ -20,7 +20,7 @@ from edged.backends.base import Instance, LoadOptions
 from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.serving import threadpick
 from edged.serving.threadpick import SAMPLES, TIE, TRIAL_MAX_US, candidates, fit_threads, pick_threads
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, unavailable
 
 
 class FakeInstance:
@@ -127,7 +127,7 @@ def test_a_configured_count_is_never_measured(model_dir: Path) -> None:
 
 def _need_cores() -> None:
     if _cores() < 2:
-        pytest.skip(f"one CPU in this process's affinity ({os.sched_getaffinity(0)}): nothing to choose")
+        unavailable(f"one CPU in this process's affinity ({os.sched_getaffinity(0)}): nothing to choose")
 
 
 def test_fewer_threads_run_the_same_model(model_dir: Path) -> None:

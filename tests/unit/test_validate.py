@@ -1,4 +1,4 @@
-"""edged/wire/validate.py: the one owner of a model's input rules (issue 14)."""
+"""edged/wire/validate.py: the one owner of a model's input rules."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ def test_cheap_models_take_every_round() -> None:
 
 
 def test_a_costly_model_runs_once() -> None:
-    assert rounds_within(117_000.0, 2, ROUNDS) == 1  # the detector on the 2-core machine: six runs were 0.7 s
+    assert rounds_within(117_000.0, 2, ROUNDS) == 1  # the detector on the 2-core machine: six runs take 0.7 s
     assert rounds_within(117_000.0, 1, SOCKET_ROUNDS) == 1
 
 
