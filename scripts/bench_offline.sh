@@ -8,7 +8,7 @@
 #
 # Copy the checkout with .whl/ and data/ (both git-ignored) to the other machine. The wheels are
 # for CPython PYTHON_VERSION (default 3.12) on x86-64 Linux; the host's own numpy and onnx are used
-# where it has them. Example: scripts/bench_offline.sh placement --out /tmp/placement.json
+# where it has them. Example: scripts/bench_offline.sh overhead --out /tmp/overhead.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
