@@ -66,6 +66,12 @@ class ServerConfig(_Table, frozen=True):
     max_headers: PositiveInt = 100
     read_timeout_s: PositiveFloat = 30.0
     max_connections: PositiveInt = 512
+    # One peer's share of max_connections (at most all of them): a uid on the Unix socket, a
+    # remote address on TCP.
+    max_connections_per_peer: PositiveInt = 64
+    # Beyond max_connections, slots that serve one health or metrics request each (at most two a
+    # peer), so a probe is answered while every other slot is taken.
+    reserved_connections: PositiveInt = 16
     max_regions: PositiveInt = 1024
     max_regions_per_peer: PositiveInt = 256
     max_region_size: str = "256MiB"

@@ -9,8 +9,11 @@ clients needs and uvicorn does not do (design section 2):
 - header bounds: the request line plus headers above ``max_header_size`` bytes, or more than
   ``max_headers`` fields, are answered 431: checked once the section is parsed, and while it is
   incomplete on the bytes fed so far, so no more than one read of it is ever parsed;
-- a connection limit shared by every listener: one more is answered 503 and closed, the others
-  keep being served;
+- connection slots shared fairly by every listener (slots.py): a share per peer, pending TCP
+  connections that have shown no token yet first to go, a reserve for health checks; a connection
+  that finds no slot is answered 503 and closed, the others keep being served;
+- the token of a TCP listener checked on a connection's first request: without it the answer is
+  401 and the connection is closed, so an unauthenticated client holds no slot;
 - the peer's credentials (SO_PEERCRED and a pidfd) in the ASGI scope as ``edged.peer``, which the
   shared memory extension and ``admin_group`` use;
 - answers made at once (inline.py, the class this one extends): an infer request to a model
@@ -26,8 +29,8 @@ callbacks and fields, Server.servers/lifespan/shutdown): pyproject.toml bounds i
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -36,38 +39,11 @@ import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from edged.config import Config, parse_size
-from edged.ratelog import RateLimitedLog
 from edged.transports.http.inline import ANSWERS_PER_READ, InlineAnswers, missing_internals
+from edged.transports.http.slots import ConnectionSlots, Holder, Slot
 from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, close_peer, peer_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_header_size: int = 16 * 1024
-    max_headers: int = 100
-    read_timeout_s: float = 30.0
-    max_connections: int = 512
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> ConnectionLimits:
-        s = cfg.server
-        return cls(parse_size(s.max_header_size), s.max_headers, s.read_timeout_s, s.max_connections)
-
-
-class ConnectionSlots:
-    """Open connections across every listener, and the log of refusals: at most one line per
-    kind every ratelog.EVERY_S seconds (with the count since), so a flood cannot fill the journal."""
-
-    def __init__(self, limits: ConnectionLimits) -> None:
-        self.limits = limits
-        self.open = 0
-        self._log = RateLimitedLog(log)
-
-    def note(self, kind: str, message: str) -> None:
-        self._log.note(logging.WARNING, kind, "%s", message)
 
 
 class _Reject(Exception):
@@ -87,7 +63,12 @@ def error_response(status: int, code: str, message: str, reason: str) -> bytes:
     return head.encode() + body
 
 
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+_REASONS = {
+    401: "Unauthorized",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
 
 
 class EdgedProtocol(InlineAnswers):
@@ -96,7 +77,7 @@ class EdgedProtocol(InlineAnswers):
         self._slots = slots
         self._access = access
         self._limits = slots.limits
-        self._counted = False
+        self._holder: Holder | None = None
         self._peer: Peer | None = None
         self._read_timer: asyncio.TimerHandle | None = None
         self._in_headers = True  # between requests counts as the header phase of the next one
@@ -106,29 +87,41 @@ class EdgedProtocol(InlineAnswers):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self._slots.open >= self._limits.max_connections:
-            self._slots.note(
-                "limit", f"connection refused: {self._slots.open} connections open (server.max_connections)"
-            )
-            self._answer(
-                503,
-                "too_many_connections",
-                f"edged serves at most {self._limits.max_connections} connections "
-                "(server.max_connections); retry later",
-            )
-            return
-        self._slots.open += 1
-        self._counted = True
         try:
             self._peer = peer_of(transport.get_extra_info("socket"))
         except OSError as e:
             self._slots.note("cred", f"cannot read the peer's credentials: {e}")
+        self._holder = Holder(self._peer_key(transport), self._evicted)
+        if self._slots.admit(self._holder, pending=self._access.token is not None) is None:
+            self._slots.note("limit", self._refusal())
+            self._answer(503, "too_many_connections", self._refusal() + "; retry later")
+            return
         self._arm_read_timer()
 
+    def _peer_key(self, transport: asyncio.Transport) -> tuple[str, object]:
+        """Whose share a connection takes: its uid on a Unix socket, its address on TCP."""
+        if self._peer is not None:
+            return ("uid", self._peer.uid)
+        peername = transport.get_extra_info("peername")
+        if isinstance(peername, tuple) and peername:
+            return ("address", peername[0])
+        return ("unix", None)  # a Unix peer whose credentials could not be read
+
+    def _refusal(self) -> str:
+        lim, key = self._limits, None if self._holder is None else self._holder.key
+        if self._slots.held_by(key) >= lim.max_connections_per_peer:
+            return (
+                f"this peer holds {self._slots.held_by(key)} connections, its share "
+                f"(server.max_connections_per_peer = {lim.max_connections_per_peer})"
+            )
+        return f"edged serves at most {lim.max_connections} connections (server.max_connections)"
+
+    def _evicted(self) -> None:
+        self._answer(503, "too_many_connections", "closed to make room: this connection showed no token")
+
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._counted:
-            self._slots.open -= 1
-            self._counted = False
+        if self._holder is not None:
+            self._slots.release(self._holder)
         self._cancel_read_timer()
         close_peer(self._peer)
         self._peer = None
@@ -226,14 +219,38 @@ class EdgedProtocol(InlineAnswers):
             > self._limits.max_header_size
         ):
             raise _Reject(431, "header_too_large", self._too_large())
+        holder = self._holder
+        if holder is not None and holder.pending:
+            if not _has_token(headers, self._access.token):
+                raise _Reject(
+                    401, "unauthorized", "this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)"
+                )
+            self._slots.authenticated(holder)
+        reserve = holder is not None and holder.slot is Slot.RESERVE
+        if reserve and not _is_health(self.url):
+            raise _Reject(
+                503, "too_many_connections", self._refusal() + "; only health and metrics requests are answered now"
+            )
         self._in_headers = False
         super().on_headers_complete()
+        if reserve and self.cycle is not None:
+            self.cycle.keep_alive = False  # a reserved slot serves one request
 
     def on_message_complete(self) -> None:
         self._cancel_read_timer()
         self._in_headers = True
         self._raw_header_bytes = 0
         super().on_message_complete()  # where a kept request is answered at once (inline.py)
+
+
+def _has_token(headers: list[tuple[bytes, bytes]], token: bytes | None) -> bool:
+    given = next((v for k, v in headers if k == b"authorization"), b"")
+    return token is None or hmac.compare_digest(given, b"Bearer " + token)
+
+
+def _is_health(url: bytes) -> bool:
+    path = url.split(b"?", 1)[0]
+    return path == b"/metrics" or path.startswith(b"/v2/health/")
 
 
 # --- uvicorn internals relied on ---------------------------------------------------------------

@@ -4,11 +4,13 @@
   by FileDescriptorName, "metrics" serving only metrics and health, any other name the API);
 - ``[server] tcp``: TCP listeners for the same API (tritonclient.http and other tools speak only
   host:port). One on an address that is not loopback is refused unless ``tcp_token_file`` gives
-  a token that its requests must carry (``Authorization: Bearer``, compared in constant time);
-- ``[server] metrics``: a TCP listener that serves only ``/metrics`` and ``/v2/health/*``.
+  a token; once it is set, every request on every TCP listener, loopback included, must carry it
+  (``Authorization: Bearer``, compared in constant time);
+- ``[server] metrics``: a TCP listener that serves only ``/metrics`` and ``/v2/health/*`` (the
+  token too, when set).
 
-All listeners share one uvicorn Server (so one drain stops them all) and one connection limit;
-each connection gets the bounds of connection.py.
+All listeners share one uvicorn Server (so one drain stops them all) and one set of connection
+slots (slots.py); each connection gets the bounds of connection.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from edged.config import Config
 from edged.errors import ConfigError
 from edged.host import systemd
 from edged.paths import fd_socket_for
-from edged.transports.http.connection import ConnectionLimits, ConnectionSlots, EdgedProtocol, check_uvicorn
+from edged.transports.http.connection import EdgedProtocol, check_uvicorn
+from edged.transports.http.slots import ConnectionLimits, ConnectionSlots
 from edged.transports.peer import ListenerAccess
 
 log = logging.getLogger(__name__)
@@ -94,8 +97,10 @@ def _tcp(text: str, key: str, token: bytes | None, metrics_only: bool) -> Listen
         raise ConfigError(f"server.{key}: cannot listen on {text}: {e.strerror}") from None
     sock.setblocking(False)
     what = "metrics and health only" if metrics_only else "the API"
-    auth = ", bearer token required" if exposed else ""
-    return Listener(sock, ListenerAccess(f"tcp {text} ({what}{auth})", metrics_only, token if exposed else None))
+    # Once a token file is set it guards every TCP listener, loopback included: any local user can
+    # connect to 127.0.0.1, also one outside the Unix socket's group.
+    auth = ", bearer token required" if token is not None else ""
+    return Listener(sock, ListenerAccess(f"tcp {text} ({what}{auth})", metrics_only, token))
 
 
 def _activated(fds: list[int], names: list[str], token: bytes | None, memfd: bool) -> list[Listener]:
@@ -131,7 +136,9 @@ def _activated(fds: list[int], names: list[str], token: bytes | None, memfd: boo
             Listener(
                 sock,
                 ListenerAccess(
-                    f"activated socket '{name}' (fd {fd}, {what})", metrics_only, token if exposed else None
+                    f"activated socket '{name}' (fd {fd}, {what})",
+                    metrics_only,
+                    token if sock.family != socket.AF_UNIX else None,
                 ),
             )
         )
