@@ -47,6 +47,9 @@ class ServerConfig(_Table, frozen=True):
     socket_mode: str = "0660"
     socket_group: str = ""
     max_body: str = "256MiB"
+    # Request bodies being read and held (decoded from, answered), all connections together; a
+    # compressed body counts as it inflates. Beyond it a request is refused with 503 body_budget.
+    bodies_in_flight: str = "512MiB"
     # The JSON part of an infer request (a whole JSON body, or the header of a binary one).
     # Python objects cost 4-16 times the JSON's bytes and parsing holds the interpreter's lock,
     # so large tensors travel with the binary extension or shared memory (413 beyond).
@@ -399,6 +402,7 @@ def _resolve(base: Path, value: str) -> str:
 def _check_sizes(cfg: Config, src: str) -> None:
     sizes = {
         "server.max_body": cfg.server.max_body,
+        "server.bodies_in_flight": cfg.server.bodies_in_flight,
         "server.max_header_size": cfg.server.max_header_size,
         "server.max_region_size": cfg.server.max_region_size,
         "server.max_region_bytes": cfg.server.max_region_bytes,
@@ -426,6 +430,10 @@ def _check_sizes(cfg: Config, src: str) -> None:
         raise ConfigError(f"{src}: server.socket_mode: expected octal such as '0660'") from None
     if mode & 0o002:
         raise ConfigError(f"{src}: server.socket_mode: the socket must not be world-writable")
+    if parse_size(cfg.server.bodies_in_flight) < parse_size(cfg.server.max_body):
+        raise ConfigError(
+            f"{src}: server.bodies_in_flight: smaller than server.max_body, no body of that size could be read"
+        )
 
 
 def _check_model(name: str, model: ModelConfig, src: str) -> None:

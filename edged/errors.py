@@ -191,6 +191,13 @@ class BusyError(UnavailableError):
     code = "busy"
 
 
+class BodyBudgetError(UnavailableError):
+    """Request bodies being read and held, all together, would exceed ``server.bodies_in_flight``:
+    retry later (a compressed body is counted as it inflates)."""
+
+    code = "body_budget"
+
+
 class ShuttingDownError(UnavailableError):
     """edged is stopping and takes no new requests."""
 

@@ -113,6 +113,19 @@ def prefault(nbytes: int) -> int:
     return nbytes
 
 
+def trim() -> bool:
+    """Give the free memory of every arena back to the kernel (glibc's malloc_trim): after a
+    large body was inflated in steps on a worker thread, its freed steps would otherwise stay
+    resident in that thread's arena. False where not glibc."""
+    libc = _glibc()
+    malloc_trim = getattr(libc, "malloc_trim", None)
+    if malloc_trim is None:
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    malloc_trim(0)
+    return True
+
+
 def thaw() -> None:
     """Give the frozen start-up objects back to the collector: a model unloaded or replaced may
     be held in a reference cycle among them (its backend, its sessions), which only the

@@ -31,7 +31,7 @@ from edged.serving.metrics import uncounted
 from edged.serving.service import Service
 from edged.serving.states import ModelState
 from edged.transports.http import openai, triton
-from edged.transports.http.body import accepted_encoding, compress, read_body
+from edged.transports.http.body import BodyBudget, accepted_encoding, compress, read_body
 from edged.transports.http.infer import ADMITTED, InferRoute, Rest, infer_target
 from edged.transports.http.infer import JSON_HEADERS as _JSON
 from edged.transports.http.methods import error_headers
@@ -59,10 +59,12 @@ class App:
         self.service = service
         self.shm = shm
         self.max_body = max_body
-        self.infer = InferRoute(service, shm, max_body)
         server = service.registry.cfg.server
+        # One budget for every body in flight, whichever route reads it.
+        self.bodies = BodyBudget(max(parse_size(server.bodies_in_flight), max_body))
+        self.infer = InferRoute(service, shm, max_body, self.bodies)
         self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
-        self.generation = openai.GenerationRoutes(service, max_body)
+        self.generation = openai.GenerationRoutes(service, max_body, self.bodies)
         # Answers at least this large are compressed for clients that accept gzip or deflate.
         self.compress_min = parse_size(server.compress_min_size)
 

@@ -10,18 +10,34 @@ like any other) and as inflated. Inflating runs in steps whose output is capped,
 allocated no more than that. A small body is inflated on the event loop (a few tens of
 microseconds); the rest of a larger one, and every large compression, runs on a worker thread
 (zlib releases the interpreter lock while it works).
+
+All bodies together are bounded too (``BodyBudget``, server.bodies_in_flight): eight connections
+each sending a small gzip body that inflates to max_body would otherwise hold eight times
+max_body. A body larger than one read takes its bytes from the budget as they arrive or inflate,
+and gives them back when the last view of it goes (whoever read it: the infer route, a decoded
+tensor, the generation routes); a body that finds the budget taken is refused with 503
+``body_budget``, and the client may retry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from edged.errors import BadRequestError, ClientGoneError, PayloadTooLargeError, UnsupportedEncodingError
+from edged.errors import (
+    BadRequestError,
+    BodyBudgetError,
+    ClientGoneError,
+    PayloadTooLargeError,
+    UnsupportedEncodingError,
+)
+from edged.host import malloc
 from edged.wire.decode import Part, parse_header_length
 
 Scope = dict[str, Any]
@@ -42,9 +58,60 @@ _STEP_IN = 64 * 1024
 # Responses up to this size are compressed on the loop (about 0.2 ms at level 1 on the 2-core
 # development machine); larger ones on a worker thread.
 _INLINE_COMPRESS = 16 * 1024
+# An inflation that made more than this gives its freed steps back to the kernel at once.
+_TRIM_AFTER = 16 * 1024 * 1024
 # zlib level 1: on a small board's CPU the fastest level costs a fraction of level 6 for a
 # slightly larger body (tensors compress poorly at any level).
 _LEVEL = 1
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once, all connections together. Taken from any thread (an
+    inflation runs on a worker), given back by the finalizer of the buffer that holds them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            if self.used + n > self.limit:
+                raise BodyBudgetError(
+                    f"request bodies in flight would exceed {self.limit} bytes (server.bodies_in_flight); retry later"
+                )
+            self.used += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+    def hold(self, buf: np.ndarray, n: int) -> memoryview:
+        """``buf``'s bytes as a view, ``n`` of the budget held until the last view of them goes."""
+        weakref.finalize(buf, self.give, n)
+        return buf.data
+
+
+class _Taken:
+    """What one body has taken from the budget, given back on failure or handed to its buffer."""
+
+    def __init__(self, budget: BodyBudget | None) -> None:
+        self.budget = budget
+        self.n = 0
+
+    def take(self, n: int) -> None:
+        if self.budget is not None:
+            self.budget.take(n)
+            self.n += n
+
+    def hand_to(self, buf: np.ndarray) -> memoryview:
+        n, self.n = self.n, 0
+        return buf.data if self.budget is None else self.budget.hold(buf, n)
+
+    def give_back(self) -> None:
+        if self.budget is not None and self.n:
+            self.budget.give(self.n)
+        self.n = 0
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -93,20 +160,25 @@ def body_headers(scope: Scope) -> BodyHeaders:
 
 
 async def read_body(
-    scope: Scope, receive: Receive, max_body: int, headers: BodyHeaders | None = None
+    scope: Scope,
+    receive: Receive,
+    max_body: int,
+    headers: BodyHeaders | None = None,
+    budget: BodyBudget | None = None,
 ) -> bytes | memoryview:
     """The request body, inflated when it is gzip or deflate, at most ``max_body`` bytes either way.
     An encoding edged does not read is refused (415) before the body is read. ``headers``: the
-    request's, when the caller already walked them (``body_headers``)."""
+    request's, when the caller already walked them (``body_headers``). ``budget``: what all bodies
+    in flight may hold together (None: unbounded, for bounded internal bodies)."""
     if headers is None:
         headers = body_headers(scope)
     if not headers.encodings:
-        return await _read_raw(headers.length, receive, max_body)
+        return await _read_raw(headers.length, receive, max_body, budget)
     wbits = _request_wbits(headers.encodings)
-    body = await _read_raw(headers.length, receive, max_body)
+    body = await _read_raw(headers.length, receive, max_body, budget)
     if wbits is None:
         return body
-    return await inflate(body, wbits, max_body)
+    return await inflate(body, wbits, max_body, budget)
 
 
 def _request_wbits(values: Sequence[bytes]) -> int | None:
@@ -126,7 +198,9 @@ def _request_wbits(values: Sequence[bytes]) -> int | None:
     return wbits
 
 
-async def _read_raw(raw: bytes | None, receive: Receive, max_body: int) -> bytes | memoryview:
+async def _read_raw(
+    raw: bytes | None, receive: Receive, max_body: int, budget: BodyBudget | None = None
+) -> bytes | memoryview:
     """The body as sent; ``raw``: its Content-Length header, if any."""
     length = None
     if raw is not None:
@@ -140,11 +214,13 @@ async def _read_raw(raw: bytes | None, receive: Receive, max_body: int) -> bytes
     if not message.get("more_body"):
         return body  # the common case: one message, no copy
     if length is None:  # chunked transfer: sizes unknown until the end
-        return await _read_chunked(body, message, receive, max_body)
+        return await _read_chunked(body, message, receive, max_body, budget)
     # Each chunk is copied into place as it arrives: joining a large body at the end would
     # hold the loop for one long copy, and so would zero-filling a bytearray (a 128 MiB body:
     # 100-250 ms on a loaded 2-core machine). np.empty maps untouched pages instead.
-    view = np.empty(length, np.uint8).data
+    taken = _Taken(budget)
+    taken.take(length)
+    view = taken.hand_to(np.empty(length, np.uint8))  # given back when the body goes, read or not
     size = 0
     while True:
         end = size + len(body)
@@ -160,19 +236,29 @@ async def _read_raw(raw: bytes | None, receive: Receive, max_body: int) -> bytes
         body = message.get("body", b"")
 
 
-async def _read_chunked(body: bytes, message: dict[str, Any], receive: Receive, max_body: int) -> bytes:
+async def _read_chunked(
+    body: bytes, message: dict[str, Any], receive: Receive, max_body: int, budget: BodyBudget | None
+) -> bytes | memoryview:
     parts = [body]
     size = len(body)
-    while message.get("more_body"):
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGoneError("the client closed the connection")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > max_body:
-            raise PayloadTooLargeError(f"body exceeds the limit of {max_body} bytes (server.max_body)")
-        parts.append(chunk)
-    return b"".join(parts)
+    taken = _Taken(budget)
+    try:
+        taken.take(len(body))
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGoneError("the client closed the connection")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_body:
+                raise PayloadTooLargeError(f"body exceeds the limit of {max_body} bytes (server.max_body)")
+            taken.take(len(chunk))
+            parts.append(chunk)
+        joined = b"".join(parts)
+        parts.clear()
+        return taken.hand_to(np.frombuffer(joined, np.uint8))
+    finally:
+        taken.give_back()
 
 
 # --- inflating request bodies -----------------------------------------------------------------
@@ -181,7 +267,8 @@ async def _read_chunked(body: bytes, message: dict[str, Any], receive: Receive, 
 class _Inflater:
     """One compressed body, inflated in bounded steps."""
 
-    def __init__(self, body: bytes | memoryview, wbits: int, limit: int) -> None:
+    def __init__(self, body: bytes | memoryview, wbits: int, limit: int, budget: BodyBudget | None = None) -> None:
+        self.taken = _Taken(budget)
         self.src = memoryview(body)
         self.pos = 0
         self.limit = limit
@@ -211,6 +298,7 @@ class _Inflater:
                     raise PayloadTooLargeError(
                         f"the {self.what} request body inflates to more than {self.limit} bytes (server.max_body)"
                     )
+                self.taken.take(len(out))
                 self.chunks.append(out)
             elif not data:
                 raise BadRequestError(f"the {self.what} request body is truncated")
@@ -221,7 +309,8 @@ class _Inflater:
     def finish(self) -> bytes | memoryview:
         """The inflated body in one buffer; each step's output is freed as it is copied in."""
         if len(self.chunks) == 1:
-            return self.chunks.pop()
+            chunk = self.chunks.pop()
+            return chunk if self.taken.budget is None else self.taken.hand_to(np.frombuffer(chunk, np.uint8))
         buf = np.empty(self.size, np.uint8)
         pos = 0
         self.chunks.reverse()
@@ -229,18 +318,38 @@ class _Inflater:
             chunk = self.chunks.pop()
             buf[pos : pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
             pos += len(chunk)
-        return buf.data
+        return self.taken.hand_to(buf)
 
     def run_all(self) -> bytes | memoryview:
-        self.run(self.limit + 1)
-        return self.finish()
+        """All of it, on a worker thread, which gives back what it took if it fails: the loop
+        may have stopped waiting for it (a client gone), so only this thread touches ``taken``."""
+        try:
+            self.run(self.limit + 1)
+            body = self.finish()
+        finally:
+            self.discard()
+        if self.size > _TRIM_AFTER:
+            malloc.trim()  # the freed steps, back to the kernel from this thread's arena
+        return body
+
+    def discard(self) -> None:
+        """Drop the steps not yet in a body and give back what they took (nothing once finished)."""
+        self.chunks.clear()
+        self.taken.give_back()
 
 
-async def inflate(body: bytes | memoryview, wbits: int, limit: int) -> bytes | memoryview:
+async def inflate(
+    body: bytes | memoryview, wbits: int, limit: int, budget: BodyBudget | None = None
+) -> bytes | memoryview:
     """``body`` inflated (gzip or zlib framing per ``wbits``), at most ``limit`` bytes."""
-    job = _Inflater(body, wbits, limit)
-    if len(body) <= _INLINE_IN and job.run(_INLINE_OUT):
-        return job.finish()
+    job = _Inflater(body, wbits, limit, budget)
+    if len(body) <= _INLINE_IN:
+        try:
+            if job.run(_INLINE_OUT):
+                return job.finish()
+        except BaseException:
+            job.discard()
+            raise
     return await asyncio.to_thread(job.run_all)
 
 

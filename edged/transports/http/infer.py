@@ -20,7 +20,7 @@ import numpy as np
 
 from edged.errors import EdgedError, ShuttingDownError
 from edged.serving.service import Service, decode_now
-from edged.transports.http.body import BodyHeaders, body_headers, read_body
+from edged.transports.http.body import BodyBudget, BodyHeaders, body_headers, read_body
 from edged.transports.peer import PEER_KEY, Peer
 from edged.transports.shm.copies import ShmRequest
 from edged.transports.shm.regions import SharedMemoryRegistry
@@ -55,10 +55,13 @@ def infer_target(path: str) -> str | None:
 
 
 class InferRoute:
-    def __init__(self, service: Service, regions: SharedMemoryRegistry, max_body: int) -> None:
+    def __init__(
+        self, service: Service, regions: SharedMemoryRegistry, max_body: int, bodies: BodyBudget | None = None
+    ) -> None:
         self.service = service
         self.regions = regions
         self.max_body = max_body
+        self.bodies = bodies
         self.accepting = True
 
     async def __call__(self, name: str, scope: Scope, receive: Receive) -> Answer:
@@ -70,7 +73,7 @@ class InferRoute:
                     raise ShuttingDownError("edged is shutting down")
                 svc.model(name)  # an unknown model is a 404 whatever the body holds
                 headers = body_headers(scope)  # one pass over the headers for everything the route reads
-                body = await read_body(scope, receive, self.max_body, headers)
+                body = await read_body(scope, receive, self.max_body, headers, self.bodies)
                 # The statistics' compute_input starts once the body is in, as Triton's does: a
                 # slow upload is not the daemon's time.
                 received = time.perf_counter_ns()

@@ -25,7 +25,7 @@ import orjson
 from edged.errors import BadRequestError, EdgedError, NotFoundError, PayloadTooLargeError, ShuttingDownError
 from edged.llm import generation as gen
 from edged.serving.service import Service
-from edged.transports.http.body import read_body
+from edged.transports.http.body import BodyBudget, read_body
 from edged.transports.http.methods import error_headers
 from edged.transports.http.methods import expect as _expect
 from edged.wire.decode import load_object
@@ -51,9 +51,10 @@ def handles(path: str) -> bool:
 
 
 class GenerationRoutes:
-    def __init__(self, service: Service, max_body: int) -> None:
+    def __init__(self, service: Service, max_body: int, bodies: BodyBudget | None = None) -> None:
         self.service = service
         self.max_body = min(max_body, MAX_BODY)
+        self.bodies = bodies
         self.accepting = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -107,7 +108,7 @@ class GenerationRoutes:
     async def _body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         limit = min(self.max_body, gen.MAX_BODY)  # parsed on the loop: a prompt, not a tensor
         try:  # gzip and deflate bodies too, bounded as sent and as inflated
-            raw = await read_body(scope, receive, limit)
+            raw = await read_body(scope, receive, limit, budget=self.bodies)
         except PayloadTooLargeError:
             raise PayloadTooLargeError(f"a generation request is limited to {limit} bytes") from None
         return load_object(raw, "the body must be a JSON object")
