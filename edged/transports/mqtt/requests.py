@@ -235,7 +235,9 @@ class Requests:
         except Exception as e:  # every failure answers (a bug too, as 'internal')
             if not isinstance(e, EdgedError):
                 log.exception("%s: decoding failed", model, extra={"model": model, "request_id": ""})
-            return codec.unreadable(inc, codec.wire_error(e), self.max_body)
+            # Where its error goes is known already (decode_json read any 'reply_to' and 'id'):
+            # the payload is not read again, on the loop or off it.
+            return codec.Unreadable(codec.wire_error(e), read.reply_to, inc.user.get("id", "") or read.json_id)
         read.body = None
         return read
 
