@@ -49,7 +49,7 @@ def real_daemon_drop_in() -> str:
     python, pythonpath = python_for_units()
     return f"""[Service]
 ExecStart=
-ExecStart={python} -m edged serve --config {CONFIG}
+ExecStart=/usr/bin/nohup {python} -m edged serve --config {CONFIG}
 Environment=PYTHONPATH={pythonpath}
 # The checkout may live where the hardened unit hides things (CI can clone it under /tmp).
 BindReadOnlyPaths={REPO}
