@@ -4,8 +4,10 @@ Triggered by SIGHUP (``systemctl reload``) or by a config or model file changing
 is one transaction: every changed model is resolved, built (or given a stand-in) and warmed beside
 the old ones first; only when all of that succeeded is the new config applied and every model
 swapped at once (dict assignments on the event loop, so a request sees either the old model or the
-new one). Any failure unloads what the reload loaded and leaves the old config and models exactly
-as they were; the failure stays in STATUS= and the status line until a later reload succeeds.
+new one). A model whose engine will build after the commit is first loaded from what stands in for
+it, so a file that cannot be served fails the reload, naming it. Any failure unloads what the
+reload loaded and leaves the old config and models exactly as they were; the failure stays in
+STATUS= and the status line until a later reload succeeds.
 When old and new together do not fit the budget, that model's requests are held (not failed)
 while the old one is unloaded and the new one loaded; a failure then loads the old one back.
 Unless ``[build] block_ready`` is set, an engine that must be built does not hold the reload: the
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from edged.config import Config, format_size, load
 from edged.errors import EdgedError
 from edged.host import systemd
+from edged.llm.gguf_header import read_header
 from edged.quantize.job import job_key
 from edged.serving.background import BackgroundBuilds, stand_in
 from edged.serving.registry import ModelRuntime, Registry
@@ -210,6 +213,7 @@ class Reloader:
                 self._status(f"reloading: building {rt.name} {rt.precision}")
                 await reg.build(rt, self._progress(rt.name))
             if rt.entry is None:
+                await self._check_loads(rt)
                 self._plan_build(rt, old, txn)
                 continue
             if rt.cfg.preload == "lazy" and (old is None or old.state != ModelState.READY):
@@ -232,6 +236,25 @@ class Reloader:
             await self._stand_in(pending[0], txn)
         for old, rt in queued:  # last: these are the only steps that touch what serves
             await self._swap_queued(old, rt, txn)
+
+    async def _check_loads(self, rt: ModelRuntime) -> None:
+        """A model whose engine builds after the commit must load now, from what stands in for it
+        while it builds (its source model on ONNX Runtime, or an engine already built), or the
+        reload fails naming it: the build alone would find out minutes later, the rest applied."""
+        if rt.backend_cls is not None and rt.backend_cls.name == "llama":
+            try:  # nothing stands in for a language model: its header says whether it is one
+                await asyncio.to_thread(read_header, rt.cfg.path)
+            except EdgedError as e:
+                raise EdgedError(f"{rt.name}: {rt.cfg.path} cannot be served: {e.message}") from None
+            return
+        sub = await asyncio.to_thread(stand_in, self.registry, rt)
+        if sub is None:
+            return
+        self._status(f"reloading: checking that {rt.name} loads")
+        try:
+            await asyncio.to_thread(self.registry.check_loads, sub)
+        except EdgedError as e:
+            raise EdgedError(f"{rt.name}: {rt.cfg.path} cannot be served: {e.message}") from None
 
     def _plan_build(self, rt: ModelRuntime, old: ModelRuntime | None, txn: _Txn) -> None:
         boot = rt.cfg.preload == "boot"

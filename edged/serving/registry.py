@@ -318,6 +318,12 @@ class Registry:
             log.warning("cannot record the footprint in %s: %s", entry.manifest_path.name, e)
             return entry
 
+    def check_loads(self, rt: ModelRuntime) -> None:
+        """Load ``rt``'s backend and let it go (blocking; no warm-up, no state, nothing served):
+        whether its file serves at all, before a reload commits to it. Raises as ``load`` would."""
+        backend, _, _ = self._load_blocking(rt)
+        backend.unload()
+
     def _load_blocking(self, rt: ModelRuntime) -> tuple[Backend, list[Instance], int]:
         assert rt.entry is not None and rt.backend_cls is not None
         before = rss_bytes()
