@@ -73,8 +73,8 @@ class ServerConfig(_Table, frozen=True):
     # remote address on TCP.
     max_connections_per_peer: PositiveInt = 64
     # Beyond max_connections, slots that serve one health or metrics request each (at most two a
-    # peer), so a probe is answered while every other slot is taken.
-    reserved_connections: PositiveInt = 16
+    # peer), so a probe is answered while every other slot is taken; 0: none.
+    reserved_connections: NonNegInt = 16
     max_regions: PositiveInt = 1024
     max_regions_per_peer: PositiveInt = 256
     max_region_size: str = "256MiB"

@@ -168,7 +168,7 @@ def _rss(pid: int) -> int:
 
 
 def test_connection_limit_refuses_one_more_and_serves_the_rest(tiny: Callable[..., DaemonProcess]) -> None:
-    d = tiny(max_connections=4)
+    d = tiny(max_connections=4, reserved_connections=0)  # the reserve: test_connection_shares.py
     held = [d.client() for _ in range(4)]
     try:
         for c in held:

@@ -64,6 +64,7 @@ def error_response(status: int, code: str, message: str, reason: str) -> bytes:
 
 
 _REASONS = {
+    400: "Bad Request",
     401: "Unauthorized",
     408: "Request Timeout",
     431: "Request Header Fields Too Large",
@@ -78,6 +79,7 @@ class EdgedProtocol(InlineAnswers):
         self._access = access
         self._limits = slots.limits
         self._holder: Holder | None = None
+        self._last_words: bytes | None = None  # an error to write once the answers before it are out
         self._peer: Peer | None = None
         self._read_timer: asyncio.TimerHandle | None = None
         self._in_headers = True  # between requests counts as the header phase of the next one
@@ -165,8 +167,8 @@ class EdgedProtocol(InlineAnswers):
     # --- parsing, with bounds ---
 
     def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():
-            return  # refused or timed out: whatever else arrives is not read
+        if self.transport.is_closing() or self._last_words is not None:
+            return  # refused, timed out, or ended by an error: whatever else arrives is not read
         self._unset_keepalive_if_required()
         self._answers_left = ANSWERS_PER_READ
         if self._in_headers:
@@ -184,15 +186,33 @@ class EdgedProtocol(InlineAnswers):
                 self._reject(e.__context__)
             else:
                 self._slots.note("invalid", f"invalid HTTP request: {e.__context__!r}")
-                self._answer(400, "bad_request", "invalid HTTP request")
+                self._end(400, "bad_request", "invalid HTTP request")
         except httptools.HttpParserError:
-            self._answer(400, "bad_request", "invalid HTTP request")
+            self._end(400, "bad_request", "invalid HTTP request")
         except httptools.HttpParserUpgrade:
-            self._answer(400, "bad_request", "protocol upgrades are not supported")
+            self._end(400, "bad_request", "protocol upgrades are not supported")
 
     def _reject(self, r: _Reject) -> None:
         self._slots.note(r.code, f"refused a request: {r.message}")
-        self._answer(r.status, r.code, r.message)
+        self._end(r.status, r.code, r.message)
+
+    def _end(self, status: int, code: str, message: str) -> None:
+        """End the connection with an error, after the answers of the requests received before it
+        (pipelined in the same write: good, good, garbage answers 200, 200, 400)."""
+        cycle = self.cycle
+        if (cycle is None or cycle.response_complete) and not self.pipeline:
+            self._answer(status, code, message)
+            return
+        self._last_words = error_response(status, code, message, _REASONS.get(status, ""))
+        self.flow.pause_reading()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts the next pipelined request, if any
+        cycle = self.cycle
+        done = (cycle is None or cycle.response_complete) and not self.pipeline
+        if self._last_words is not None and done and not self.transport.is_closing():
+            self.transport.write(self._last_words)
+            self.transport.close()
 
     def _too_large(self) -> str:
         return f"request headers exceed {self._limits.max_header_size} bytes (server.max_header_size)"
