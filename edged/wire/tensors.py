@@ -193,10 +193,13 @@ def from_json_data(data: Any, dtype: np.dtype[Any], shape: tuple[int, ...], wher
 
 def _bytes_from_json(data: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
     """JSON strings, each element's UTF-8 bytes (the layout is checked already)."""
-    flat = np.asarray(data if isinstance(data, list) else [data], dtype=object).reshape(-1)
+    nested = np.asarray(data if isinstance(data, list) else [data], dtype=object)
+    flat = nested.reshape(-1)
     count = math.prod(shape)
     if flat.size != count:
         raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, 'data' has {flat.size}")
+    if nested.ndim not in (1, len(shape)):  # lists below the shape's last axis: not its layout
+        raise BadRequestError(f"{where}: 'data' is nested deeper than shape {list(shape)}")
     out = np.empty(count, dtype=object)
     for i, value in enumerate(flat):
         if not isinstance(value, str):

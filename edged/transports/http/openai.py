@@ -158,7 +158,7 @@ class GenerationRoutes:
     ) -> None:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "created": int(time.time()), "model": name}
-        if not body.get("stream"):
+        if not _flag(body, "stream"):
             text = await _until_disconnect(gen.complete(self.service, name, job, rid), receive)
             if text is None:
                 return
@@ -170,7 +170,10 @@ class GenerationRoutes:
             await _respond(send, 200, orjson.dumps(doc))
             return
         kind = "chat.completion.chunk" if chat else "text_completion"
-        usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise BadRequestError("'stream_options' must be an object")
+        usage = options is not None and _flag(options, "include_usage")
 
         def chunk(delta: str | None, finish: str | None) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -331,3 +334,13 @@ async def _stream(send: Send, receive: Receive, events: AsyncIterator[bytes], op
             await asyncio.gather(task, return_exceptions=True)
     if task.done() and not task.cancelled():
         task.result()
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    """A boolean field: true, false or absent; anything else ("yes", 1) is a 400, not a guess."""
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequestError(f"'{key}' must be true or false")
+    return value
