@@ -304,13 +304,16 @@ class App:
         self, method: str, parts: list[str], scope: Scope, receive: Receive
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         peer: Peer | None = scope.get(PEER_KEY)
+        # Over TCP (no peer credentials) no region can be registered, so there is none to list or
+        # to release: Triton's clients ask for both before they start, as for CUDA shared memory.
         if parts == ["status"]:
             _expect(method, "GET")
-            return 200, orjson.dumps(self.shm.status_for(peer)), _JSON
+            return 200, orjson.dumps(self.shm.status_for(peer) if peer is not None else []), _JSON
         if parts == ["unregister"]:
             _expect(method, "POST")
             await self._read_small(scope, receive)
-            self.shm.unregister_for(peer)
+            if peer is not None:
+                self.shm.unregister_for(peer)
             return 200, b"{}", _JSON
         if len(parts) == 3 and parts[0] == "region":
             name, action = parts[1], parts[2]
@@ -323,7 +326,8 @@ class App:
                 self._register(peer, name, body)
                 return 200, b"{}", _JSON
             if action == "unregister":
-                self.shm.unregister_for(peer, name)
+                if peer is not None:
+                    self.shm.unregister_for(peer, name)
                 return 200, b"{}", _JSON
         raise NotFoundError(f"no route for {scope['path']}")
 
