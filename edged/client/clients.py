@@ -93,7 +93,8 @@ def encode_request(
 
 
 def _load_json(raw: memoryview) -> Any:
-    """edged writes NaN and Infinity for non-finite outputs (as Triton does); orjson refuses them."""
+    """edged writes non-finite outputs as the strings "NaN", "Infinity", "-Infinity" (numpy reads
+    them back as floats); a server that writes them bare, as Triton does, is read with json."""
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -10,7 +10,6 @@ for long (one 32 MB join held it for over 100 ms on a loaded 2-core machine).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
@@ -41,10 +40,16 @@ Part: TypeAlias = "bytes | memoryview"
 
 
 def _dumps_values(flat: np.ndarray) -> bytes:
-    """``[v0,v1,...]``. orjson writes a non-finite float as null; Triton (and Python's json,
-    which reads them back) write NaN, Infinity and -Infinity, so such arrays go through json."""
+    """``[v0,v1,...]``. A non-finite float is written as the string "NaN", "Infinity" or
+    "-Infinity", protobuf's JSON form: orjson would write null (the sign and the kind lost), and
+    bare NaN (Python's json, Triton) is not JSON, so the KServe SDK and JSON.parse refuse the whole
+    answer; tritonclient and the KServe SDK both turn the strings back into floats."""
     if flat.dtype.kind == "f" and not np.isfinite(flat).all():
-        return json.dumps(flat.tolist(), separators=(",", ":")).encode()
+        values = flat.astype(object)
+        for i in np.flatnonzero(~np.isfinite(flat)):
+            v = flat[i]
+            values[i] = "NaN" if np.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+        return orjson.dumps(values.tolist())
     return orjson.dumps(flat, option=_JSON_OPTS)
 
 

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 
 import numpy as np
@@ -428,15 +427,16 @@ def test_non_finite_values_in_json_as_triton_writes_them() -> None:
         decode_infer(body.replace(b"NaN", b"NaNa"))
     with pytest.raises(BadRequestError, match="malformed JSON"):
         decode_infer(b'{"inputs":' + b"[" * 100_000 + b"NaN" + b"]" * 100_000 + b"}")
-    # Outputs: NaN, Infinity and -Infinity are written, not null, small and large alike.
+    # Outputs: "NaN", "Infinity" and "-Infinity" (strict JSON), not null, small and large alike.
     small = {"y": np.array([np.nan, np.inf, -np.inf, 0.25], np.float16)}
     out, _ = encode_infer("m", InferRequest(), small)
-    assert b"[NaN,Infinity,-Infinity,0.25]" in out
+    assert b'["NaN","Infinity","-Infinity",0.25]' in out
     big = np.zeros(200_000, np.float32)
     big[123_456] = -np.inf
     body, _ = encode_infer("m", InferRequest(), {"y": big})
-    data = json.loads(body)["outputs"][0]["data"]
-    assert len(data) == 200_000 and data[123_456] == -math.inf and data[0] == 0.0
+    data = orjson.loads(body)["outputs"][0]["data"]
+    assert len(data) == 200_000 and data[123_456] == "-Infinity" and data[0] == 0.0
+    assert np.array(data, np.float32)[123_456] == -math.inf
 
 
 def test_large_json_is_parsed_in_a_child_process_with_the_same_results_and_errors() -> None:
