@@ -38,7 +38,7 @@ from edged.transports.http.methods import error_headers
 from edged.transports.http.methods import expect as _expect
 from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, in_group
 from edged.transports.shm.regions import SharedMemoryRegistry
-from edged.wire.decode import Part
+from edged.wire.decode import Part, load_object
 
 log = logging.getLogger(__name__)
 
@@ -276,12 +276,13 @@ class App:
         self, method: str, parts: list[str], scope: Scope, receive: Receive
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         _expect(method, "POST")
-        await self._read_small(scope, receive)  # load/unload parameters are not used
+        body = await self._read_small(scope, receive)
         if parts == ["index"]:
             return 200, orjson.dumps(self.service.repository_index()), _JSON
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
             await self._check_admin(scope, f"{parts[2]} models")
             if parts[2] == "load":
+                _check_load_parameters(parts[1], body)
                 await self.service.load(parts[1])
             else:
                 await self.service.unload(parts[1])
@@ -342,6 +343,24 @@ class App:
         if not _is_int(offset) or not _is_int(size):
             raise BadRequestError("'offset' and 'byte_size' must be integers")
         self.shm.register(peer, name, doc["key"], offset, size)
+
+
+def _check_load_parameters(name: str, body: bytes | memoryview) -> None:
+    """A load request may carry only what edged does: nothing. A model configuration or files in
+    it (tritonclient's ``load_model(config=..., files=...)``) are refused as Triton refuses what it
+    cannot load, never ignored: edged's configuration of a model is its config file's."""
+    if not bytes(body).strip():
+        return
+    doc = load_object(body, f"failed to load '{name}': the body must be a JSON object", f"failed to load '{name}'")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise BadRequestError(f"failed to load '{name}': 'parameters' must be an object")
+    given = sorted(k for k in params if k == "config" or k.startswith("file:"))
+    if given:
+        raise BadRequestError(
+            f"failed to load '{name}': {', '.join(given)} in a load request is not supported; "
+            "edged reads a model's configuration from its config file (reload it to apply a change)"
+        )
 
 
 def _check_access(access: ListenerAccess, scope: Scope) -> None:
