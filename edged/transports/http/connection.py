@@ -129,6 +129,18 @@ class EdgedProtocol(InlineAnswers):
         self._peer = None
         super().connection_lost(exc)
 
+    def eof_received(self) -> bool:  # type: ignore[override]  # asyncio's: bool | None; uvicorn's: None
+        """The client shut its side after sending (``shutdown(SHUT_WR)``, ``curl`` with a file
+        body, some proxies): what it sent is still answered, then the connection closes. Returning
+        False here, as uvicorn does, closed it at once: a request on a worker thread, or a
+        generation (which took the close for a client gone), was never answered."""
+        cycle = self.cycle
+        if (cycle is None or cycle.response_complete) and not self.pipeline:
+            return False  # nothing in flight: close now
+        if cycle is not None:
+            cycle.keep_alive = False  # the last request: closed once it is answered
+        return True
+
     def _answer(self, status: int, code: str, message: str) -> None:
         if not self.transport.is_closing():
             self.transport.write(error_response(status, code, message, _REASONS.get(status, "")))
