@@ -234,9 +234,10 @@ def deserialize_bytes(buf: memoryview | bytes, shape: tuple[int, ...], where: st
             f"{where}: shape {list(shape)} of BYTES needs at least {count * _PREFIX.size} bytes "
             f"(a 4-byte length per element), got {end}"
         )
-    # One copy of the whole buffer, then each element sliced from it: a bytes slice is the element
-    # itself (a memoryview slice would be a second object and a second copy).
-    data = buf if isinstance(buf, bytes) else memoryview(buf).cast("B").tobytes()
+    # Each element copied once, straight from the request's buffer: a copy of the whole buffer
+    # first (to slice bytes from it) held the body twice over for a moment, and for a BYTES tensor
+    # of hundreds of MiB that moment is the request's peak.
+    data = buf if isinstance(buf, bytes) else memoryview(buf).cast("B")
     unpack, step = _PREFIX.unpack_from, _PREFIX.size
     elements: list[bytes] = []
     pos = 0
@@ -250,7 +251,7 @@ def deserialize_bytes(buf: memoryview | bytes, shape: tuple[int, ...], where: st
                 f"{where}: BYTES element {i}'s length prefix ({size} bytes, at byte {pos - step}) "
                 f"runs past the end of its data ({end} bytes)"
             )
-        elements.append(data[pos : pos + size])
+        elements.append(bytes(data[pos : pos + size]))
         pos += size
     out = np.empty(count, dtype=object)
     out[:] = elements
