@@ -450,15 +450,41 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "fuzz.json")
+    ap.add_argument("--no-hostile", action="store_true", help="skip the hostile peers (bench/hostile.py)")
     args = ap.parse_args(argv)
-    result = run(args.cases, args.workers, args.seed)
+    result = run(args.cases, args.workers, args.seed) if args.cases else _nothing()
+    if not args.no_hostile:
+        from bench import hostile
+
+        result["hostile"] = hostile.run()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     ok = not result["daemon_crashed"] and not result["server_errors_5xx"] and not result["loop_stalls_over_1s"]
     fds = result["descriptor_socket"]
     ok = ok and fds["daemon_fds_after"] <= fds["daemon_fds_before"] and "internal" not in fds["by_code"]
+    if "hostile" in result:
+        ok = ok and _hostile_ok(result["hostile"])
     sys.exit(0 if ok and not result["valid_requests_failed"] else 1)
+
+
+def _nothing() -> dict[str, Any]:
+    """The figures of a run of no mutated requests (``--cases 0``: the hostile peers alone)."""
+    return {
+        "cases": 0,
+        "daemon_crashed": False,
+        "server_errors_5xx": 0,
+        "loop_stalls_over_1s": 0,
+        "valid_requests_failed": 0,
+        "descriptor_socket": {"daemon_fds_after": 0, "daemon_fds_before": 0, "by_code": {}},
+    }
+
+
+def _hostile_ok(h: dict[str, Any]) -> bool:
+    """No other peer's request failed, no health check failed or waited a second, edged serves."""
+    cases = [h[k] for k in ("connections", "gzip", "bytes", "mqtt")]
+    fine = all(c["health_failed"] == 0 and c["health_worst_ms"] < 1000 for c in cases)
+    return fine and h["connections"]["other_peer_failed"] == 0 and all(h["served_after"].values())
 
 
 if __name__ == "__main__":
