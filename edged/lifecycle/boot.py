@@ -110,9 +110,14 @@ class Boot:
         try:
             await reg.load(sub, self.loop)
         except EdgedError as e:
-            log.warning("%s: the stand-in does not load (%s); waiting for the build", rt.name, e.message)
+            # Nothing serves the model then: as for a model with no stand-in, its engine is built
+            # now, so that READY=1 keeps its rule (every boot model settled, one serving).
+            log.warning("%s: the stand-in does not load (%s); building it now", rt.name, e.message)
             reg.models[rt.name] = rt
-            self.later.append((rt, True))
+            await self.build(rt, 1, 1)
+            if rt.entry is not None:
+                systemd.status(f"loading {rt.name}")
+                await self.load_or_rebuild(rt)
             return
         self.background.announce(rt)
         self.later.append((rt, True))

@@ -189,7 +189,10 @@ async def warm_request_path(app: App, registry: Registry, sockets: list[str] | N
         if rt.state != ModelState.READY or rt.backend is None:
             continue
         if is_language_model(rt.cfg):  # the generation routes, streamed and not
-            await app.generation.warm(rt.name)
+            # Uncounted, as every request of the warm-up: a counted one waits for READY=1, which
+            # waits for it (each was answered 503 after its timeout, 10-20 s a route).
+            with uncounted():
+                await app.generation.warm(rt.name)
             continue
         inputs = warm_inputs(rt.backend.inputs, rt.cfg)
         largest = max([largest, *(a.nbytes for a in inputs.values())])

@@ -43,6 +43,8 @@ def stand_in(reg: Registry, rt: ModelRuntime) -> ModelRuntime | None:
         entry = reg.cache.lookup(rt.name, job_key(other, cls), cls.artifact_suffix)
         if entry is not None and entry.manifest.get("artifact"):
             return _make(rt, cls, precision, entry, wanted, f"the {precision} engine already built")
+    if Path(rt.cfg.path).suffix.lower() != ".onnx":
+        return None  # ONNX Runtime runs ONNX models only (a GGUF has nothing to stand in for it)
     try:
         ort = backends.backend_class("onnxruntime")
     except BackendUnavailableError:

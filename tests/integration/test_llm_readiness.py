@@ -1,0 +1,43 @@
+"""A language model's start, with the real SmolLM2 model: READY=1 says it serves on a cold start
+(empty cache, engines building in the background), and a restart with the cache warm is ready
+without a warm-up request waiting out its timeout (each was answered 503 after 10-20 s)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DaemonProcess
+from tests.integration.test_llm import llm_model, smollm2
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+__all__ = ["smollm2"]  # a fixture: imported so that pytest finds it
+
+
+def start(d: DaemonProcess) -> tuple[float, str]:
+    """How long start -> READY=1 took, and the log of that start."""
+    before = len(d.log())
+    started = time.monotonic()
+    d.start(timeout=300)
+    return time.monotonic() - started, d.log()[before:]
+
+
+def test_cold_and_warm_starts_are_ready_with_the_model_serving(
+    daemon_factory: Callable[..., DaemonProcess], smollm2: Path
+) -> None:
+    d = daemon_factory({"llm": llm_model(smollm2)}, extra={"build": {"block_ready": False}})
+    cold, log = start(d)
+    assert "ready: 1 models ready" in log, log[-2000:]
+    assert "stand-in" not in log  # nothing stands in for a GGUF: it is built, loaded and warmed
+    assert d.stop() == 0
+    warm, log = start(d)
+    assert "ready: 1 models ready" in log, log[-2000:]
+    assert "warm-up request on" not in log, [line for line in log.splitlines() if "warm-up request" in line]
+    # The same work as the cold start less the build (a GGUF's header): never several times it.
+    assert warm < 1.5 * cold + 1.0, f"warm start {warm:.1f} s, cold start {cold:.1f} s"
+    with d.client() as c:
+        assert c.status()["models"]["llm"]["state"] == "ready"
+    assert d.stop() == 0
