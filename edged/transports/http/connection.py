@@ -35,11 +35,11 @@ from itertools import chain
 from typing import Any
 
 import httptools
-import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from edged.transports.http.inline import ANSWERS_PER_READ, InlineAnswers, missing_internals
+from edged.transports.http.methods import error_body
 from edged.transports.http.slots import ConnectionSlots, Holder, Slot
 from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, close_peer, peer_of
 
@@ -47,15 +47,16 @@ log = logging.getLogger(__name__)
 
 
 class _Reject(Exception):
-    """Raised from a parser callback to stop parsing; data_received answers it."""
+    """Raised from a parser callback to stop parsing; data_received answers it (``path``: the
+    request's, once known, for the shape of the answer's body)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, path: bytes = b"") -> None:
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.path = status, code, message, path
 
 
-def error_response(status: int, code: str, message: str, reason: str) -> bytes:
-    body = orjson.dumps({"error": message, "code": code})
+def error_response(status: int, code: str, message: str, reason: str, path: bytes = b"") -> bytes:
+    body = error_body(code, message, path)
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
@@ -135,15 +136,16 @@ class EdgedProtocol(InlineAnswers):
         False here, as uvicorn does, closed it at once: a request on a worker thread, or a
         generation (which took the close for a client gone), was never answered."""
         cycle = self.cycle
-        if (cycle is None or cycle.response_complete) and not self.pipeline:
-            return False  # nothing in flight: close now
+        partial = not self._in_headers or self._raw_header_bytes > 0  # a request cut off mid-way
+        if partial or ((cycle is None or cycle.response_complete) and not self.pipeline):
+            return False  # nothing whole in flight: close now (a cut-off request is a client gone)
         if cycle is not None:
             cycle.keep_alive = False  # the last request: closed once it is answered
         return True
 
-    def _answer(self, status: int, code: str, message: str) -> None:
+    def _answer(self, status: int, code: str, message: str, path: bytes = b"") -> None:
         if not self.transport.is_closing():
-            self.transport.write(error_response(status, code, message, _REASONS.get(status, "")))
+            self.transport.write(error_response(status, code, message, _REASONS.get(status, ""), path))
             self.transport.close()
 
     # --- read timeout ---
@@ -206,16 +208,16 @@ class EdgedProtocol(InlineAnswers):
 
     def _reject(self, r: _Reject) -> None:
         self._slots.note(r.code, f"refused a request: {r.message}")
-        self._end(r.status, r.code, r.message)
+        self._end(r.status, r.code, r.message, r.path)
 
-    def _end(self, status: int, code: str, message: str) -> None:
+    def _end(self, status: int, code: str, message: str, path: bytes = b"") -> None:
         """End the connection with an error, after the answers of the requests received before it
         (pipelined in the same write: good, good, garbage answers 200, 200, 400)."""
         cycle = self.cycle
         if (cycle is None or cycle.response_complete) and not self.pipeline:
-            self._answer(status, code, message)
+            self._answer(status, code, message, path)
             return
-        self._last_words = error_response(status, code, message, _REASONS.get(status, ""))
+        self._last_words = error_response(status, code, message, _REASONS.get(status, ""), path)
         self.flow.pause_reading()
 
     def on_response_complete(self) -> None:
@@ -255,7 +257,10 @@ class EdgedProtocol(InlineAnswers):
         if holder is not None and holder.pending:
             if not _has_token(headers, self._access.token):
                 raise _Reject(
-                    401, "unauthorized", "this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)"
+                    401,
+                    "unauthorized",
+                    "this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)",
+                    self.url,
                 )
             self._slots.authenticated(holder)
         reserve = holder is not None and holder.slot is Slot.RESERVE
