@@ -378,3 +378,40 @@ def test_reload_swaps_a_gguf_model_without_failed_requests(smollm2: Path, tmp_pa
         d.kill()
     assert stopped == 0
     assert results and all(code == 200 for code in results), results
+
+
+def test_openai_errors_have_openai_shape_401_included(edge: DaemonProcess, tcp_port: int) -> None:
+    import openai
+
+    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{tcp_port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        wrong.models.list()  # refused on the connection's first request, before any route
+    assert refused.value.code == "unauthorized" and refused.value.type == "unauthorized"
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    ("asked", "named"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs, top_logprobs"),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice, tools"),
+        ({"n": 2}, "n"),
+    ],
+)
+def test_openai_fields_edged_does_not_implement_are_refused_by_name(
+    openai_client: Any, asked: dict[str, Any], named: str
+) -> None:
+    import openai
+
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.chat.completions.create(model="llm", messages=messages, max_tokens=2, **asked)
+    assert refused.value.code == "bad_request" and named in refused.value.message, refused.value.message
+    # Plain text asks for nothing edged lacks: served.
+    plain = openai_client.chat.completions.create(
+        model="llm", messages=messages, max_tokens=2, response_format={"type": "text"}
+    )
+    assert plain.choices[0].message.content is not None

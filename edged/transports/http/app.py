@@ -34,7 +34,7 @@ from edged.transports.http import openai, triton
 from edged.transports.http.body import BodyBudget, accepted_encoding, compress, read_body
 from edged.transports.http.infer import ADMITTED, InferRoute, Rest, infer_target
 from edged.transports.http.infer import JSON_HEADERS as _JSON
-from edged.transports.http.methods import error_headers
+from edged.transports.http.methods import error_body, error_headers
 from edged.transports.http.methods import expect as _expect
 from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, in_group
 from edged.transports.shm.regions import SharedMemoryRegistry
@@ -115,7 +115,7 @@ class App:
                 body, headers = await self._encode(scope, body, headers)
             return status, body, headers
         except EdgedError as e:
-            return _error(e)
+            return _error(e, scope["path"])
         except Exception as e:  # a bug must answer 500, never drop the connection silently
             return _internal(scope, e)
 
@@ -402,11 +402,11 @@ async def _ready(answer: Answer) -> Answer:
     return answer
 
 
-def _error(e: EdgedError) -> Answer:
+def _error(e: EdgedError, path: str = "") -> Answer:
     headers = error_headers(e, _JSON)
     if e.http_status == 401:
         headers = [*_JSON, (b"www-authenticate", b"Bearer")]
-    return e.http_status, orjson.dumps(e.to_dict()), headers
+    return e.http_status, error_body(e.code, e.message, path), headers
 
 
 def _internal(scope: Scope, e: Exception) -> Answer:

@@ -26,7 +26,7 @@ from edged.errors import BadRequestError, EdgedError, NotFoundError, PayloadTooL
 from edged.llm import generation as gen
 from edged.serving.service import Service
 from edged.transports.http.body import BodyBudget, read_body
-from edged.transports.http.methods import error_headers
+from edged.transports.http.methods import error_body, error_headers
 from edged.transports.http.methods import expect as _expect
 from edged.wire.decode import load_object
 
@@ -138,11 +138,13 @@ class GenerationRoutes:
 
     async def _chat(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
         name = self._model(body.get("model"))
+        refuse_unsupported(body)
         job = self._job(name, body, messages=gen.messages_from(body.get("messages")))
         await self._openai(name, job, body, receive, send, chat=True)
 
     async def _completions(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
         name = self._model(body.get("model"))
+        refuse_unsupported(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -267,9 +269,7 @@ def _sse(doc: dict[str, Any]) -> bytes:
 
 
 def _error_body(e: EdgedError, openai: bool) -> bytes:
-    if openai:  # the shape OpenAI's clients read; the stable code is kept
-        return orjson.dumps({"error": {"message": e.message, "type": e.code, "code": e.code, "param": None}})
-    return orjson.dumps(e.to_dict())
+    return error_body(e.code, e.message, "/v1/" if openai else "")
 
 
 async def _respond(send: Send, status: int, body: bytes, headers: Headers = _JSON) -> None:
@@ -344,3 +344,35 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequestError(f"'{key}' must be true or false")
     return value
+
+
+# OpenAI request fields edged does not implement, with the value that asks for nothing.
+_NOTHING_ASKED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
+def unsupported(body: dict[str, Any]) -> list[str]:
+    """The fields of an OpenAI request that ask for what edged does not do (structured output,
+    log probabilities, tool calls, several choices): answered with a 400 naming them, never
+    ignored, so that a client is not handed text it did not ask for."""
+    found = [key for key, nothing in _NOTHING_ASKED.items() if key in body and body[key] not in nothing]
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        found.append("response_format")
+    return sorted(found)
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    found = unsupported(body)
+    if found:
+        raise BadRequestError(f"{', '.join(found)}: not supported by edged; leave them out for plain text")
