@@ -152,6 +152,13 @@ class Backend(abc.ABC):
         """Write the artefact to ``dest`` (a temporary path); return extra manifest fields."""
 
     @classmethod
+    def stored_precision(cls, path: str) -> str:
+        """How the model file stores its weights when the file itself says so (a GGUF's file
+        type, such as ``q4_1``); '' when it does not. Shown in status; the build's precision is
+        ``effective_precision``'s."""
+        return ""
+
+    @classmethod
     def effective_precision(cls, wanted: str) -> tuple[str, str]:
         """(precision this backend will run, reason when it differs from ``wanted``)."""
         if wanted in cls.precisions:

@@ -94,6 +94,18 @@ def _read_info(path: str, mtime_ns: int, size: int) -> GgufInfo:
     )
 
 
+@lru_cache(maxsize=1)
+def _file_types() -> dict[int, str]:
+    """llama.cpp's file types by number, named as llama.cpp names them (``LLAMA_FTYPE_MOSTLY_Q4_1``
+    is ``q4_1``)."""
+    out: dict[int, str] = {}
+    for name in dir(llama_cpp):
+        if name.startswith("LLAMA_FTYPE_") and isinstance(getattr(llama_cpp, name), int):
+            short = name.removeprefix("LLAMA_FTYPE_").removeprefix("MOSTLY_").removeprefix("ALL_")
+            out.setdefault(int(getattr(llama_cpp, name)), short.lower())
+    return out
+
+
 def gguf_info(path: str) -> GgufInfo:
     st = os.stat(path)
     return _read_info(path, st.st_mtime_ns, st.st_size)
@@ -145,6 +157,17 @@ class LlamaBackend(Backend):
             raise BuildError(f"{spec.source}: GGUF without a language model's dimensions ({info.arch})")
         dest.write_text(json.dumps({"gguf": os.path.abspath(spec.source), "info": info.to_dict()}))
         return {"gguf": info.to_dict()}
+
+    @classmethod
+    def stored_precision(cls, path: str) -> str:
+        """The GGUF's file type (``general.file_type``): ``q4_1``, ``q8_0``, ``f16``..."""
+        try:
+            kind = read_header(path).get("general.file_type")
+        except BuildError:
+            return ""
+        if not isinstance(kind, int):
+            return ""
+        return _file_types().get(kind, f"file type {kind}")
 
     @classmethod
     def estimate_footprint(cls, model: ModelConfig, manifest: Mapping[str, Any] | None) -> int:

@@ -66,6 +66,9 @@ class ModelRuntime:
     # Set on a stand-in that serves while the real engine builds: what it stands in for
     # ("tensorrt int8"); its entry is then not a cache entry and is never rewritten.
     stands_in_for: str = ""
+    # How the model file stores its weights, when it says (a GGUF's file type): shown as its
+    # precision in status, where the build's precision (fp32 for a GGUF) would mislead.
+    stored_precision: str = ""
 
     @property
     def serving_on(self) -> str:
@@ -89,7 +92,7 @@ class ModelRuntime:
             "reason": self.reason,
             "backend": self.backend_cls.name if self.backend_cls else None,
             "backend_reason": self.backend_reason,
-            "precision": self.precision,
+            "precision": self.stored_precision or self.precision,
             "requested_precision": self.cfg.precision,
             "precision_reason": self.precision_reason,
             "priority": self.cfg.priority,
@@ -159,6 +162,7 @@ class Registry:
         rt.backend_cls, rt.backend_reason = cls, why
         log.info("%s: backend %s (%s)", rt.name, cls.name, why, extra={"model": rt.name})
         rt.precision, rt.precision_reason = cls.effective_precision(rt.cfg.precision)
+        rt.stored_precision = cls.stored_precision(rt.cfg.path)
         if rt.precision_reason:
             log.warning("%s: %s", rt.name, rt.precision_reason, extra={"model": rt.name})
         if not os.path.exists(rt.cfg.path):

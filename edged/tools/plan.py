@@ -68,7 +68,7 @@ def offline_plan(cfg: Config) -> dict[str, Any]:
                 "decision": decision,
                 "reason": reason,
                 "backend": rt.backend_cls.name if rt.backend_cls else "-",
-                "precision": rt.precision or "-",
+                "precision": rt.stored_precision or rt.precision or "-",
                 "requested_precision": rt.cfg.precision,
                 "priority": rt.cfg.priority,
                 "footprint_bytes": rt.footprint,

