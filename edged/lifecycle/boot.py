@@ -100,27 +100,24 @@ class Boot:
 
     async def _bring_up(self, rt: ModelRuntime, sub: ModelRuntime | None) -> None:
         reg = self.registry
-        if sub is None:
-            if rt.entry is not None:
-                systemd.status(f"loading {rt.name}")
-                await self.load_or_rebuild(rt)
-            return
-        systemd.status(f"loading {rt.name} on {sub.serving_on} while its engine builds")
-        reg.models[rt.name] = sub
-        try:
-            await reg.load(sub, self.loop)
-        except EdgedError as e:
-            # Nothing serves the model then: as for a model with no stand-in, its engine is built
-            # now, so that READY=1 keeps its rule (every boot model settled, one serving).
-            log.warning("%s: the stand-in does not load (%s); building it now", rt.name, e.message)
-            reg.models[rt.name] = rt
-            await self.build(rt, 1, 1)
-            if rt.entry is not None:
-                systemd.status(f"loading {rt.name}")
-                await self.load_or_rebuild(rt)
-            return
-        self.background.announce(rt)
-        self.later.append((rt, True))
+        if sub is not None:
+            systemd.status(f"loading {rt.name} on {sub.serving_on} while its engine builds")
+            reg.models[rt.name] = sub
+            try:
+                await reg.load(sub, self.loop)
+            except EdgedError as e:
+                # Nothing serves the model then: as for a model with no stand-in, its engine is
+                # built now, so that READY=1 keeps its rule (every boot model settled, one serving).
+                log.warning("%s: the stand-in does not load (%s); building it now", rt.name, e.message)
+                reg.models[rt.name] = rt
+                await self.build(rt, 1, 1)
+            else:
+                self.background.announce(rt)
+                self.later.append((rt, True))
+                return
+        if rt.entry is not None:
+            systemd.status(f"loading {rt.name}")
+            await self.load_or_rebuild(rt)
 
     def start_later(self) -> None:
         """After READY=1: the builds that did not block it."""

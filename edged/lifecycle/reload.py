@@ -213,7 +213,6 @@ class Reloader:
                 self._status(f"reloading: building {rt.name} {rt.precision}")
                 await reg.build(rt, self._progress(rt.name))
             if rt.entry is None:
-                await self._check_loads(rt)
                 self._plan_build(rt, old, txn)
                 continue
             if rt.cfg.preload == "lazy" and (old is None or old.state != ModelState.READY):
@@ -232,29 +231,32 @@ class Reloader:
                     f"{rt.name}: the new version needs {format_size(rt.footprint)}, "
                     f"{format_size(max(free, 0))} of the budget is free"
                 )
-        for pending in txn.build:
-            await self._stand_in(pending[0], txn)
+        for rt, _ in txn.build:
+            # What stands in for it while it builds: loaded to serve, or at least to show that the
+            # new file serves (each looked up and loaded once).
+            sub = await asyncio.to_thread(stand_in, reg, rt)
+            if not await self._stand_in(rt, sub, txn):
+                await self._check_loads(rt, sub)
         for old, rt in queued:  # last: these are the only steps that touch what serves
             await self._swap_queued(old, rt, txn)
 
-    async def _check_loads(self, rt: ModelRuntime) -> None:
-        """A model whose engine builds after the commit must load now, from what stands in for it
-        while it builds (its source model on ONNX Runtime, or an engine already built), or the
-        reload fails naming it: the build alone would find out minutes later, the rest applied."""
+    async def _check_loads(self, rt: ModelRuntime, sub: ModelRuntime | None) -> None:
+        """A model whose engine builds after the commit, and whose stand-in ``sub`` does not serve
+        meanwhile, must still load now, or the reload fails naming it: the build alone would find
+        out minutes later, the rest applied."""
         if rt.backend_cls is not None and rt.backend_cls.name == "llama":
             try:  # nothing stands in for a language model: its header says whether it is one
                 await asyncio.to_thread(read_header, rt.cfg.path)
             except EdgedError as e:
-                raise EdgedError(f"{rt.name}: {rt.cfg.path} cannot be served: {e.message}") from None
+                raise _cannot_serve(rt, e) from None
             return
-        sub = await asyncio.to_thread(stand_in, self.registry, rt)
         if sub is None:
             return
         self._status(f"reloading: checking that {rt.name} loads")
         try:
             await asyncio.to_thread(self.registry.check_loads, sub)
         except EdgedError as e:
-            raise EdgedError(f"{rt.name}: {rt.cfg.path} cannot be served: {e.message}") from None
+            raise _cannot_serve(rt, e) from None
 
     def _plan_build(self, rt: ModelRuntime, old: ModelRuntime | None, txn: _Txn) -> None:
         boot = rt.cfg.preload == "boot"
@@ -264,18 +266,22 @@ class Reloader:
             txn.serve[rt.name] = rt
             txn.build.append((rt, boot))
 
-    async def _stand_in(self, rt: ModelRuntime, txn: _Txn) -> None:
-        """A new model (or one that did not serve) gets a stand-in while its engine builds."""
+    async def _stand_in(self, rt: ModelRuntime, sub: ModelRuntime | None, txn: _Txn) -> bool:
+        """A new model (or one that did not serve) gets its stand-in ``sub`` while its engine
+        builds, where it fits; True when it was loaded (a failure raises)."""
         reg = self.registry
         if txn.serve.get(rt.name) is not rt or rt.cfg.preload != "boot":
-            return
-        sub = await asyncio.to_thread(stand_in, reg, rt)
+            return False
         if sub is None or sub.footprint > reg.budget - reg.used():
-            return
+            return False
         self._status(f"reloading: warming {rt.name} on {sub.serving_on}")
-        await reg.load(sub, self.loop)
+        try:
+            await reg.load(sub, self.loop)
+        except EdgedError as e:
+            raise _cannot_serve(rt, e) from None
         txn.loaded.append(sub)
         txn.serve[rt.name] = sub
+        return True
 
     def _progress(self, name: str) -> Callable[[str, float | None], None]:
         return lambda phase, fraction: self._status(f"reloading: {name}: {phase}")
@@ -335,6 +341,10 @@ class Reloader:
         for _, new in txn.swapped:
             reg.set_state(new, new.state, new.reason)
         return retired
+
+
+def _cannot_serve(rt: ModelRuntime, e: EdgedError) -> EdgedError:
+    return EdgedError(f"{rt.name}: {rt.cfg.path} cannot be served: {e.message}")
 
 
 def _stamp(path: str) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import hmac
 import os
 import pwd
 import socket
@@ -39,6 +40,22 @@ class ListenerAccess:
     label: str
     metrics_only: bool = False
     token: bytes | None = None
+
+
+def token_matches(headers: list[tuple[bytes, bytes]], token: bytes | None) -> bool:
+    """The request's ``Authorization: Bearer`` is ``token`` (compared in constant time); True
+    where the listener needs none."""
+    if token is None:
+        return True
+    given = next((v for k, v in headers if k == b"authorization"), b"")
+    return hmac.compare_digest(given, b"Bearer " + token)
+
+
+def health_or_metrics(path: str | bytes) -> bool:
+    """A path a metrics-only listener (and a reserved connection slot) serves."""
+    raw = path.encode("latin-1") if isinstance(path, str) else path
+    raw = raw.split(b"?", 1)[0]
+    return raw == b"/metrics" or raw.startswith(b"/v2/health/")
 
 
 def peer_of(sock: Any) -> Peer | None:

@@ -46,9 +46,9 @@ def _dumps_values(flat: np.ndarray) -> bytes:
     answer; tritonclient and the KServe SDK both turn the strings back into floats."""
     if flat.dtype.kind == "f" and not np.isfinite(flat).all():
         values = flat.astype(object)
-        for i in np.flatnonzero(~np.isfinite(flat)):
-            v = flat[i]
-            values[i] = "NaN" if np.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+        values[np.isnan(flat)] = "NaN"
+        values[flat == np.inf] = "Infinity"
+        values[flat == -np.inf] = "-Infinity"
         return orjson.dumps(values.tolist())
     return orjson.dumps(flat, option=_JSON_OPTS)
 

@@ -1,5 +1,5 @@
 """tritonclient's load_model with a configuration or files is refused as Triton refuses what it
-cannot load ("failed to load", 400), never silently ignored; a malformed body is refused too; a
+cannot load ("failed to load", 400), never silently ignored; a malformed body is a 400 as well; a
 plain load and one with no parameters still load, on a real daemon over TCP."""
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -36,7 +35,15 @@ from edged.transports.http.infer import ADMITTED, InferRoute, Rest, infer_target
 from edged.transports.http.infer import JSON_HEADERS as _JSON
 from edged.transports.http.methods import error_body, error_headers
 from edged.transports.http.methods import expect as _expect
-from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, in_group
+from edged.transports.peer import (
+    ACCESS_KEY,
+    PEER_KEY,
+    ListenerAccess,
+    Peer,
+    health_or_metrics,
+    in_group,
+    token_matches,
+)
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.decode import Part, load_object
 
@@ -365,14 +372,10 @@ def _check_load_parameters(name: str, body: bytes | memoryview) -> None:
 
 def _check_access(access: ListenerAccess, scope: Scope) -> None:
     """What the listener the request came through lets in (listener.py)."""
-    if access.token is not None:
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if not hmac.compare_digest(given, b"Bearer " + access.token):
-            raise UnauthorizedError("this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)")
-    if access.metrics_only:
-        path = scope["path"]
-        if path != "/metrics" and not path.startswith("/v2/health/"):
-            raise NotFoundError(f"{access.label} serves only /metrics and /v2/health")
+    if not token_matches(scope["headers"], access.token):
+        raise UnauthorizedError("this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)")
+    if access.metrics_only and not health_or_metrics(scope["path"]):
+        raise NotFoundError(f"{access.label} serves only /metrics and /v2/health")
 
 
 def _is_int(value: object) -> TypeGuard[int]:

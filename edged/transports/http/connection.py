@@ -29,7 +29,6 @@ callbacks and fields, Server.servers/lifespan/shutdown): pyproject.toml bounds i
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from itertools import chain
 from typing import Any
@@ -41,7 +40,16 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from edged.transports.http.inline import ANSWERS_PER_READ, InlineAnswers, missing_internals
 from edged.transports.http.methods import error_body
 from edged.transports.http.slots import ConnectionSlots, Holder, Slot
-from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, close_peer, peer_of
+from edged.transports.peer import (
+    ACCESS_KEY,
+    PEER_KEY,
+    ListenerAccess,
+    Peer,
+    close_peer,
+    health_or_metrics,
+    peer_of,
+    token_matches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +104,9 @@ class EdgedProtocol(InlineAnswers):
             self._slots.note("cred", f"cannot read the peer's credentials: {e}")
         self._holder = Holder(self._peer_key(transport), self._evicted)
         if self._slots.admit(self._holder, pending=self._access.token is not None) is None:
-            self._slots.note("limit", self._refusal())
-            self._answer(503, "too_many_connections", self._refusal() + "; retry later")
+            refusal = self._refusal()
+            self._slots.note("limit", refusal)
+            self._answer(503, "too_many_connections", refusal + "; retry later")
             return
         self._arm_read_timer()
 
@@ -255,7 +264,7 @@ class EdgedProtocol(InlineAnswers):
             raise _Reject(431, "header_too_large", self._too_large())
         holder = self._holder
         if holder is not None and holder.pending:
-            if not _has_token(headers, self._access.token):
+            if not token_matches(headers, self._access.token):
                 raise _Reject(
                     401,
                     "unauthorized",
@@ -264,7 +273,7 @@ class EdgedProtocol(InlineAnswers):
                 )
             self._slots.authenticated(holder)
         reserve = holder is not None and holder.slot is Slot.RESERVE
-        if reserve and not _is_health(self.url):
+        if reserve and not health_or_metrics(self.url):
             raise _Reject(
                 503, "too_many_connections", self._refusal() + "; only health and metrics requests are answered now"
             )
@@ -278,16 +287,6 @@ class EdgedProtocol(InlineAnswers):
         self._in_headers = True
         self._raw_header_bytes = 0
         super().on_message_complete()  # where a kept request is answered at once (inline.py)
-
-
-def _has_token(headers: list[tuple[bytes, bytes]], token: bytes | None) -> bool:
-    given = next((v for k, v in headers if k == b"authorization"), b"")
-    return token is None or hmac.compare_digest(given, b"Bearer " + token)
-
-
-def _is_health(url: bytes) -> bool:
-    path = url.split(b"?", 1)[0]
-    return path == b"/metrics" or path.startswith(b"/v2/health/")
 
 
 # --- uvicorn internals relied on ---------------------------------------------------------------

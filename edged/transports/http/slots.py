@@ -77,8 +77,10 @@ class ConnectionSlots:
         self.reserved = 0
         self._per_peer: dict[Hashable, int] = {}
         self._reserved_per_peer: dict[Hashable, int] = {}
-        # Pending connections (no token shown yet), oldest first: per peer, and all of them.
+        # Pending connections (no token shown yet), oldest first: all of them, and per peer, so
+        # that making room costs the same however many are pending.
         self._pending: OrderedDict[Holder, None] = OrderedDict()
+        self._pending_of: dict[Hashable, OrderedDict[Holder, None]] = {}
         self._log = RateLimitedLog(log)
 
     def note(self, kind: str, message: str) -> None:
@@ -88,9 +90,9 @@ class ConnectionSlots:
         """A slot for a new connection, evicting a pending one where that makes room; None: refused."""
         lim, key = self.limits, holder.key
         if self._per_peer.get(key, 0) >= lim.max_connections_per_peer:
-            self._evict(lambda h: h.key == key)
+            self._evict(self._pending_of.get(key))
         if self.open >= lim.max_connections and self._per_peer.get(key, 0) < lim.max_connections_per_peer:
-            self._evict(lambda h: True)
+            self._evict(self._pending)
         if self.open < lim.max_connections and self._per_peer.get(key, 0) < lim.max_connections_per_peer:
             self.open += 1
             self._per_peer[key] = self._per_peer.get(key, 0) + 1
@@ -98,6 +100,7 @@ class ConnectionSlots:
             if pending:
                 holder.pending = True
                 self._pending[holder] = None
+                self._pending_of.setdefault(key, OrderedDict())[holder] = None
             return Slot.POOL
         if self.reserved < lim.reserved_connections and self._reserved_per_peer.get(key, 0) < RESERVE_PER_PEER:
             self.reserved += 1
@@ -111,6 +114,11 @@ class ConnectionSlots:
         if holder.pending:
             holder.pending = False
             self._pending.pop(holder, None)
+            of_peer = self._pending_of.get(holder.key)
+            if of_peer is not None:
+                of_peer.pop(holder, None)
+                if not of_peer:
+                    del self._pending_of[holder.key]
 
     def release(self, holder: Holder) -> None:
         """The connection's slot back (once: a second call does nothing)."""
@@ -124,9 +132,9 @@ class ConnectionSlots:
             self.reserved -= 1
             _drop(self._reserved_per_peer, key)
 
-    def _evict(self, which: Callable[[Holder], bool]) -> None:
-        """Close the oldest pending connection ``which`` accepts, its slot freed at once."""
-        victim = next((h for h in self._pending if which(h)), None)
+    def _evict(self, pending: OrderedDict[Holder, None] | None) -> None:
+        """Close the oldest of ``pending`` connections, if any, its slot freed at once."""
+        victim = next(iter(pending), None) if pending else None
         if victim is None:
             return
         self.release(victim)
