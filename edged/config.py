@@ -244,8 +244,21 @@ class LlmConfig(_Table, frozen=True):
     """A language model (a GGUF file): its KV cache, concurrency and request defaults."""
 
     context: Annotated[int, msgspec.Meta(ge=64, le=1 << 20)] = 2048  # tokens per slot
-    # Concurrent sequences, each with its own context (and KV cache); sets the model's instances.
+    # Concurrent sequences, decoded together in one llama.cpp context whose KV cache holds
+    # ``context`` tokens for each slot plus ``prefix_cache_tokens``; sets the model's instances.
     slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # Prompt tokens fed per decoding step while other sequences stream: the most a new prompt
+    # delays the running ones.
+    prefill_chunk: Annotated[int, msgspec.Meta(ge=16, le=4096)] = 256
+    # The default system message: used when a chat request sends none, kept prefilled, and its
+    # state saved to the engine cache so that a restart does not prefill it again.
+    system_prompt: str = ""
+    # KV cells kept for prompt prefixes (the system prompt, the chat so far) that a later request
+    # reuses instead of prefilling; 0 keeps none.
+    prefix_cache_tokens: NonNegInt = 2048
+    # How many kept prefixes have their state written to the engine cache (the system prompt
+    # first, then the most reused); 0 writes none.
+    saved_prefixes: NonNegInt = 4
     max_tokens: PositiveInt = 256  # a request's default
     max_tokens_limit: PositiveInt = 1024  # the most a request may ask for
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.7
@@ -474,6 +487,8 @@ def _check_llm(where: str, model: ModelConfig, llm: LlmConfig) -> None:
         raise ConfigError(f"{where}.llm.warmup_prompt_tokens: the warm-up does not fit in context ({llm.context})")
     if model.queue_depth < llm.slots:
         raise ConfigError(f"{where}.queue_depth: smaller than llm.slots ({llm.slots})")
+    if len(llm.system_prompt) > 16 * llm.context:
+        raise ConfigError(f"{where}.llm.system_prompt: longer than the context ({llm.context} tokens) can hold")
 
 
 def _with_paths(cfg: Config, base: Path, source: str) -> Config:

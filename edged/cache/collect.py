@@ -102,6 +102,11 @@ def collect_generations(cache: EngineCache, keep: int, in_use: Collection[str], 
         _remove(m.path, report)
         with contextlib.suppress(OSError):
             (cache.dir / f".{m.path.stem}.lock").unlink()
+        # A language model's saved prefix states live beside its entry and go with it.
+        for state in sorted((cache.dir / f"{m.path.stem}.prefixes").glob("*.kv")):
+            _remove(state, report)
+        with contextlib.suppress(OSError):
+            (cache.dir / f"{m.path.stem}.prefixes").rmdir()
         qdq = m.data.get("qdq_model")
         if qdq and qdq not in kept_qdq:
             stem = str(qdq).removesuffix(".onnx")

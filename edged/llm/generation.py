@@ -13,6 +13,7 @@ that expired) and the slot notices before its next token. Nothing here imports a
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -60,6 +61,11 @@ class Sampling:
     seed: int | None = None
     # A default max_tokens shrinks to what the context leaves; one the client asked for is an error.
     max_tokens_explicit: bool = False
+    # Structured output: ``("json_object", "")`` or ``("json_schema", schema as JSON)``; the
+    # backend turns it into a grammar that constrains every sampled token.
+    response_format: tuple[str, str] | None = None
+    # Log probabilities: -1 for none, else the chosen token's and this many alternatives' (0-20).
+    logprobs: int = -1
 
 
 @dataclass(eq=False)
@@ -81,6 +87,10 @@ class GenerationJob:
     finish_reason: str = ""
     first_token_s: float | None = None
     error: EdgedError | None = None
+    # Per generated token when ``sampling.logprobs`` >= 0: OpenAI's ``{token, logprob, bytes,
+    # top_logprobs}``.
+    token_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens reused from a kept prefix instead of prefilled
 
     def tensor(self) -> np.ndarray:
         """The job as the model's one input: a request travels through the model's queue."""
@@ -167,7 +177,51 @@ def sampling_from(body: Mapping[str, Any], llm: LlmConfig) -> Sampling:
         stop=_stops(body.get("stop"), llm.stop),
         seed=seed,
         max_tokens_explicit=raw_max is not None,
+        response_format=response_format_from(body.get("response_format")),
+        logprobs=logprobs_from(body),
     )
+
+
+MAX_SCHEMA_BYTES = 32 << 10  # a JSON schema becomes a grammar: its size bounds the grammar's
+MAX_TOP_LOGPROBS = 20
+
+
+def response_format_from(value: Any) -> tuple[str, str] | None:
+    """OpenAI's ``response_format``: text (nothing to do), ``json_object`` or ``json_schema``."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json_object", "")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidInputError("'response_format.json_schema.schema' must be a JSON schema object")
+        text = json.dumps(schema, separators=(",", ":"))
+        if len(text) > MAX_SCHEMA_BYTES:
+            raise InvalidInputError(f"'response_format' schema is over {MAX_SCHEMA_BYTES} bytes")
+        return ("json_schema", text)
+    raise InvalidInputError("'response_format.type' must be text, json_object or json_schema")
+
+
+def logprobs_from(body: Mapping[str, Any]) -> int:
+    """-1 for none, else how many alternatives each token reports. Chat sends ``logprobs: true``
+    with ``top_logprobs: N``; completions send ``logprobs: N``."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise InvalidInputError(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if value is None or value is False:
+        if top is not None:
+            raise InvalidInputError("'top_logprobs' needs 'logprobs': true")
+        return -1
+    if value is True:
+        return top or 0
+    if isinstance(value, int) and 0 <= value <= MAX_TOP_LOGPROBS:
+        return value
+    raise InvalidInputError(f"'logprobs' must be true, false or an integer in [0, {MAX_TOP_LOGPROBS}]")
 
 
 def _content(value: Any, where: str) -> str:

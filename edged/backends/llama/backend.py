@@ -1,28 +1,27 @@
-"""Language models in GGUF files, run by llama.cpp through llama-cpp-python; the only module that
-imports ``llama_cpp``.
+"""Language models in GGUF files, run by llama.cpp through llama-cpp-python (this package is the
+only one that imports ``llama_cpp``).
 
 Why llama.cpp: it is what Jetson users already run (alone, or inside Ollama), it builds for the
-Jetson's CUDA (``CMAKE_ARGS="-DGGML_CUDA=on"``) and for plain CPUs from the same source, it reads
-the quantised GGUF files that small boards need, and its Python binding gives a token-level loop
-we can stop between any two tokens. Each slot is one llama.cpp context (its own KV cache of
-``context`` tokens) on the same memory-mapped weights, so slots share the weights' pages.
+Jetson's CUDA (``CMAKE_ARGS="-DGGML_CUDA=on"``) and for plain CPUs from the same source, and it
+reads the quantised GGUF files that small boards need. A model's slots are sequences of one
+context that decodes them together (engine.py); each slot here is the worker thread that prepares
+a request and waits for its sequence to end.
 
 The cache entry of a GGUF model is a small descriptor (the file's digest is in the key, its
 dimensions in the descriptor), not a copy: a model of several GB is never duplicated on disk.
+Kept prefix states are saved beside it (statefile.py).
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import logging
 import os
 import platform
 import random
 import threading
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
@@ -32,66 +31,42 @@ import numpy as np
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from edged.backends.base import Backend, BuildSpec, Instance, LoadOptions, Progress, TensorSpec
+from edged.backends.llama import statefile
+from edged.backends.llama.engine import BatchEngine
+from edged.backends.llama.gguf import GgufInfo, footprint_of, gguf_info
+from edged.backends.llama.prefixes import common_length
+from edged.backends.llama.sequence import Sequence, grammar_of, sampler_chain
 from edged.config import LlmConfig, ModelConfig
 from edged.errors import BackendError, BuildError, DeadlineExceededError, InvalidInputError
-from edged.llm.generation import INPUT, OUTPUT, GenerationJob, Sampling, StopMatcher, llm_config
+from edged.llm.generation import INPUT, OUTPUT, GenerationJob, Sampling, llm_config
 from edged.llm.gguf_header import read_header
 
 log = logging.getLogger(__name__)
+_native = logging.getLogger("edged.llama.cpp")
 
-CLOSE_WAIT_S = 30  # unloading waits this long for a slot's current token
-# Prompt tokens evaluated per llama.cpp batch: the prefill's step, and what its compute buffer is sized for.
-BATCH = 256
+
+@llama_cpp.llama_log_callback
+def _route_log(level: int, text: bytes, _user: Any) -> None:
+    """llama.cpp's own lines into logging (the daemon never prints): ggml's levels are
+    1 debug, 2 info, 3 warn, 4 error, 5 a continuation."""
+    line = text.decode("utf-8", errors="replace").rstrip()
+    if not line:
+        return
+    if level == 4:
+        _native.error("%s", line)
+    elif level == 3:
+        _native.info("%s", line)
+    else:
+        _native.debug("%s", line)
+
+
+llama_cpp.llama_log_set(_route_log, None)
+
+CLOSE_WAIT_S = 30  # unloading waits this long for the decoding thread's current step
 WARM_TEXT = (
     "Sensors on the line report temperature, vibration and current every second. Summarise the last "
     "hour for the operator, flag anything unusual, and suggest what to check first. "
 )
-
-
-@dataclass(frozen=True)
-class GgufInfo:
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_vocab: int
-    context_train: int
-    size: int
-
-    def kv_bytes(self, context: int) -> int:
-        """Bytes of one slot's KV cache (f16 keys and values for every layer)."""
-        return self.n_layer * context * 2 * self.n_head_kv * self.head_dim * 2
-
-    def compute_bytes(self, context: int) -> int:
-        """llama.cpp's compute buffer for one slot: attention scores of a full batch against
-        the whole context dominate it (no flash attention on the CPU path)."""
-        ubatch = min(BATCH, context)
-        return ubatch * context * self.n_head * 4 + ubatch * self.n_embd * 4 * 16 + self.n_vocab * 4 * 2
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@lru_cache(maxsize=32)
-def _read_info(path: str, mtime_ns: int, size: int) -> GgufInfo:
-    keys = read_header(path)
-    arch = str(keys.get("general.architecture", ""))
-    n_embd = int(keys.get(f"{arch}.embedding_length", 0))
-    n_head = int(keys.get(f"{arch}.attention.head_count", 1))
-    head_dim = int(keys.get(f"{arch}.attention.key_length", 0)) or n_embd // max(n_head, 1)
-    return GgufInfo(
-        arch=arch,
-        n_layer=int(keys.get(f"{arch}.block_count", 0)),
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=int(keys.get(f"{arch}.attention.head_count_kv", n_head)),
-        head_dim=head_dim,
-        n_vocab=int(keys.get("tokenizer.ggml.tokens", 0)),
-        context_train=int(keys.get(f"{arch}.context_length", 0)),
-        size=size,
-    )
 
 
 @lru_cache(maxsize=1)
@@ -106,16 +81,6 @@ def _file_types() -> dict[int, str]:
     return out
 
 
-def gguf_info(path: str) -> GgufInfo:
-    st = os.stat(path)
-    return _read_info(path, st.st_mtime_ns, st.st_size)
-
-
-def footprint_of(info: GgufInfo, llm: LlmConfig) -> int:
-    """Weights once, plus each slot's KV cache and compute buffer."""
-    return info.size + llm.slots * (info.kv_bytes(llm.context) + info.compute_bytes(llm.context))
-
-
 class LlamaBackend(Backend):
     name = "llama"
     artifact_suffix = ".llm.json"
@@ -126,8 +91,10 @@ class LlamaBackend(Backend):
         self.llm: LlmConfig = (options.options.get("llm") if options else None) or LlmConfig()
         self.source = ""
         self.info: GgufInfo | None = None
-        self._slots: list[LlamaSlot] = []
         self._formatter: Jinja2ChatFormatter | None = None
+        self.engine: BatchEngine | None = None
+        self._engine_lock = threading.Lock()
+        self.tokenize: Any = None
         self.closing = False
 
     @classmethod
@@ -171,7 +138,7 @@ class LlamaBackend(Backend):
 
     @classmethod
     def estimate_footprint(cls, model: ModelConfig, manifest: Mapping[str, Any] | None) -> int:
-        """The plan's figure: weights + KV cache for context x slots + compute buffers."""
+        """The plan's figure: weights, the KV cache of every slot and kept prefix, compute buffers."""
         return footprint_of(gguf_info(model.path), llm_config(model))
 
     # --- loading ---
@@ -184,48 +151,69 @@ class LlamaBackend(Backend):
         return spec
 
     def _threads(self) -> int:
+        """One context decodes every slot: it gets every core the daemon may use."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return self.options.threads or max(1, cores // max(1, self.options.instances))
+        return self.options.threads or cores
 
     def _instance_impl(self, threads: int) -> Instance:
-        # A generator is never measured for fewer threads (auto_threads is 0): the rule's count.
-        threads = self._threads()
+        with self._engine_lock:
+            if self.engine is None:
+                self.engine = self._start_engine()
+        return LlamaSlot(self, self.engine)
+
+    def _start_engine(self) -> BatchEngine:
+        llm = LlmConfig(**{**_fields(self.llm), "slots": max(1, self.options.instances)})
+        name = Path(self.source).name
         try:
-            engine = llama_cpp.Llama(
-                self.source,
-                n_ctx=self.llm.context,
-                n_batch=BATCH,
-                n_ubatch=BATCH,
-                n_threads=threads,
-                n_threads_batch=threads,
-                n_gpu_layers=-1 if _gpu() else 0,
-                verbose=False,
-            )
+            engine = BatchEngine(name, self.source, llm, self._threads(), _gpu())
         except Exception as e:
             raise BackendError(f"llama.cpp cannot load {self.source}: {e}") from e
-        if self._formatter is None:
-            self._formatter = _formatter(engine)
-        slot = LlamaSlot(self, engine, threads)
-        self._slots.append(slot)
-        return slot
+        self._formatter = _formatter(engine)
+        self.tokenize = engine.model.tokenize
+        binding = {
+            "entry": self.artifact.name,
+            "llama_cpp": llama_cpp.__version__,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
+        }
+        states = statefile.directory(self.artifact) if self.llm.saved_prefixes > 0 else None
+        engine.start(states, binding, self.system_tokens())
+        return engine
 
     def _unload_impl(self) -> None:
         self.closing = True  # a generation still running stops before its next token
-        for slot in self._slots:
-            slot.close()
-        self._slots.clear()
+        engine, self.engine = self.engine, None
+        if engine is not None and not engine.close(CLOSE_WAIT_S):
+            # a native call that does not return: leak the context rather than free it under the thread
+            log.error("%s: decoding did not stop within %d s; its context is not freed", self.source, CLOSE_WAIT_S)
 
     def _footprint_impl(self) -> int:
         assert self.info is not None
-        return footprint_of(self.info, LlmConfig(context=self.llm.context, slots=max(1, self.options.instances)))
+        return footprint_of(self.info, LlmConfig(**{**_fields(self.llm), "slots": max(1, self.options.instances)}))
+
+    def with_system(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The model's default system message first, when the request sends none."""
+        if self.llm.system_prompt and not any(m["role"] == "system" for m in messages):
+            return [{"role": "system", "content": self.llm.system_prompt}, *messages]
+        return messages
 
     def render(self, messages: list[dict[str, str]]) -> str:
         if self._formatter is None:
             raise InvalidInputError(f"{Path(self.source).name} has no chat template; use completions")
         try:
-            return str(self._formatter(messages=cast(Any, messages)).prompt)
+            return str(self._formatter(messages=cast(Any, self.with_system(messages))).prompt)
         except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
             raise InvalidInputError(f"the model's chat template rejects these messages: {e}") from e
+
+    def system_tokens(self) -> list[int]:
+        """The tokens every chat with the default system message starts with: the common start
+        of two such chats, whatever the template puts around the messages."""
+        if not self.llm.system_prompt or self._formatter is None:
+            return []
+        a, b = (self._tokens(self.render([{"role": "user", "content": t}])) for t in ("a", "b"))
+        return a[: common_length(a, b)]
+
+    def _tokens(self, text: str) -> list[int]:
+        return list(self.tokenize(text.encode("utf-8"), True, True))
 
     def warmup_job(self) -> GenerationJob:
         """A chat request at the sizes requests use: the template, a few hundred prompt tokens,
@@ -241,16 +229,20 @@ class LlamaBackend(Backend):
         )
 
 
+def _fields(llm: LlmConfig) -> dict[str, Any]:
+    return {f: getattr(llm, f) for f in llm.__struct_fields__}
+
+
 def _gpu() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def _formatter(engine: llama_cpp.Llama) -> Jinja2ChatFormatter | None:
-    template = engine.metadata.get("tokenizer.chat_template")
+def _formatter(engine: BatchEngine) -> Jinja2ChatFormatter | None:
+    model = engine.model
+    template = model.metadata().get("tokenizer.chat_template")
     if not template:
         return None
-    model = engine._model  # token texts are only on the model object
-    eos, bos = engine.token_eos(), engine.token_bos()
+    eos, bos = model.token_eos(), model.token_bos()
     return Jinja2ChatFormatter(
         template=template,
         eos_token=model.token_get_text(eos) if eos != -1 else "",
@@ -259,14 +251,13 @@ def _formatter(engine: llama_cpp.Llama) -> Jinja2ChatFormatter | None:
 
 
 class LlamaSlot(Instance):
-    """One sequence at a time: a llama.cpp context and the loop that feeds it token by token."""
+    """One slot: prepares a request on its worker thread and runs it as a sequence of the
+    model's batched context."""
 
-    def __init__(self, backend: LlamaBackend, engine: llama_cpp.Llama, threads: int) -> None:
-        super().__init__(backend, threads)
+    def __init__(self, backend: LlamaBackend, engine: BatchEngine) -> None:
+        super().__init__(backend, engine.context.params.n_threads)
         self.owner = backend
         self.engine = engine
-        # Held while a generation runs: the context is freed only once no thread is inside it.
-        self._busy = threading.Lock()
 
     def _infer_impl(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         item = inputs[INPUT].reshape(-1)[0]
@@ -274,10 +265,9 @@ class LlamaSlot(Instance):
         # request sizes, which is what warm means for a language model.
         job = item if isinstance(item, GenerationJob) else self.owner.warmup_job()
         try:
-            with self._busy:
-                if self.owner.closing:
-                    raise BackendError("the model is being unloaded")
-                self._run(job)
+            if self.owner.closing:
+                raise BackendError("the model is being unloaded")
+            self._run(job)
         except (InvalidInputError, DeadlineExceededError) as e:
             job.error = e  # the base class would turn any exception into a backend error
         out = np.empty((1,), dtype=object)
@@ -286,7 +276,7 @@ class LlamaSlot(Instance):
 
     def _prompt_tokens(self, job: GenerationJob) -> list[int]:
         text = self.owner.render(job.messages) if job.messages is not None else job.prompt
-        tokens: list[int] = self.engine.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        tokens = self.owner._tokens(text)
         room = job.context - len(tokens)
         if room < 1:
             raise InvalidInputError(f"the prompt is {len(tokens)} tokens; the context holds {job.context}")
@@ -296,7 +286,7 @@ class LlamaSlot(Instance):
                 raise InvalidInputError(
                     f"prompt ({len(tokens)} tokens) + max_tokens ({s.max_tokens}) exceeds the context ({job.context})"
                 )
-            job.sampling = Sampling(room, s.temperature, s.top_p, s.stop, s.seed)
+            job.sampling = replace(s, max_tokens=room)
         job.prompt_tokens = len(tokens)
         return tokens
 
@@ -305,59 +295,9 @@ class LlamaSlot(Instance):
             job.finish_reason = "cancelled"
             log.info("%s: generation cancelled after 0 tokens", Path(self.owner.source).name)
             return
-        started = time.monotonic()
         tokens = self._prompt_tokens(job)
         s = job.sampling
-        engine = self.engine
-        engine.set_seed(s.seed if s.seed is not None else random.randrange(2**32))
-        vocab = engine._model.vocab
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        stops = StopMatcher(s.stop)
-        parts: list[str] = []
-        stopped = False
-        job.finish_reason = "length"
-        gen = engine.generate(tokens, top_k=0, top_p=s.top_p, min_p=0.0, temp=s.temperature, repeat_penalty=1.0)
-        try:
-            for token in gen:
-                if job.first_token_s is None:
-                    job.first_token_s = time.monotonic() - started
-                if llama_cpp.llama_vocab_is_eog(vocab, token):
-                    job.finish_reason = "stop"
-                    break
-                job.completion_tokens += 1
-                piece, stopped = stops.feed(decoder.decode(engine.detokenize([token], special=False)))
-                self._emit(job, parts, piece)
-                if stopped:
-                    job.finish_reason = "stop"
-                    break
-                if job.completion_tokens >= s.max_tokens:
-                    break
-                if job.cancelled.is_set() or self.owner.closing:
-                    job.finish_reason = "cancelled"
-                    break
-                if time.monotonic() > job.deadline:
-                    raise DeadlineExceededError(f"generation passed its deadline after {job.completion_tokens} tokens")
-        finally:
-            gen.close()
-        if job.finish_reason == "cancelled":
-            log.info("%s: generation cancelled after %d tokens", Path(self.owner.source).name, job.completion_tokens)
-        if not stopped:  # text held back as a possible stop string was not one after all
-            self._emit(job, parts, stops.flush() + decoder.decode(b"", final=True))
-        job.text = "".join(parts)
-
-    @staticmethod
-    def _emit(job: GenerationJob, parts: list[str], piece: str) -> None:
-        if not piece:
-            return
-        parts.append(piece)
-        if job.emit is not None:
-            job.emit(piece)
-
-    def close(self) -> None:
-        if self._busy.acquire(timeout=CLOSE_WAIT_S):
-            try:
-                self.engine.close()
-            finally:
-                self._busy.release()
-        else:  # a native call that does not return: leak the context rather than free it under the thread
-            log.error("%s: a slot did not stop within %d s; its context is not freed", self.owner.source, CLOSE_WAIT_S)
+        grammar = grammar_of(s.response_format)
+        seed = s.seed if s.seed is not None else random.randrange(2**32)
+        seq = Sequence(job, tokens, sampler_chain(self.engine.vocab, s, seed, grammar))
+        self.engine.run(seq, lambda: self.owner.closing)

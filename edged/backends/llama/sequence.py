@@ -1,0 +1,121 @@
+"""One generation inside the batched context: its tokens, its sampler chain, its text.
+
+Everything per request lives here so that sequences sharing one ``llama_decode`` never share
+state: each has its own sampler chain (temperature, top-p, seed, grammar), its own UTF-8 decoder
+and stop matcher, and the positions of its own cells in the KV cache.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from edged.errors import InvalidInputError
+from edged.llm.generation import GenerationJob, Sampling, StopMatcher
+
+
+@dataclass(eq=False)
+class Sequence:
+    job: GenerationJob
+    prompt: list[int]
+    sampler: Any  # a llama_sampler chain, freed by the engine when the sequence ends
+    seq_id: int = -1
+    pos: int = 0  # cells of this sequence in the KV cache (positions 0 .. pos-1)
+    history: list[int] = field(default_factory=list)  # the tokens of those cells
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    next_token: int = -1  # sampled, fed at ``pos`` by the next step
+    started: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.text = TextOut(self.job)
+
+
+class TextOut:
+    """Token pieces to text: multi-byte characters completed, stop strings held back and cut."""
+
+    def __init__(self, job: GenerationJob) -> None:
+        self.job = job
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stops = StopMatcher(job.sampling.stop)
+        self.parts: list[str] = []
+        self.stopped = False
+
+    def feed(self, piece: bytes) -> bool:
+        """Emit a token's bytes; True when a stop string was reached."""
+        text, self.stopped = self.stops.feed(self.decoder.decode(piece))
+        self._emit(text)
+        return self.stopped
+
+    def finish(self) -> str:
+        if not self.stopped:  # text held back as a possible stop string was not one after all
+            self._emit(self.stops.flush() + self.decoder.decode(b"", final=True))
+        return "".join(self.parts)
+
+    def _emit(self, piece: str) -> None:
+        if not piece:
+            return
+        self.parts.append(piece)
+        if self.job.emit is not None:
+            self.job.emit(piece)
+
+
+def sampler_chain(vocab: Any, sampling: Sampling, seed: int, grammar: str) -> Any:
+    """A request's own chain: grammar first (it removes the tokens the format forbids), then
+    top-p, temperature and a seeded draw; greedy at temperature 0."""
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if grammar:
+        g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+        if not g:
+            llama_cpp.llama_sampler_free(chain)
+            raise InvalidInputError("the response format cannot be turned into a grammar")
+        llama_cpp.llama_sampler_chain_add(chain, g)
+    if sampling.temperature <= 0.0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+    else:
+        if sampling.top_p < 1.0:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(sampling.top_p, 1))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(sampling.temperature))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
+    return chain
+
+
+def grammar_of(response_format: tuple[str, str] | None) -> str:
+    """The GBNF grammar of OpenAI's ``response_format`` ('' for plain text). llama.cpp's own JSON
+    grammar and its JSON-schema converter, which llama-cpp-python ships."""
+    if response_format is None:
+        return ""
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    kind, schema = response_format
+    if kind == "json_object":
+        return str(JSON_GBNF)
+    try:
+        return str(json_schema_to_gbnf(schema))
+    except (RecursionError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as e:
+        raise InvalidInputError(f"'response_format' schema is not one llama.cpp can follow: {e}") from e
+
+
+def logprob_entry(logits: np.ndarray, token: int, top: int, piece: Any) -> dict[str, Any]:
+    """OpenAI's per-token record from a step's raw logits: the chosen token's log probability
+    and the ``top`` most likely alternatives'."""
+    shifted = logits.astype(np.float64) - float(logits.max())
+    logz = float(np.log(np.exp(shifted).sum()))
+    entry = _token(piece(token), float(shifted[token]) - logz)
+    if top > 0:
+        best = np.argpartition(-shifted, top)[:top]
+        best = best[np.argsort(-shifted[best])]
+        entry["top_logprobs"] = [_token(piece(int(t)), float(shifted[t]) - logz) for t in best]
+    else:
+        entry["top_logprobs"] = []
+    return entry
+
+
+def _token(raw: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
