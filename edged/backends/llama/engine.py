@@ -88,6 +88,7 @@ class BatchEngine:
         self._piece_buf = ctypes.create_string_buffer(64)
         self.primed = threading.Event()
         self.steps = 0
+        self.restored = 0  # saved prefixes restored and verified at start
 
     # --- the worker threads' side ---
 
@@ -308,6 +309,7 @@ class BatchEngine:
             self._save(prefix)
         elif system and (p := self.prefixes.find(system)) is not None:
             p.pinned = True
+        self.restored = restored
         if restored:
             log.info("%s: %d saved prefixes restored and verified", self.name, restored)
 
@@ -382,6 +384,19 @@ class BatchEngine:
             log.warning("%s: cannot save a prefix state to %s: %s", self.name, path, e)
 
     def _restore(self) -> int:
+        """Restore and check every saved prefix. A state that fails its check may have left
+        non-finite values in cells that attention still reads (masked weights are zeros, and
+        zero times NaN is NaN), so after a failure the cache is wiped, values included, and the
+        states that passed are restored again; the failed one is in the quarantine by then."""
+        for _ in range(self.llm.saved_prefixes + 1):
+            restored, failed = self._restore_all()
+            if not failed:
+                return restored
+            llama_cpp.llama_memory_clear(self.memory, True)
+            self.prefixes = PrefixTable(self.prefixes.ids, self.llm.prefix_cache_tokens)
+        return 0
+
+    def _restore_all(self) -> tuple[int, bool]:
         assert self._states is not None
         restored = 0
         limit = self.llm.prefix_cache_tokens << 20  # a MiB a token: far above any model's KV
@@ -395,15 +410,12 @@ class BatchEngine:
             placed = self.prefixes.place(saved.tokens, pinned=list(saved.tokens) == self._system)
             if placed is None:
                 continue
-            seq_id, _ = placed
-            prefix = self.prefixes.entries[seq_id]
+            prefix = self.prefixes.entries[placed[0]]
             why = self._load_state(prefix, saved)
             if why:
-                llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
-                self.prefixes.remove(prefix)
                 statefile.quarantine(path, why)
                 log.warning("%s: a saved prefix failed its check (%s); it is prefilled again", self.name, why)
-                continue
+                return 0, True
             prefix.saved = True
             restored += 1
             log.info(
@@ -413,7 +425,7 @@ class BatchEngine:
                 (time.monotonic() - started) * 1000,
                 token_digest(saved.tokens)[:12],
             )
-        return restored
+        return restored, False
 
     def _load_state(self, prefix: Prefix, saved: statefile.SavedState) -> str:
         """'' when the state restored into ``prefix`` is the one saved, else why not."""

@@ -50,7 +50,8 @@ class PrefixTable:
 
     def __init__(self, ids: Sequence[int], budget: int) -> None:
         self.budget = budget
-        self._free = list(reversed(ids))
+        self.ids = tuple(ids)
+        self._free = list(reversed(self.ids))
         self.entries: dict[int, Prefix] = {}
 
     @property
