@@ -215,15 +215,19 @@ class LlamaBackend(Backend):
     def _tokens(self, text: str) -> list[int]:
         return list(self.tokenize(text.encode("utf-8"), True, True))
 
-    def warmup_job(self) -> GenerationJob:
+    def warmup_job(self, engine: BatchEngine) -> GenerationJob:
         """A chat request at the sizes requests use: the template, a few hundred prompt tokens,
-        some decode steps."""
+        some decode steps. Every slot is a sequence of the one context, so once a warm-up has
+        run at those sizes the others only check that their slot answers (one token, on the
+        prompt the first one left in the prefix cache)."""
         words = WARM_TEXT.split()
         text = " ".join(words[i % len(words)] for i in range(int(self.llm.warmup_prompt_tokens * 0.75)))
+        tokens = 1 if engine.warmed.is_set() else self.llm.warmup_decode_tokens
+        engine.warmed.set()
         return GenerationJob(
             messages=[{"role": "user", "content": text}] if self._formatter else None,
             prompt=text,
-            sampling=Sampling(self.llm.warmup_decode_tokens, self.llm.temperature, self.llm.top_p, seed=0),
+            sampling=Sampling(tokens, self.llm.temperature, self.llm.top_p, seed=0),
             context=self.llm.context,
             warmup=True,
         )
@@ -263,7 +267,7 @@ class LlamaSlot(Instance):
         item = inputs[INPUT].reshape(-1)[0]
         # The registry's warm-up passes placeholder tensors: answer them with a generation at
         # request sizes, which is what warm means for a language model.
-        job = item if isinstance(item, GenerationJob) else self.owner.warmup_job()
+        job = item if isinstance(item, GenerationJob) else self.owner.warmup_job(self.engine)
         try:
             if self.owner.closing:
                 raise BackendError("the model is being unloaded")

@@ -87,6 +87,7 @@ class BatchEngine:
         self._thread = threading.Thread(target=self._main, name=f"llm-{name}", daemon=True)
         self._piece_buf = ctypes.create_string_buffer(64)
         self.primed = threading.Event()
+        self.warmed = threading.Event()  # a warm-up at request sizes has run
         self.steps = 0
         self.restored = 0  # saved prefixes restored and verified at start
 
