@@ -1,0 +1,1 @@
+"""Triton's protocol buffers and the Python modules generated from them (README.md here)."""
