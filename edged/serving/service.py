@@ -23,6 +23,7 @@ from edged.errors import (
     EdgedError,
     ModelNotFoundError,
     ModelNotReadyError,
+    ModelVersionNotFoundError,
     ShuttingDownError,
 )
 from edged.host.memory import MemoryInfo, probe
@@ -130,6 +131,18 @@ class Service:
         if rt is None:
             raise ModelNotFoundError(f"unknown model '{name}'")
         return rt
+
+    def resolve(self, name: str, version: str = "") -> str:
+        """The model that serves ``name`` at ``version`` ('' for the model's default): what every
+        transport asks before it names a model to the service, so that versions mean the same
+        over HTTP, gRPC and MQTT. Raises model_not_found, or model_version_not_found for a
+        model that exists without that version."""
+        self.model(name)  # an unknown model is model_not_found whatever the version
+        if version not in ("", "1"):
+            raise ModelVersionNotFoundError(
+                f"model '{name}' has no version '{version[:64]}'; edged serves version 1 of each model"
+            )
+        return name
 
     async def memory_available(self) -> int | None:
         """Free memory now, from the configured probe, off the loop (jtop answers over a socket,

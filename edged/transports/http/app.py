@@ -22,7 +22,6 @@ from edged.errors import (
     ConfigError,
     EdgedError,
     ForbiddenError,
-    ModelVersionNotFoundError,
     NotFoundError,
     UnauthorizedError,
 )
@@ -226,11 +225,7 @@ class App:
         self, method: str, name: str, rest: list[str], scope: Scope, receive: Receive
     ) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
         if len(rest) >= 2 and rest[0] == "versions":
-            self.service.model(name)  # an unknown model is model_not_found whatever the version
-            if rest[1] != "1":
-                raise ModelVersionNotFoundError(
-                    f"model '{name}' has no version '{rest[1][:64]}'; edged serves version 1 of each model"
-                )
+            name = self.service.resolve(name, rest[1])
             rest = rest[2:]
         if rest == ["infer"]:
             _expect(method, "POST")
