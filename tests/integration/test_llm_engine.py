@@ -165,7 +165,7 @@ def test_cancel_frees_the_sequence_and_its_cells(gguf: Path, tmp_path: Path, ope
     t.join(60)
     assert job.finish_reason == "cancelled" and 0 < job.completion_tokens < 600
     engine = m.engine
-    wait_for(lambda: len(engine._free_ids) == 2, 10, what="the sequence id to be free")
+    wait_for(lambda: len(engine.free_ids) == 2, 10, what="the sequence id to be free")
     for seq_id in range(2):
         assert llama_cpp.llama_memory_seq_pos_max(engine.memory, seq_id) == -1
     # The freed sequence serves the next request.

@@ -12,7 +12,8 @@ whole prefill.
 
 The engine's thread is the only one that touches the context. A slot's worker thread prepares
 its request (template, tokens, sampler), hands the sequence over and waits for it to end;
-cancellation, deadlines and unloading are checked before every step.
+cancellation, deadlines and unloading are checked before every step. Kept prefixes are
+keeper.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaContext, LlamaModel
 
-from edged.backends.llama import statefile
 from edged.backends.llama.gguf import cells_of, step_tokens
-from edged.backends.llama.prefixes import Prefix, PrefixTable, token_digest
+from edged.backends.llama.keeper import PrefixKeeper
 from edged.backends.llama.sequence import Sequence, logprob_entry
 from edged.config import LlmConfig
 from edged.errors import BackendError, DeadlineExceededError, EdgedError
@@ -40,8 +39,6 @@ from edged.errors import BackendError, DeadlineExceededError, EdgedError
 log = logging.getLogger(__name__)
 
 PREFIX_IDS = 8  # sequence ids for kept prefixes, beyond the slots'
-CHECK_LOGITS = 8  # next-token logits a saved state must reproduce
-CHECK_TOLERANCE = 1e-3  # restored cells are the saved f16 values: the recompute matches exactly
 
 
 class BatchEngine:
@@ -67,36 +64,31 @@ class BatchEngine:
             raise
         self.ctx = self.context.ctx
         self.memory = self.context.memory
-        self._batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
-        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self.capacity,))
-        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.capacity,))
-        self._out = np.ctypeslib.as_array(self._batch.logits, shape=(self.capacity,))
+        self.batch = llama_cpp.llama_batch_init(self.capacity, 0, 1)
+        self._tok = np.ctypeslib.as_array(self.batch.token, shape=(self.capacity,))
+        self._pos = np.ctypeslib.as_array(self.batch.pos, shape=(self.capacity,))
+        self._out = np.ctypeslib.as_array(self.batch.logits, shape=(self.capacity,))
         for i in range(self.capacity):
-            self._batch.n_seq_id[i] = 1
-        self._seq_cell = [self._batch.seq_id[i] for i in range(self.capacity)]
-        self.prefixes = PrefixTable(range(llm.slots, llm.slots + PREFIX_IDS), llm.prefix_cache_tokens)
-        self._free_ids = list(range(llm.slots - 1, -1, -1))
+            self.batch.n_seq_id[i] = 1
+        self._seq_cell = [self.batch.seq_id[i] for i in range(self.capacity)]
+        self.free_ids = list(range(llm.slots - 1, -1, -1))
         self._cv = threading.Condition()
         self._inbox: list[Sequence] = []
         self._active: list[Sequence] = []
         self._closing = False
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"llm-{name}-save")
-        self._states: Path | None = None
-        self._binding: dict[str, Any] = {}
-        self._system: list[int] = []
+        self.keeper = PrefixKeeper(self, range(llm.slots, llm.slots + PREFIX_IDS))
         self._thread = threading.Thread(target=self._main, name=f"llm-{name}", daemon=True)
         self._piece_buf = ctypes.create_string_buffer(64)
         self.primed = threading.Event()
         self.warmed = threading.Event()  # a warm-up at request sizes has run
         self.steps = 0
-        self.restored = 0  # saved prefixes restored and verified at start
 
     # --- the worker threads' side ---
 
     def start(self, states: Path | None, binding: dict[str, Any], system: list[int]) -> None:
         """Serve from now on; first restore the saved prefixes from ``states`` and keep the
         ``system`` prompt prefilled (requests wait in the inbox until that is done)."""
-        self._states, self._binding, self._system = states, binding, system
+        self.keeper.states, self.keeper.binding, self.keeper.system = states, binding, system
         self._thread.start()
 
     def run(self, seq: Sequence, closing: Callable[[], bool]) -> None:
@@ -120,8 +112,8 @@ class BatchEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return False
-        self._writer.shutdown(wait=True)
-        llama_cpp.llama_batch_free(self._batch)
+        self.keeper.close()
+        llama_cpp.llama_batch_free(self.batch)
         self.context.close()
         self.model.close()
         return True
@@ -130,7 +122,7 @@ class BatchEngine:
 
     def _main(self) -> None:
         try:
-            self._prime()
+            self.keeper.prime()
         except Exception:  # a prefix that cannot be kept never stops serving
             log.exception("%s: keeping the prompt prefixes failed; serving without them", self.name)
         self.primed.set()
@@ -157,14 +149,11 @@ class BatchEngine:
             self._finish(seq, "cancelled", BackendError("the model is being unloaded"))
 
     def _admit(self, seq: Sequence) -> None:
-        if not self._free_ids:  # the scheduler runs at most ``slots`` at once: never reached
+        if not self.free_ids:  # the scheduler runs at most ``slots`` at once: never reached
             self._finish(seq, "error", BackendError("no free sequence in the context"), kept=False)
             return
-        seq.seq_id = self._free_ids.pop()
-        prefix, n = self.prefixes.match(seq.prompt)
-        if prefix is not None:
-            llama_cpp.llama_memory_seq_cp(self.memory, prefix.seq_id, seq.seq_id, 0, n)
-            self._maybe_save(prefix)
+        seq.seq_id = self.free_ids.pop()
+        n = self.keeper.reuse(seq.prompt, seq.seq_id)
         seq.pos = n
         seq.history = seq.prompt[:n]
         seq.pending = seq.prompt[n:]
@@ -181,7 +170,7 @@ class BatchEngine:
                 err = DeadlineExceededError(f"generation passed its deadline after {job.completion_tokens} tokens")
                 self._finish(seq, "error", err)
 
-    def _put(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
+    def put(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
         self._tok[i] = token
         self._pos[i] = pos
         self._seq_cell[i][0] = seq_id
@@ -192,7 +181,7 @@ class BatchEngine:
         outputs: list[tuple[Sequence, int]] = []
         for seq in self._active:
             if seq.next_token >= 0:
-                self._put(n, seq.next_token, seq.pos, seq.seq_id, True)
+                self.put(n, seq.next_token, seq.pos, seq.seq_id, True)
                 outputs.append((seq, n))
                 seq.history.append(seq.next_token)
                 seq.pos += 1
@@ -207,7 +196,7 @@ class BatchEngine:
             take = seq.pending[:room]
             del seq.pending[: len(take)]
             for i, token in enumerate(take):
-                self._put(n + i, token, seq.pos + i, seq.seq_id, False)
+                self.put(n + i, token, seq.pos + i, seq.seq_id, False)
             n += len(take)
             seq.history.extend(take)
             seq.pos += len(take)
@@ -215,8 +204,10 @@ class BatchEngine:
             if not seq.pending:
                 self._out[n - 1] = True
                 outputs.append((seq, n - 1))
-        self._batch.n_tokens = n
-        rc = llama_cpp.llama_decode(self.ctx, self._batch)
+        self.batch.n_tokens = n
+        rc = llama_cpp.llama_decode(self.ctx, self.batch)
+        if rc == 1 and self.keeper.drop():  # no room for the step (the cache left intact): make room once
+            rc = llama_cpp.llama_decode(self.ctx, self.batch)
         self.steps += 1
         if rc != 0:
             why = "the KV cache is full" if rc == 1 else f"llama_decode returned {rc}"
@@ -258,9 +249,9 @@ class BatchEngine:
         job = seq.job
         if seq.seq_id >= 0:
             if kept and error is None:
-                self._keep(seq)
+                self.keeper.keep(seq.seq_id, seq.history[: seq.pos])
             llama_cpp.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
-            self._free_ids.append(seq.seq_id)
+            self.free_ids.append(seq.seq_id)
             seq.seq_id = -1
         if seq in self._active:
             self._active.remove(seq)
@@ -275,171 +266,7 @@ class BatchEngine:
             log.info("%s: generation cancelled after %d tokens", self.name, job.completion_tokens)
         seq.done.set()
 
-    # --- kept prefixes ---
-
-    def _keep(self, seq: Sequence) -> None:
-        """Keep the finished sequence's cells (the chat so far) for a request that continues it."""
-        placed = self.prefixes.place(seq.history[: seq.pos])
-        if placed is None:
-            return
-        seq_id, dropped = placed
-        for p in dropped:
-            llama_cpp.llama_memory_seq_rm(self.memory, p.seq_id, -1, -1)
-        llama_cpp.llama_memory_seq_cp(self.memory, seq.seq_id, seq_id, 0, seq.pos)
-
-    def _prime(self) -> None:
-        restored = self._restore() if self._states is not None else 0
-        system = self._system
-        if system and len(system) >= 2 and self.prefixes.find(system) is None:
-            started = time.monotonic()
-            placed = self.prefixes.place(system, pinned=True)
-            if placed is None:
-                log.warning(
-                    "%s: the system prompt (%d tokens) does not fit prefix_cache_tokens", self.name, len(system)
-                )
-                return
-            seq_id, _ = placed
-            self._prefill(seq_id, system)
-            prefix = self.prefixes.entries[seq_id]
-            log.info(
-                "%s: system prompt prefilled (%d tokens, %.0f ms)",
-                self.name,
-                len(system),
-                (time.monotonic() - started) * 1000,
-            )
-            self._save(prefix)
-        elif system and (p := self.prefixes.find(system)) is not None:
-            p.pinned = True
-        self.restored = restored
-        if restored:
-            log.info("%s: %d saved prefixes restored and verified", self.name, restored)
-
-    def _prefill(self, seq_id: int, tokens: list[int]) -> None:
-        for start in range(0, len(tokens), self.capacity):
-            part = tokens[start : start + self.capacity]
-            for i, token in enumerate(part):
-                self._put(i, token, start + i, seq_id, False)
-            self._batch.n_tokens = len(part)
-            rc = llama_cpp.llama_decode(self.ctx, self._batch)
-            if rc != 0:
-                llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
-                raise BackendError(f"prefilling a prefix: llama_decode returned {rc}")
-
-    def _recompute(self, prefix: Prefix) -> np.ndarray:
-        """The next-token logits of a one-token recompute on top of the prefix's cells: the last
-        token decoded again on a scratch sequence that shares all the cells before it."""
-        scratch = self._free_ids[-1]
-        last = len(prefix.tokens) - 1
-        llama_cpp.llama_memory_seq_cp(self.memory, prefix.seq_id, scratch, 0, last)
-        try:
-            self._put(0, prefix.tokens[last], last, scratch, True)
-            self._batch.n_tokens = 1
-            rc = llama_cpp.llama_decode(self.ctx, self._batch)
-            if rc != 0:
-                raise BackendError(f"checking a prefix: llama_decode returned {rc}")
-            ptr = llama_cpp.llama_get_logits_ith(self.ctx, 0)
-            return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-        finally:
-            llama_cpp.llama_memory_seq_rm(self.memory, scratch, -1, -1)
-
-    def _path(self, prefix: Prefix) -> Path:
-        assert self._states is not None
-        return self._states / f"{prefix.digest[:32]}.kv"
-
-    def _maybe_save(self, prefix: Prefix) -> None:
-        """A prefix that a second request has reused is worth keeping across restarts."""
-        if prefix.hits >= 2 and not prefix.saved and self._free_ids:
-            self._save(prefix)
-
-    def _save(self, prefix: Prefix) -> None:
-        if self._states is None or prefix.saved or not self._free_ids:
-            return
-        saved = sum(1 for p in self.prefixes.entries.values() if p.saved)
-        if saved >= self.llm.saved_prefixes:
-            return
-        prefix.saved = True
-        started = time.monotonic()
-        logits = self._recompute(prefix)
-        top = [(int(t), float(logits[t])) for t in np.argsort(-logits)[:CHECK_LOGITS]]
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, prefix.seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        got = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, prefix.seq_id)
-        state = statefile.SavedState(prefix.tokens, bytes(memoryview(buf)[:got]), tuple(top))
-        path, keep = self._path(prefix), {self._path(p) for p in self.prefixes.entries.values() if p.saved}
-        log.info(
-            "%s: saving a prefix of %d tokens (%d KiB, %.0f ms to copy)",
-            self.name,
-            len(prefix.tokens),
-            got >> 10,
-            (time.monotonic() - started) * 1000,
-        )
-        self._writer.submit(self._write, path, state, keep)
-
-    def _write(self, path: Path, state: statefile.SavedState, keep: set[Path]) -> None:
-        try:
-            statefile.write(path, self._binding, state)
-            for old in statefile.saved_files(path.parent)[self.llm.saved_prefixes :]:
-                if old not in keep and old != path:
-                    old.unlink(missing_ok=True)
-        except OSError as e:
-            log.warning("%s: cannot save a prefix state to %s: %s", self.name, path, e)
-
-    def _restore(self) -> int:
-        """Restore and check every saved prefix. A state that fails its check may have left
-        non-finite values in cells that attention still reads (masked weights are zeros, and
-        zero times NaN is NaN), so after a failure the cache is wiped, values included, and the
-        states that passed are restored again; the failed one is in the quarantine by then."""
-        for _ in range(self.llm.saved_prefixes + 1):
-            restored, failed = self._restore_all()
-            if not failed:
-                return restored
-            llama_cpp.llama_memory_clear(self.memory, True)
-            self.prefixes = PrefixTable(self.prefixes.ids, self.llm.prefix_cache_tokens)
-        return 0
-
-    def _restore_all(self) -> tuple[int, bool]:
-        assert self._states is not None
-        restored = 0
-        limit = self.llm.prefix_cache_tokens << 20  # a MiB a token: far above any model's KV
-        for path in statefile.saved_files(self._states)[: self.llm.saved_prefixes]:
-            started = time.monotonic()
-            try:
-                saved = statefile.read(path, self._binding, limit)
-            except statefile.StateFileError as e:
-                statefile.quarantine(path, str(e))
-                continue
-            placed = self.prefixes.place(saved.tokens, pinned=list(saved.tokens) == self._system)
-            if placed is None:
-                continue
-            prefix = self.prefixes.entries[placed[0]]
-            why = self._load_state(prefix, saved)
-            if why:
-                statefile.quarantine(path, why)
-                log.warning("%s: a saved prefix failed its check (%s); it is prefilled again", self.name, why)
-                return 0, True
-            prefix.saved = True
-            restored += 1
-            log.info(
-                "%s: restored a prefix of %d tokens in %.0f ms (%s)",
-                self.name,
-                len(saved.tokens),
-                (time.monotonic() - started) * 1000,
-                token_digest(saved.tokens)[:12],
-            )
-        return restored, False
-
-    def _load_state(self, prefix: Prefix, saved: statefile.SavedState) -> str:
-        """'' when the state restored into ``prefix`` is the one saved, else why not."""
-        buf = (ctypes.c_uint8 * len(saved.state)).from_buffer_copy(saved.state)
-        if llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(saved.state), prefix.seq_id) == 0:
-            return "llama.cpp refused the state"
-        lo = llama_cpp.llama_memory_seq_pos_min(self.memory, prefix.seq_id)
-        hi = llama_cpp.llama_memory_seq_pos_max(self.memory, prefix.seq_id)
-        if (lo, hi) != (0, len(saved.tokens) - 1):
-            return f"restored positions {lo}..{hi}, the prefix has {len(saved.tokens)} tokens"
-        got = self._recompute(prefix)
-        for token, want in saved.logits:
-            have = float(got[token]) if 0 <= token < self.n_vocab else float("nan")
-            if not abs(have - want) <= CHECK_TOLERANCE:
-                return f"next-token logits differ from the saved ones (token {token}: {have:.4f} vs {want:.4f})"
-        return ""
+    @property
+    def restored(self) -> int:
+        """Saved prefixes restored and verified at start."""
+        return self.keeper.restored
