@@ -13,17 +13,15 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import llama_cpp
 import numpy as np
 
 from edged.backends.llama import statefile
 from edged.backends.llama.prefixes import Prefix, PrefixTable, token_digest
+from edged.config import LlmConfig
 from edged.errors import BackendError
-
-if TYPE_CHECKING:
-    from edged.backends.llama.engine import BatchEngine
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +29,23 @@ CHECK_LOGITS = 8  # next-token logits a saved state must reproduce
 CHECK_TOLERANCE = 1e-3  # restored cells are the saved f16 values: the recompute matches exactly
 
 
+class Context(Protocol):
+    """What the keeper uses of the engine: its context, its cache, its batch."""
+
+    name: str
+    llm: LlmConfig
+    ctx: Any
+    memory: Any
+    batch: Any
+    capacity: int
+    n_vocab: int
+    free_ids: list[int]
+
+    def put(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None: ...
+
+
 class PrefixKeeper:
-    def __init__(self, engine: BatchEngine, ids: Iterable[int]) -> None:
+    def __init__(self, engine: Context, ids: Iterable[int]) -> None:
         self.e = engine
         self.prefixes = PrefixTable(tuple(ids), engine.llm.prefix_cache_tokens)
         self.states: Path | None = None  # where saved states live; None: nothing is saved

@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # A shorter shared prefix is not worth a cache id: prefilling it costs less than bookkeeping.
 MIN_PREFIX = 32
 
@@ -38,11 +40,13 @@ def token_digest(tokens: Sequence[int]) -> str:
 
 
 def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start (compared in numpy: prompts of
+    thousands of tokens against every kept prefix, on the decoding thread)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differ[0]) if differ.size else n
 
 
 class PrefixTable:
