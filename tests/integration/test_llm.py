@@ -395,9 +395,8 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"t
 @pytest.mark.parametrize(
     ("asked", "named"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logprobs": True, "top_logprobs": 2}, "logprobs, top_logprobs"),
         ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice, tools"),
+        ({"functions": [WEATHER["function"]]}, "functions"),
         ({"n": 2}, "n"),
     ],
 )

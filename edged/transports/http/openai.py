@@ -6,6 +6,8 @@
 - ``POST /v1/chat/completions`` (the model's own chat template), ``POST /v1/completions``,
   ``stream: true`` as SSE ending with ``data: [DONE]``; ``GET /v1/models``. The official
   ``openai`` client works unchanged; errors use OpenAI's ``{"error": {...}}`` shape there.
+  ``response_format`` (JSON, or JSON following a schema) constrains every sampled token;
+  ``logprobs`` come back per token, in the chat form or the completions' legacy form.
 
 A client that disconnects cancels its generation (the slot stops before its next token and the
 request leaves the queue). Generation runs on the model's slot threads, never on the loop.
@@ -14,7 +16,9 @@ request leaves the queue). Generation runs on the model's slot threads, never on
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,7 +26,14 @@ from typing import Any
 
 import orjson
 
-from edged.errors import BadRequestError, EdgedError, NotFoundError, PayloadTooLargeError, ShuttingDownError
+from edged.errors import (
+    BadRequestError,
+    EdgedError,
+    InvalidInputError,
+    NotFoundError,
+    PayloadTooLargeError,
+    ShuttingDownError,
+)
 from edged.llm import generation as gen
 from edged.serving.service import Service
 from edged.transports.http.body import BodyBudget, read_body
@@ -69,12 +80,15 @@ class GenerationRoutes:
 
     async def warm(self, name: str) -> None:
         """Before READY=1: requests through these routes (chat and completions, streamed and
-        not, and Triton's stream), so the first client's request runs warm code end to end."""
+        not, a grammar and log probabilities, and Triton's stream), so the first client's
+        request runs warm code end to end."""
         short = {"max_tokens": 2, "temperature": 0.0}
         chat = dict(short, model=name, messages=[{"role": "user", "content": "Hello"}])
+        shaped = dict(chat, response_format={"type": "json_object"}, logprobs=True, top_logprobs=2)
         calls = [
             ("/v1/chat/completions", chat),
             ("/v1/chat/completions", dict(chat, stream=True)),
+            ("/v1/chat/completions", shaped),
             ("/v1/completions", dict(short, model=name, prompt="Hello", stream=True)),
             (f"/v2/models/{name}/generate_stream", dict(short, text_input="Hello")),
         ]
@@ -139,32 +153,43 @@ class GenerationRoutes:
     async def _chat(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
         name = self._model(body.get("model"))
         refuse_unsupported(body)
+        refuse_costly_schema(body.get("response_format"))
         job = self._job(name, body, messages=gen.messages_from(body.get("messages")))
         await self._openai(name, job, body, receive, send, chat=True)
 
     async def _completions(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
         name = self._model(body.get("model"))
         refuse_unsupported(body)
+        refuse_costly_schema(body.get("response_format"))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise BadRequestError("'prompt' must be a string")
-        await self._openai(name, self._job(name, body, prompt=prompt), body, receive, send, chat=False)
+        job = self._job(name, body, prompt=prompt)
+        await self._openai(name, job, body, receive, send, chat=False, offset=len(prompt))
 
     def _job(self, name: str, body: dict[str, Any], **kw: Any) -> gen.GenerationJob:
         return gen.make_job(self.service.model(name).cfg, body, gen.request_timeout(self.service, name), **kw)
 
     async def _openai(
-        self, name: str, job: gen.GenerationJob, body: dict[str, Any], receive: Receive, send: Send, chat: bool
+        self,
+        name: str,
+        job: gen.GenerationJob,
+        body: dict[str, Any],
+        receive: Receive,
+        send: Send,
+        chat: bool,
+        offset: int = 0,
     ) -> None:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "created": int(time.time()), "model": name}
+        logprobs = LogprobsOut(job, chat, offset)
         if not _flag(body, "stream"):
             text = await _until_disconnect(gen.complete(self.service, name, job, rid), receive)
             if text is None:
                 return
-            choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": logprobs.take(True)}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             doc = dict(
                 head, object="chat.completion" if chat else "text_completion", choices=[choice], usage=_usage(job)
@@ -178,7 +203,7 @@ class GenerationRoutes:
         usage = options is not None and _flag(options, "include_usage")
 
         def chunk(delta: str | None, finish: str | None) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs.take()}
             if chat:
                 choice["delta"] = {} if delta is None else {"content": delta}
             else:
@@ -187,9 +212,13 @@ class GenerationRoutes:
 
         async def events() -> AsyncIterator[bytes]:
             if chat:
-                first = chunk(None, None)
-                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield _sse(first)
+                first = {
+                    "index": 0,
+                    "finish_reason": None,
+                    "logprobs": None,
+                    "delta": {"role": "assistant", "content": ""},
+                }
+                yield _sse(dict(head, object=kind, choices=[first]))
             async for piece in gen.stream(self.service, name, job, rid):
                 yield _sse(chunk(piece, None))
             yield _sse(chunk(None, job.finish_reason))
@@ -213,7 +242,10 @@ class GenerationRoutes:
         if not isinstance(text, str):
             raise BadRequestError("'text_input' must be a string")
         merged = {**{k: v for k, v in body.items() if k not in ("text_input", "parameters")}, **params}
+        refuse_costly_schema(merged.get("response_format"))
         job = self._job(name, merged, prompt=text)
+        if job.sampling.logprobs >= 0:  # Triton's answer has no place for them: never computed unread
+            raise BadRequestError("'logprobs' are served on /v1/chat/completions and /v1/completions")
         rid = str(body.get("id", "")) or uuid.uuid4().hex
         head = {"model_name": name, "model_version": "1", "id": rid}
         if route == "generate":
@@ -256,12 +288,59 @@ def _triton_tail(job: gen.GenerationJob) -> dict[str, Any]:
     return {"finish_reason": job.finish_reason, "prompt_tokens": job.prompt_tokens, "tokens": job.completion_tokens}
 
 
-def _usage(job: gen.GenerationJob) -> dict[str, int]:
+def _usage(job: gen.GenerationJob) -> dict[str, Any]:
     return {
         "prompt_tokens": job.prompt_tokens,
         "completion_tokens": job.completion_tokens,
         "total_tokens": job.prompt_tokens + job.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
     }
+
+
+class LogprobsOut:
+    """A job's per-token log probabilities handed out in order, each once: all of them for a
+    whole answer, those produced since the last chunk for a stream. Chat's form is OpenAI's
+    ``{"content": [...]}``; completions' the legacy ``{"tokens", "token_logprobs",
+    "top_logprobs", "text_offset"}``, offsets counted from the start of the prompt as OpenAI's."""
+
+    def __init__(self, job: gen.GenerationJob, chat: bool, offset: int = 0) -> None:
+        self.job, self.chat = job, chat
+        self.sent = 0
+        self.offset = offset
+        # Offsets count the characters of the text, and a character may span two tokens.
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, always: bool = False) -> dict[str, Any] | None:
+        """The entries not handed out yet, in this answer's form; None when none were asked
+        for, or (unless ``always``: a whole answer lists its entries, none or some) none are new."""
+        job = self.job
+        if job.sampling.logprobs < 0:
+            return None
+        # The slot thread appends a token's entry and then counts the token; the end-of-text
+        # token gets an entry but no count (it is not part of the completion): the count bounds
+        # what is handed out, so every entry handed out is one of ``completion_tokens``.
+        end = min(len(job.token_logprobs), job.completion_tokens)
+        if end <= self.sent and not always:
+            return None
+        entries, self.sent = job.token_logprobs[self.sent : end], max(self.sent, end)
+        return {"content": entries, "refusal": None} if self.chat else self._legacy(entries)
+
+    def _legacy(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        offsets, tops = [], []
+        for entry in entries:
+            offsets.append(self.offset)
+            self.offset += len(self.decoder.decode(bytes(entry["bytes"])))
+            top: dict[str, float] = {}
+            for alt in entry["top_logprobs"]:  # most likely first: the first of equal strings stays
+                top.setdefault(alt["token"], alt["logprob"])
+            top.setdefault(entry["token"], entry["logprob"])  # the chosen token is always listed
+            tops.append(top)
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
 def _sse(doc: dict[str, Any]) -> bytes:
@@ -348,8 +427,6 @@ def _flag(body: dict[str, Any], key: str) -> bool:
 
 # OpenAI request fields edged does not implement, with the value that asks for nothing.
 _NOTHING_ASKED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -362,17 +439,66 @@ _NOTHING_ASKED: dict[str, tuple[Any, ...]] = {
 
 
 def unsupported(body: dict[str, Any]) -> list[str]:
-    """The fields of an OpenAI request that ask for what edged does not do (structured output,
-    log probabilities, tool calls, several choices): answered with a 400 naming them, never
-    ignored, so that a client is not handed text it did not ask for."""
-    found = [key for key, nothing in _NOTHING_ASKED.items() if key in body and body[key] not in nothing]
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        found.append("response_format")
-    return sorted(found)
+    """The fields of an OpenAI request that ask for what edged does not do (tool calls, several
+    choices, the prompt echoed or completed around a suffix): answered with a 400 naming them,
+    never ignored, so that a client is not handed text it did not ask for."""
+    return sorted(key for key, nothing in _NOTHING_ASKED.items() if key in body and body[key] not in nothing)
 
 
 def refuse_unsupported(body: dict[str, Any]) -> None:
     found = unsupported(body)
     if found:
-        raise BadRequestError(f"{', '.join(found)}: not supported by edged; leave them out for plain text")
+        raise BadRequestError(f"{', '.join(found)}: not supported by edged; leave them out")
+
+
+# A JSON schema becomes a llama.cpp grammar in which a bound such as ``maxLength: n`` is n nested
+# groups, which llama.cpp parses recursively on the slot's thread: a bound in the tens of
+# thousands overflows that thread's stack and ends the daemon, whatever the schema's byte size.
+# Bounds and nesting far beyond any real schema's are refused before a grammar is made.
+MAX_REPEAT = 1000
+MAX_SCHEMA_DEPTH = 64
+_REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def costly_schema(fmt: Any) -> str:
+    """Why the schema of a ``json_schema`` response format is refused ('' when it is not). Its
+    shape (an object, its size) is checked where the format is read. Every object in it is
+    checked as a schema, values under ``const`` or ``enum`` too: a false alarm there is a 400,
+    while telling schemas from values by their keys would let a property named ``enum`` by."""
+    spec = fmt.get("json_schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        return ""
+    stack: list[tuple[Any, str, int]] = [(schema, "", 1)]
+    while stack:  # iterative: the nesting is what is being bounded
+        node, where, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"nests deeper than {MAX_SCHEMA_DEPTH} levels at {where}"
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            at = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+            if isinstance(node, dict):
+                why = _costly_keyword(key, value)
+                if why:
+                    return f"{at} {why}"
+            if isinstance(value, (dict, list)):
+                stack.append((value, at, depth + 1))
+    return ""
+
+
+def _costly_keyword(key: Any, value: Any) -> str:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key in _REPEAT_KEYS and number and value > MAX_REPEAT:
+        return f"is {value}; bounds above {MAX_REPEAT} are not served"
+    if key == "pattern" and isinstance(value, str):
+        counts = sum(max(int(lo), int(hi or 0)) for lo, hi in _QUANTIFIER.findall(value))
+        if counts > MAX_REPEAT:
+            return f"repeats {counts} times in all; at most {MAX_REPEAT} are served"
+    return ""
+
+
+def refuse_costly_schema(fmt: Any) -> None:
+    why = costly_schema(fmt)
+    if why:
+        raise InvalidInputError(f"'response_format' schema: {why}")
