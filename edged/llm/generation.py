@@ -24,6 +24,7 @@ import numpy as np
 
 from edged.config import LlmConfig, ModelConfig
 from edged.errors import BadRequestError, EdgedError, InvalidInputError
+from edged.llm.schema import refuse_costly_schema
 from edged.thread_to_loop import to_loop
 
 if TYPE_CHECKING:
@@ -200,6 +201,7 @@ def response_format_from(value: Any) -> tuple[str, str] | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise InvalidInputError("'response_format.json_schema.schema' must be a JSON schema object")
+        refuse_costly_schema(schema)
         text = json.dumps(schema, separators=(",", ":"))
         if len(text) > MAX_SCHEMA_BYTES:
             raise InvalidInputError(f"'response_format' schema is over {MAX_SCHEMA_BYTES} bytes")

@@ -212,11 +212,6 @@ def test_a_bad_schema_is_a_400_naming_what_is_wrong(openai_client: Any, fmt: dic
     assert plain.choices[0].message.content is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="llama.cpp's converter refuses these with AssertionError, which edged/backends/llama/sequence.py's "
-    "grammar_of does not turn into invalid_input: a 500 backend_error",
-)
 @pytest.mark.parametrize(
     "schema", [{"type": "frobnicate"}, {"type": "string", "pattern": "[a-z]+"}, {"$ref": "#/$defs/missing"}]
 )
@@ -261,12 +256,22 @@ def test_triton_generate_takes_a_format_and_refuses_logprobs(edge: DaemonProcess
         assert r.status_code == 400 and "maxLength" in r.json()["error"]
 
 
-def test_mqtt_refuses_what_only_http_serves(module_broker: Broker, edge: DaemonProcess) -> None:
+def test_mqtt_serves_json_and_refuses_logprobs(module_broker: Broker, edge: DaemonProcess) -> None:
     with Peer(module_broker.port) as peer:
         reply = f"reply/{uuid.uuid4().hex}"
         peer.subscribe(reply)
         request = {"prompt": "Hi", "max_tokens": 3, "response_format": {"type": "json_object"}, "logprobs": True}
         peer.request(f"edged/{DEV}/models/llm/generate", json.dumps(request), reply, b"s", "application/json")
         doc = peer.first(reply, timeout=60).json()
-    assert doc["final"] is True and doc["code"] == "bad_request"
-    assert doc["error"].startswith("response_format, logprobs: served over HTTP"), doc["error"]
+        assert doc["final"] is True and doc["code"] == "bad_request"
+        assert doc["error"].startswith("logprobs: served over HTTP"), doc["error"]
+        # The same grammar as HTTP's: the streamed text is one JSON object.
+        reply = f"reply/{uuid.uuid4().hex}"
+        peer.subscribe(reply)
+        ask = [{"role": "user", "content": "Reply with an empty JSON object."}]
+        request = {"messages": ask, "max_tokens": 120, "temperature": 0, "response_format": {"type": "json_object"}}
+        peer.request(f"edged/{DEV}/models/llm/generate", json.dumps(request), reply, b"j", "application/json")
+        peer.first(reply, lambda r: r.json()["final"], timeout=120)
+        docs = [m.json() for m in peer.on(reply)]
+    assert docs[-1].get("finish_reason") == "stop", docs[-1]
+    assert isinstance(json.loads("".join(d["text"] for d in docs)), dict)

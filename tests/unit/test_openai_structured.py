@@ -9,16 +9,9 @@ from typing import Any
 import pytest
 
 from edged.errors import BadRequestError, InvalidInputError
-from edged.llm.generation import GenerationJob, Sampling
-from edged.transports.http.openai import (
-    MAX_REPEAT,
-    MAX_SCHEMA_DEPTH,
-    LogprobsOut,
-    costly_schema,
-    refuse_costly_schema,
-    refuse_unsupported,
-    unsupported,
-)
+from edged.llm.generation import GenerationJob, Sampling, response_format_from
+from edged.llm.schema import MAX_REPEAT, MAX_SCHEMA_DEPTH, costly_schema
+from edged.transports.http.openai import LogprobsOut, refuse_unsupported, unsupported
 
 
 def _fmt(schema: Any) -> dict[str, Any]:
@@ -46,8 +39,8 @@ def _nested(depth: int) -> dict[str, Any]:
     ],
 )
 def test_schemas_of_ordinary_size_pass(schema: dict[str, Any]) -> None:
-    assert costly_schema(_fmt(schema)) == ""
-    refuse_costly_schema(_fmt(schema))
+    assert costly_schema(schema) == ""
+    assert response_format_from(_fmt(schema)) is not None
 
 
 @pytest.mark.parametrize(
@@ -64,14 +57,18 @@ def test_schemas_of_ordinary_size_pass(schema: dict[str, Any]) -> None:
     ],
 )
 def test_schemas_that_would_expand_past_a_grammar_are_named(schema: dict[str, Any], named: str) -> None:
-    assert named in costly_schema(_fmt(schema))
+    assert named in costly_schema(schema)
+    # Every transport reads the format through response_format_from: refused there, for all.
     with pytest.raises(InvalidInputError, match="'response_format' schema: "):
-        refuse_costly_schema(_fmt(schema))
+        response_format_from(_fmt(schema))
 
 
-def test_formats_without_a_schema_object_are_left_to_the_format_reader() -> None:
-    for fmt in (None, {"type": "text"}, {"type": "json_object"}, _fmt("a string"), {"type": "json_schema"}):
-        assert costly_schema(fmt) == ""
+def test_formats_without_a_schema_object_are_refused_or_plain() -> None:
+    assert response_format_from(None) is None and response_format_from({"type": "text"}) is None
+    assert response_format_from({"type": "json_object"}) == ("json_object", "")
+    for fmt in (_fmt("a string"), {"type": "json_schema"}):
+        with pytest.raises(InvalidInputError, match="must be a JSON schema object"):
+            response_format_from(fmt)
 
 
 def test_structured_output_and_logprobs_are_no_longer_refused_but_tools_are() -> None:

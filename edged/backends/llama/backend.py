@@ -35,7 +35,7 @@ from edged.backends.llama import statefile
 from edged.backends.llama.engine import BatchEngine
 from edged.backends.llama.gguf import GgufInfo, footprint_of, gguf_info
 from edged.backends.llama.prefixes import common_length
-from edged.backends.llama.sequence import Sequence, grammar_of, sampler_chain
+from edged.backends.llama.sequence import Sequence, grammar_of, grammar_sampler, sampler_chain
 from edged.config import LlmConfig, ModelConfig
 from edged.errors import BackendError, BuildError, DeadlineExceededError, InvalidInputError
 from edged.llm.generation import INPUT, OUTPUT, GenerationJob, Sampling, llm_config
@@ -303,5 +303,6 @@ class LlamaSlot(Instance):
         s = job.sampling
         grammar = grammar_of(s.response_format)
         seed = s.seed if s.seed is not None else random.randrange(2**32)
-        seq = Sequence(job, tokens, sampler_chain(self.engine.vocab, s, seed, grammar))
+        constrain = grammar_sampler(self.engine.vocab, grammar)
+        seq = Sequence(job, tokens, sampler_chain(s, seed), constrain)
         self.engine.run(seq, lambda: self.owner.closing)

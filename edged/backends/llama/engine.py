@@ -32,7 +32,7 @@ from llama_cpp._internals import LlamaContext, LlamaModel
 
 from edged.backends.llama.gguf import cells_of, step_tokens
 from edged.backends.llama.keeper import PrefixKeeper
-from edged.backends.llama.sequence import Sequence, logprob_entry
+from edged.backends.llama.sequence import Candidates, Sequence, logprob_entry
 from edged.config import LlmConfig
 from edged.errors import BackendError, DeadlineExceededError, EdgedError
 
@@ -79,6 +79,7 @@ class BatchEngine:
         self.keeper = PrefixKeeper(self, range(llm.slots, llm.slots + PREFIX_IDS))
         self._thread = threading.Thread(target=self._main, name=f"llm-{name}", daemon=True)
         self._piece_buf = ctypes.create_string_buffer(64)
+        self._candidates = Candidates(self.n_vocab)
         self.primed = threading.Event()
         self.warmed = threading.Event()  # a warm-up at request sizes has run
         self.steps = 0
@@ -221,14 +222,17 @@ class BatchEngine:
     def _sample(self, seq: Sequence, idx: int) -> None:
         job = seq.job
         token = int(llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, idx))
+        if seq.grammar is not None:
+            if not self._candidates.allows(seq.grammar, token):
+                token = self._candidates.redraw(seq.grammar, seq.sampler, self._logits(idx))
+            llama_cpp.llama_sampler_accept(seq.grammar, token)
         if job.first_token_s is None:
             job.first_token_s = time.monotonic() - seq.started
-        if job.sampling.logprobs >= 0:
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
-            job.token_logprobs.append(logprob_entry(logits, token, job.sampling.logprobs, self._piece))
         if llama_cpp.llama_vocab_is_eog(self.vocab, token):
             self._finish(seq, "stop")
             return
+        if job.sampling.logprobs >= 0:  # one entry per completion token: not for the end of text
+            job.token_logprobs.append(logprob_entry(self._logits(idx), token, job.sampling.logprobs, self._piece))
         job.completion_tokens += 1
         if seq.text.feed(self._piece(token)):
             self._finish(seq, "stop")
@@ -236,6 +240,10 @@ class BatchEngine:
             self._finish(seq, "length")
         else:
             seq.next_token = token
+
+    def _logits(self, idx: int) -> np.ndarray:
+        """The step's raw logits for batch row ``idx`` (a view: valid until the next step)."""
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
 
     def _piece(self, token: int) -> bytes:
         n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
@@ -255,9 +263,10 @@ class BatchEngine:
             seq.seq_id = -1
         if seq in self._active:
             self._active.remove(seq)
-        if seq.sampler is not None:
-            llama_cpp.llama_sampler_free(seq.sampler)
-            seq.sampler = None
+        for sampler in (seq.sampler, seq.grammar):
+            if sampler is not None:
+                llama_cpp.llama_sampler_free(sampler)
+        seq.sampler = seq.grammar = None
         job.finish_reason = reason
         job.text = seq.text.finish()
         if error is not None:

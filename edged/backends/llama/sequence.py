@@ -8,6 +8,7 @@ and stop matcher, and the positions of its own cells in the KV cache.
 from __future__ import annotations
 
 import codecs
+import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ class Sequence:
     job: GenerationJob
     prompt: list[int]
     sampler: Any  # a llama_sampler chain, freed by the engine when the sequence ends
+    grammar: Any = None  # the response format's grammar sampler, freed with the chain
     seq_id: int = -1
     pos: int = 0  # cells of this sequence in the KV cache (positions 0 .. pos-1)
     history: list[int] = field(default_factory=list)  # the tokens of those cells
@@ -66,16 +68,9 @@ class TextOut:
             self.job.emit(piece)
 
 
-def sampler_chain(vocab: Any, sampling: Sampling, seed: int, grammar: str) -> Any:
-    """A request's own chain: grammar first (it removes the tokens the format forbids), then
-    top-p, temperature and a seeded draw; greedy at temperature 0."""
+def sampler_chain(sampling: Sampling, seed: int) -> Any:
+    """A request's own chain: top-p, temperature and a seeded draw; greedy at temperature 0."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-    if grammar:
-        g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-        if not g:
-            llama_cpp.llama_sampler_free(chain)
-            raise InvalidInputError("the response format cannot be turned into a grammar")
-        llama_cpp.llama_sampler_chain_add(chain, g)
     if sampling.temperature <= 0.0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
     else:
@@ -84,6 +79,53 @@ def sampler_chain(vocab: Any, sampling: Sampling, seed: int, grammar: str) -> An
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(sampling.temperature))
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+def grammar_sampler(vocab: Any, grammar: str) -> Any:
+    """The grammar as a sampler of its own (None for plain text): the engine asks it about the
+    token the chain drew, and only when that token is not allowed filters the whole vocabulary
+    with it and draws again, as llama.cpp's own server does; filtering every step costs the
+    grammar's walk over every token."""
+    if not grammar:
+        return None
+    g = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not g:
+        raise InvalidInputError("the response format cannot be turned into a grammar")
+    return g
+
+
+class Candidates:
+    """The whole vocabulary as llama.cpp's candidate array, reused by every redraw of a
+    sequence's engine."""
+
+    def __init__(self, n_vocab: int) -> None:
+        dtype = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
+        self.data = np.zeros((n_vocab,), dtype=dtype)
+        self.ids = np.arange(n_vocab, dtype=np.intc)
+        self.array = llama_cpp.llama_token_data_array(
+            data=self.data.ctypes.data_as(llama_cpp.llama_token_data_p), size=n_vocab, selected=-1, sorted=False
+        )
+        self.one = np.zeros((1,), dtype=dtype)
+        self.single = llama_cpp.llama_token_data_array(
+            data=self.one.ctypes.data_as(llama_cpp.llama_token_data_p), size=1, selected=-1, sorted=False
+        )
+
+    def allows(self, grammar: Any, token: int) -> bool:
+        """Whether the grammar, in its current state, lets ``token`` come next."""
+        self.one["id"], self.one["logit"], self.one["p"] = token, 0.0, 0.0
+        self.single.size, self.single.selected, self.single.sorted = 1, -1, False
+        llama_cpp.llama_sampler_apply(grammar, ctypes.byref(self.single))
+        return bool(np.isfinite(self.one["logit"][0]))
+
+    def redraw(self, grammar: Any, chain: Any, logits: np.ndarray) -> int:
+        """A token drawn by ``chain`` from what ``grammar`` allows of ``logits``."""
+        self.data["id"] = self.ids
+        self.data["logit"] = logits
+        self.data["p"] = 0.0
+        self.array.size, self.array.selected, self.array.sorted = len(self.ids), -1, False
+        llama_cpp.llama_sampler_apply(grammar, ctypes.byref(self.array))
+        llama_cpp.llama_sampler_apply(chain, ctypes.byref(self.array))
+        return int(self.data["id"][self.array.selected])
 
 
 def grammar_of(response_format: tuple[str, str] | None) -> str:
@@ -98,7 +140,7 @@ def grammar_of(response_format: tuple[str, str] | None) -> str:
         return str(JSON_GBNF)
     try:
         return str(json_schema_to_gbnf(schema))
-    except (RecursionError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as e:
+    except Exception as e:  # the converter refuses with assertions, and KeyError, ValueError...
         raise InvalidInputError(f"'response_format' schema is not one llama.cpp can follow: {e}") from e
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +28,6 @@ import orjson
 from edged.errors import (
     BadRequestError,
     EdgedError,
-    InvalidInputError,
     NotFoundError,
     PayloadTooLargeError,
     ShuttingDownError,
@@ -153,14 +151,12 @@ class GenerationRoutes:
     async def _chat(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
         name = self._model(body.get("model"))
         refuse_unsupported(body)
-        refuse_costly_schema(body.get("response_format"))
         job = self._job(name, body, messages=gen.messages_from(body.get("messages")))
         await self._openai(name, job, body, receive, send, chat=True)
 
     async def _completions(self, parts: list[str], body: dict[str, Any], receive: Receive, send: Send) -> None:
         name = self._model(body.get("model"))
         refuse_unsupported(body)
-        refuse_costly_schema(body.get("response_format"))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -242,7 +238,6 @@ class GenerationRoutes:
         if not isinstance(text, str):
             raise BadRequestError("'text_input' must be a string")
         merged = {**{k: v for k, v in body.items() if k not in ("text_input", "parameters")}, **params}
-        refuse_costly_schema(merged.get("response_format"))
         job = self._job(name, merged, prompt=text)
         if job.sampling.logprobs >= 0:  # Triton's answer has no place for them: never computed unread
             raise BadRequestError("'logprobs' are served on /v1/chat/completions and /v1/completions")
@@ -316,9 +311,8 @@ class LogprobsOut:
         job = self.job
         if job.sampling.logprobs < 0:
             return None
-        # The slot thread appends a token's entry and then counts the token; the end-of-text
-        # token gets an entry but no count (it is not part of the completion): the count bounds
-        # what is handed out, so every entry handed out is one of ``completion_tokens``.
+        # The decoding thread appends a token's entry just before it counts the token: the count
+        # bounds what is handed out, so every entry handed out is one of ``completion_tokens``.
         end = min(len(job.token_logprobs), job.completion_tokens)
         if end <= self.sent and not always:
             return None
@@ -449,56 +443,3 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     found = unsupported(body)
     if found:
         raise BadRequestError(f"{', '.join(found)}: not supported by edged; leave them out")
-
-
-# A JSON schema becomes a llama.cpp grammar in which a bound such as ``maxLength: n`` is n nested
-# groups, which llama.cpp parses recursively on the slot's thread: a bound in the tens of
-# thousands overflows that thread's stack and ends the daemon, whatever the schema's byte size.
-# Bounds and nesting far beyond any real schema's are refused before a grammar is made.
-MAX_REPEAT = 1000
-MAX_SCHEMA_DEPTH = 64
-_REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
-_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
-
-
-def costly_schema(fmt: Any) -> str:
-    """Why the schema of a ``json_schema`` response format is refused ('' when it is not). Its
-    shape (an object, its size) is checked where the format is read. Every object in it is
-    checked as a schema, values under ``const`` or ``enum`` too: a false alarm there is a 400,
-    while telling schemas from values by their keys would let a property named ``enum`` by."""
-    spec = fmt.get("json_schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        return ""
-    stack: list[tuple[Any, str, int]] = [(schema, "", 1)]
-    while stack:  # iterative: the nesting is what is being bounded
-        node, where, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            return f"nests deeper than {MAX_SCHEMA_DEPTH} levels at {where}"
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, value in items:
-            at = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
-            if isinstance(node, dict):
-                why = _costly_keyword(key, value)
-                if why:
-                    return f"{at} {why}"
-            if isinstance(value, (dict, list)):
-                stack.append((value, at, depth + 1))
-    return ""
-
-
-def _costly_keyword(key: Any, value: Any) -> str:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if key in _REPEAT_KEYS and number and value > MAX_REPEAT:
-        return f"is {value}; bounds above {MAX_REPEAT} are not served"
-    if key == "pattern" and isinstance(value, str):
-        counts = sum(max(int(lo), int(hi or 0)) for lo, hi in _QUANTIFIER.findall(value))
-        if counts > MAX_REPEAT:
-            return f"repeats {counts} times in all; at most {MAX_REPEAT} are served"
-    return ""
-
-
-def refuse_costly_schema(fmt: Any) -> None:
-    why = costly_schema(fmt)
-    if why:
-        raise InvalidInputError(f"'response_format' schema: {why}")

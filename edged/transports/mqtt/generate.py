@@ -2,8 +2,8 @@
 text to the response topic, one message per token.
 
 Request (JSON): ``{"prompt": "..."}`` or ``{"messages": [...]}`` (the model's chat template), with
-the OpenAI sampling names (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``; not
-``response_format`` or ``logprobs``, which HTTP serves); MQTT 3.1.1 clients add ``reply_to`` and
+the OpenAI sampling names (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
+``response_format``; not ``logprobs``, which HTTP serves); MQTT 3.1.1 clients add ``reply_to`` and
 ``id``. Each reply carries the request's Correlation Data and
 is numbered: ``{"seq": 0, "text": "Hello", "final": false}`` ... and the last one
 ``{"seq": n, "text": "", "final": true, "finish_reason": ..., "usage": {...}}`` (user properties
@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 
 SUFFIX = "/generate"
 MAX_BODY = gen.MAX_BODY
-# The OpenAI routes' fields: the HTTP side bounds a schema before it becomes a grammar, and these
-# replies have no place for per-token log probabilities. Refused by name rather than half served.
-HTTP_ONLY = ("response_format", "logprobs", "top_logprobs")
+# These replies have no place for per-token log probabilities: refused by name rather than
+# half served.
+HTTP_ONLY = ("logprobs", "top_logprobs")
 
 
 def model_from_topic(topic: str, prefix: str, device: str) -> str | None:
@@ -129,7 +129,7 @@ async def _generate(
         rt = service.model(model)
         if not gen.is_language_model(rt.cfg):
             raise BadRequestError(f"model '{model}' is not a language model")
-        asked = [k for k in HTTP_ONLY if doc.get(k) not in (None, False) and doc.get(k) != {"type": "text"}]
+        asked = [k for k in HTTP_ONLY if doc.get(k) not in (None, False)]
         if asked:
             raise BadRequestError(f"{', '.join(asked)}: served over HTTP, not over MQTT")
         timeout = gen.request_timeout(service, model)
