@@ -95,8 +95,12 @@ def write_config(path: Path, tables: dict[str, dict[str, Any]]) -> Path:
 
 
 class DaemonProcess:
-    def __init__(self, config: Path, socket: Path, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, config: Path, socket: Path, log: Path, env: dict[str, str] | None = None, python: str | None = None
+    ) -> None:
+        """``python``: the interpreter that runs it (another environment's), this one's by default."""
         self.config, self.socket, self.log_path = config, socket, log
+        self.python = python or sys.executable
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -104,7 +108,7 @@ class DaemonProcess:
     def start(self, wait_ready: bool = True, timeout: float = 60.0) -> DaemonProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "edged", "serve", "--config", str(self.config)],
+                [self.python, "-m", "edged", "serve", "--config", str(self.config)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,

@@ -3,7 +3,9 @@
 A model whose engine is in the cache loads at once. One whose engine is missing either serves
 from a stand-in while its engine builds in the background (the default), or is built first
 (``[build] block_ready = true``, and whenever no stand-in exists or the stand-in and the engine
-together do not fit the budget). Everything blocking runs in threads or the build child.
+together do not fit the budget). A model whose backend's library is not installed yet waits for
+it, outside the plan, and joins after READY=1 once it imports (edged/serving/waiting.py).
+Everything blocking runs in threads or the build child.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class Boot:
                 await asyncio.to_thread(reg.resolve, rt)
             except EdgedError as e:
                 reg.set_state(rt, ModelState.FAILED, e.message)
+            else:
+                if rt.waits_for:
+                    reg.set_state(rt, ModelState.WAITING, rt.backend_reason)
 
     async def _stand_ins(self, candidates: list[ModelRuntime]) -> dict[str, ModelRuntime]:
         if self.registry.cfg.build.block_ready:
@@ -77,7 +82,7 @@ class Boot:
     async def boot(self) -> Plan:
         reg = self.registry
         await self.resolve_all()
-        candidates = [rt for rt in reg.models.values() if rt.state != ModelState.FAILED]
+        candidates = [rt for rt in reg.models.values() if rt.state not in (ModelState.FAILED, ModelState.WAITING)]
         subs = await self._stand_ins(candidates)
         the_plan = self.plan(candidates, subs)
         for name, why in the_plan.deferred.items():
@@ -120,10 +125,11 @@ class Boot:
             await self.load_or_rebuild(rt)
 
     def start_later(self) -> None:
-        """After READY=1: the builds that did not block it."""
+        """After READY=1: the builds that did not block it, and the models waiting for a backend."""
         for rt, load in self.later:
             self.background.submit(rt, load)
         self.later.clear()
+        self.background.watch_backends()
 
     async def load_or_rebuild(self, rt: ModelRuntime) -> None:
         """An engine that checked out but will not load (another TensorRT, a corrupt plan) has

@@ -3,7 +3,9 @@ it is ready (``/v2/health/ready``).
 
 Ready means every boot model has settled and at least one of them serves. Settled: it serves (on
 its engine, or on a stand-in while its engine builds), or it is degraded with its reason (deferred
-by the budget, lazy, unloaded by an operator, failed), which the summary gives.
+by the budget, lazy, unloaded by an operator, failed, waiting for its backend's library), which
+the summary gives. A waiting model does not hold readiness back: its library may take minutes to
+install, or never come, and the other models serve meanwhile; once it joins it serves too.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def summary(registry: Registry, building: Iterable[ModelRuntime], reload_error: 
     standing = [rt for rt in models if rt.state == ModelState.READY and rt.reason.startswith("serving on")]
     if standing:
         parts[0] += " (" + "; ".join(f"{rt.name} {rt.reason}" for rt in standing) + ")"
-    for state in (ModelState.LAZY, ModelState.DEFERRED, ModelState.FAILED):
+    for state in (ModelState.LAZY, ModelState.DEFERRED, ModelState.WAITING, ModelState.FAILED):
         n = states.count(state)
         if n:
             reasons = {rt.reason.split(":")[0] for rt in models if rt.state == state}

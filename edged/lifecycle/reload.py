@@ -209,6 +209,9 @@ class Reloader:
         queued = []
         for rt in candidates:
             old = reg.models.get(rt.name)
+            if rt.waits_for:  # its backend's library is not importable yet: it waits, as at boot
+                txn.serve[rt.name] = rt
+                continue
             if rt.entry is None and new_cfg.build.block_ready:
                 self._status(f"reloading: building {rt.name} {rt.precision}")
                 await reg.build(rt, self._progress(rt.name))
@@ -332,7 +335,9 @@ class Reloader:
             reg.models[name] = rt
             if old is not None and old is not rt:
                 retired.append(old)
-            if rt.backend is None and rt.entry is not None and rt.cfg.preload == "lazy":
+            if rt.waits_for and rt.backend_cls is None:
+                reg.set_state(rt, ModelState.WAITING, rt.backend_reason)
+            elif rt.backend is None and rt.entry is not None and rt.cfg.preload == "lazy":
                 reg.set_state(rt, ModelState.LAZY, "loads on first request")
             elif rt.backend is None and rt.entry is None:
                 reg.set_state(rt, ModelState.BUILDING, "building in the background")

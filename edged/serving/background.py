@@ -6,6 +6,10 @@ already in the cache, or the FP32 model on ONNX Runtime on the CPU. Its engine b
 process meanwhile; once it passed its gate it is loaded and warmed beside the stand-in, swapped in
 with one dict assignment (as a reload does) and the stand-in is drained and released. Builds run
 one at a time, in the order they were asked for.
+
+A model that waited for its backend's library (edged/serving/waiting.py) comes through here too,
+once the library imports: its waiting runtime stays registered (nothing serves it, but its reason
+says which step is under way) while the new one builds, loads and warms, then is swapped in.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from pathlib import Path
 
 from edged import backends
 from edged.cache.store import Entry
+from edged.config import format_size
 from edged.errors import BackendUnavailableError, EdgedError
 from edged.quantize.job import job_key
 from edged.serving.registry import ModelRuntime, Registry
 from edged.serving.states import ModelState
 from edged.serving.swap import retire, swap_held
+from edged.serving.waiting import BackendWaits
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,7 @@ class BackgroundBuilds:
         self.targets: dict[str, tuple[ModelRuntime, bool]] = {}  # name → (runtime to build, load it)
         self._task: asyncio.Task[None] | None = None
         self._current = ""
+        self.waits = BackendWaits(registry, loop, self.submit, lambda name: name in self.targets, on_change)
 
     def target(self, name: str) -> ModelRuntime | None:
         item = self.targets.get(name)
@@ -111,7 +118,12 @@ class BackgroundBuilds:
             if self.targets:
                 self._task = self.loop.create_task(self._run())
 
+    def watch_backends(self) -> None:
+        """Start looking for the libraries of the models that wait for them (after READY=1)."""
+        self.waits.start()
+
     async def stop(self) -> None:
+        await self.waits.stop()
         self.targets.clear()
         if self._task is not None:
             self._task.cancel()
@@ -147,9 +159,13 @@ class BackgroundBuilds:
             return
         wanted = f"{target.backend_cls.name if target.backend_cls else '?'} {target.precision}"
         pct = f"{fraction * 100:.0f}%" if fraction is not None else phase
-        text = f"serving on {current.serving_on} while building {wanted} ({pct})"
-        if current.state == ModelState.READY and current.reason.split(" (")[0] != text.split(" (")[0]:
-            reg.set_state(current, ModelState.READY, text)  # logged and published once per phase
+        if current.state == ModelState.WAITING:  # nothing serves it yet: say how far it got
+            text = f"backend {current.waits_for} imports; building {wanted} ({pct})"
+        else:
+            text = f"serving on {current.serving_on} while building {wanted} ({pct})"
+        phase_changed = current.reason.split(" (")[0] != text.split(" (")[0]
+        if current.state in (ModelState.READY, ModelState.WAITING) and phase_changed:
+            reg.set_state(current, current.state, text)  # logged and published once per phase
         current.reason = text
         self._on_change()
 
@@ -159,6 +175,9 @@ class BackgroundBuilds:
         current = reg.models.get(target.name)
         if current is target or current is None:
             await self._settle_unserved(target, load)
+            return
+        if current.state == ModelState.WAITING:
+            await self._replace_waiting(current, target, load)
             return
         if not load:
             return
@@ -182,6 +201,31 @@ class BackgroundBuilds:
         await retire(reg, current, WHY)
         self._on_swap()
 
+    async def _replace_waiting(self, waiting: ModelRuntime, target: ModelRuntime, load: bool) -> None:
+        """The model whose backend arrived: loaded and warmed while ``waiting`` stays registered,
+        then swapped in; a lazy one, or one the budget has no room for now, is registered as such."""
+        reg = self.registry
+        free = reg.budget - reg.used()
+        if not load or target.footprint > free:
+            reg.models[target.name] = target
+            if target.cfg.preload == "lazy":
+                reg.set_state(target, ModelState.LAZY, "loads on first request")
+            else:
+                why = f"over the memory budget: needs {format_size(target.footprint)}, {format_size(max(0, free))} free"
+                reg.set_state(target, ModelState.DEFERRED, why)
+            return
+        reg.set_state(
+            waiting, ModelState.WAITING, f"backend {waiting.waits_for} imports; loading and warming {target.serving_on}"
+        )
+        await reg.load(target, self.loop)
+        if reg.models.get(target.name) is not waiting:  # a reload replaced it meanwhile
+            await reg.unload(target, notify=False)
+            return
+        reg.models[target.name] = target
+        reg.set_state(target, ModelState.READY)
+        log.info("%s: now serving on %s", target.name, target.serving_on, extra={"model": target.name})
+        self._on_swap()
+
     async def _settle_unserved(self, target: ModelRuntime, load: bool) -> None:
         """A model that had no stand-in (lazy, deferred, or its stand-in failed) is built."""
         reg = self.registry
@@ -198,6 +242,9 @@ class BackgroundBuilds:
         current = reg.models.get(target.name)
         log.error("%s: %s", target.name, message, extra={"model": target.name})
         if current is None or current is target:
+            reg.set_state(target, ModelState.FAILED, message)
+        elif current.state == ModelState.WAITING:  # its backend came, the model does not load
+            reg.models[target.name] = target
             reg.set_state(target, ModelState.FAILED, message)
         elif current.state == ModelState.READY:
             reg.set_state(current, ModelState.READY, f"serving on {current.serving_on}; the build failed: {message}")

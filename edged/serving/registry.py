@@ -69,6 +69,9 @@ class ModelRuntime:
     # How the model file stores its weights, when it says (a GGUF's file type): shown as its
     # precision in status, where the build's precision (fp32 for a GGUF) would mislead.
     stored_precision: str = ""
+    # The backend this model waits for, whose library is not importable yet (its reason is in
+    # backend_reason): the model is then ``waiting`` and has no backend class, job or entry.
+    waits_for: str = ""
 
     @property
     def serving_on(self) -> str:
@@ -90,7 +93,7 @@ class ModelRuntime:
             "name": self.name,
             "state": self.state,
             "reason": self.reason,
-            "backend": self.backend_cls.name if self.backend_cls else None,
+            "backend": self.backend_cls.name if self.backend_cls else (self.waits_for or None),
             "backend_reason": self.backend_reason,
             "precision": self.stored_precision or self.precision,
             "requested_precision": self.cfg.precision,
@@ -157,7 +160,12 @@ class Registry:
 
     def resolve(self, rt: ModelRuntime, generation_tag: str | None = None) -> None:
         """Pick the backend and precision, compute the cache key, and read the entry if it is
-        already built (its manifest carries the measured footprint). Blocking: a thread's job."""
+        already built (its manifest carries the measured footprint). Blocking: a thread's job.
+        A model whose backend's library is not importable yet, but may be installed later
+        (edged.backends.LATE_LIBRARIES), is left with ``waits_for`` set and the reason in
+        ``backend_reason``: the caller makes it ``waiting`` (edged/serving/waiting.py)."""
+        if self._waits(rt):
+            return
         cls, why = backends.resolve(rt.cfg.backend, rt.cfg.path)
         rt.backend_cls, rt.backend_reason = cls, why
         log.info("%s: backend %s (%s)", rt.name, cls.name, why, extra={"model": rt.name})
@@ -179,6 +187,17 @@ class Registry:
         )
         rt.entry = self._lookup(rt)
         self._estimate(rt)
+
+    def _waits(self, rt: ModelRuntime) -> bool:
+        """Whether ``rt`` waits for its backend's library (then marked so); its file must exist."""
+        waiting = backends.waiting_for(rt.cfg.backend, rt.cfg.path)
+        if waiting is None:
+            return False
+        if not os.path.exists(rt.cfg.path):  # said now, not once the library is in
+            raise EdgedError(f"model file {rt.cfg.path} does not exist")
+        rt.waits_for, rt.backend_reason = waiting
+        log.info("%s: waiting: %s", rt.name, rt.backend_reason, extra={"model": rt.name})
+        return True
 
     def _calibration_digest(self, model: ModelConfig) -> str:
         """The calibration folder's digest; file hashes come from the remembered digests, so a

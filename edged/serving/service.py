@@ -320,6 +320,9 @@ class Service:
                 await asyncio.wait_for(self.ready.wait(), timeout)
             except asyncio.TimeoutError:
                 raise ModelNotReadyError("edged is still starting") from None
+            # What serves the model now: the start may have registered another runtime for it
+            # meanwhile (a stand-in while its engine builds).
+            rt = self.registry.models.get(rt.name, rt)
         # A lazy model loads on its first request (that is what lazy means); one unloaded by an
         # operator stays unloaded until loaded again through the repository API.
         if rt.state.loads_on_demand and rt.entry is not None:

@@ -23,6 +23,10 @@ class ModelState(str, Enum):
     READY = "ready"  # loaded and warm: requests run
     LAZY = "lazy"  # built, not loaded: the first request loads it
     DEFERRED = "deferred"  # over the memory budget: not loaded until a reload or a restart
+    # Its backend's library is not installed yet (llama-cpp-python compiles for minutes): checked
+    # again every few seconds, it loads without a restart once it imports; the reason says which
+    # library and, once it imports, which step of the load is under way.
+    WAITING = "waiting"
     UNLOADED = "unloaded"  # unloaded by an operator (or at stop): 503 until loaded again
     FAILED = "failed"  # resolving, building or loading failed; the reason says why
 
@@ -62,12 +66,14 @@ class ModelState(str, Enum):
     @property
     def settled(self) -> bool:
         """It stays in this state until something outside the model changes it; the others are
-        steps of a build or a load. Readiness waits until every boot model has settled."""
+        steps of a build or a load. Readiness waits until every boot model has settled. A model
+        waiting for its backend's library has settled: the library may take minutes to install,
+        or never come, and must not keep the models that can serve from being ready."""
         return self not in _TRANSITIONS
 
 
 _SERVING = frozenset({ModelState.READY, ModelState.LAZY})
-_OUT_OF_SERVICE = frozenset({ModelState.FAILED, ModelState.DEFERRED, ModelState.UNLOADED})
+_OUT_OF_SERVICE = frozenset({ModelState.FAILED, ModelState.DEFERRED, ModelState.UNLOADED, ModelState.WAITING})
 _ON_DEMAND = frozenset({ModelState.LAZY})
 _TRANSITIONS = frozenset(
     {ModelState.PENDING, ModelState.BUILDING, ModelState.BUILT, ModelState.LOADING, ModelState.WARMING}

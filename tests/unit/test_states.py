@@ -10,7 +10,19 @@ import orjson
 from edged.serving.states import READY, ModelState
 
 # The status API, the MQTT state topics, the logs and `edged top` show these; clients match them.
-WIRE = ["pending", "building", "built", "loading", "warming", "ready", "lazy", "deferred", "unloaded", "failed"]
+WIRE = [
+    "pending",
+    "building",
+    "built",
+    "loading",
+    "warming",
+    "ready",
+    "lazy",
+    "deferred",
+    "waiting",
+    "unloaded",
+    "failed",
+]
 
 
 def test_the_wire_values_are_the_documented_strings() -> None:
@@ -39,7 +51,9 @@ def test_which_states_serve_and_which_have_settled() -> None:
     on_demand = {s.value for s in ModelState if s.loads_on_demand}
     settled = {s.value for s in ModelState if s.settled}
     assert serving == {"ready", "lazy"}
-    assert out == {"failed", "deferred", "unloaded"}  # an unloaded model answers 503 until loaded
+    # An unloaded model answers 503 until loaded; a waiting one until its backend's library imports.
+    assert out == {"failed", "deferred", "unloaded", "waiting"}
     assert on_demand == {"lazy"}
-    assert settled == {"ready", "lazy", "deferred", "unloaded", "failed"}
+    # Waiting has settled: a library that takes minutes to install must not hold readiness back.
+    assert settled == {"ready", "lazy", "deferred", "waiting", "unloaded", "failed"}
     assert not serving & out and serving | out <= settled
