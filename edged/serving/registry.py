@@ -305,6 +305,7 @@ class Registry:
             rt.cfg.max_batch,
             rt.cfg.max_queue_delay_us,
             batchable=_batchable(backend),
+            preferred=rt.cfg.preferred_batch,
         )
         queue.start(inline, inline_max_elements(backend.inputs, rt.cfg, rt.infer_us) if inline and rt.infer_us else 0)
         rt.queue = queue
