@@ -72,7 +72,7 @@ class Service:
         self._plans: dict[str, ModelPlan] = {}
         self._versions: tuple[Config, Versions] | None = None
         # Triton's statistics extension: one record per configured model (edged/serving/stats.py).
-        self.stats = Statistics(lambda: self.registry.models)
+        self.stats = Statistics(lambda: self.registry.models, lambda name: self.versions().served(name))
 
     # --- health and metadata ---
 

@@ -120,6 +120,18 @@ def test_both_versions_answer_on_their_routes_and_the_default_is_the_latest(
     assert index[("m", "1")] == index[("m", "2")] == "READY"
 
 
+def test_statistics_and_configuration_name_the_model_and_its_versions(
+    triton: tritonhttp.InferenceServerClient,
+) -> None:
+    infer(triton, "m", np.zeros((1, 16), np.float32), "1")
+    stats = triton.get_inference_statistics("m", "1")["model_stats"]
+    assert [(s["name"], s["version"]) for s in stats] == [("m", "1")] and stats[0]["inference_count"] >= 1
+    every = {(s["name"], s["version"]) for s in triton.get_inference_statistics()["model_stats"]}
+    assert {("m", "1"), ("m", "2"), ("batched", "1"), ("det", "1")} <= every
+    config = triton.get_model_config("m", "1")
+    assert (config["name"], config["version_policy"]) == ("m", {"specific": {"versions": [1, 2]}})
+
+
 def test_an_instance_group_and_edged_toml_shape_every_version(served: tuple[DaemonProcess, int, Path]) -> None:
     with served[0].client() as c:
         models = c.status()["models"]

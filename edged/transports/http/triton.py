@@ -72,7 +72,14 @@ def model_config(service: Service, name: str) -> bytes:
     rt = service.model(name)
     if rt.backend is None:
         raise ModelNotReadyError(f"model '{name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
-    return orjson.dumps(config_doc(rt))
+    doc = config_doc(rt)
+    known = service.versions()
+    model = known.served(name)[0]
+    served = known.of.get(model)
+    if served is not None:  # a repository model: its name, and the versions its policy serves
+        doc["name"] = model
+        doc["version_policy"] = {"specific": {"versions": [int(v) for v in served]}}
+    return orjson.dumps(doc)
 
 
 def config_doc(rt: ModelRuntime) -> dict[str, Any]:
