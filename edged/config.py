@@ -330,6 +330,7 @@ class RepositoryModel(_Table, frozen=True):
     batched: bool = False  # max_batch_size > 0: every tensor's first dimension is the batch
     input_reshape: dict[str, Reshape] = msgspec.field(default_factory=dict)
     output_reshape: dict[str, Reshape] = msgspec.field(default_factory=dict)
+    formats: dict[str, str] = msgspec.field(default_factory=dict)  # input → "FORMAT_NCHW", for clients
     # What edged serves otherwise than config.pbtxt asks, and why (a model.plan not served as is).
     note: str = ""
 

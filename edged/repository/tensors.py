@@ -58,6 +58,7 @@ class Checked:
 
     input_reshape: dict[str, Reshape] = field(default_factory=dict)
     output_reshape: dict[str, Reshape] = field(default_factory=dict)
+    formats: dict[str, str] = field(default_factory=dict)  # input → its format, for clients (DeepStream)
     # Input → [min, opt, max] where the config bounds a dimension the model leaves open.
     profiles: dict[str, list[list[int]]] = field(default_factory=dict)
 
@@ -132,6 +133,8 @@ def _check_one(
     if t.HasField("reshape") and inner != dims:
         _check_reshape(label, dims, inner)
         (out.input_reshape if kind == "input" else out.output_reshape)[t.name] = Reshape(api=dims, model=inner)
+    if isinstance(t, model_config_pb2.ModelInput) and t.format != model_config_pb2.ModelInput.FORMAT_NONE:
+        out.formats[t.name] = model_config_pb2.ModelInput.Format.Name(t.format)
     if kind == "input" and -1 in model.shape and -1 not in inner:
         if batch > 0:
             out.profiles[t.name] = [[1, *inner], [min(opt_batch, batch), *inner], [batch, *inner]]

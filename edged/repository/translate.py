@@ -136,6 +136,7 @@ def _version(
         batched=config.max_batch_size > 0,
         input_reshape=checked.input_reshape,
         output_reshape=checked.output_reshape,
+        formats=checked.formats,
         note=note,
     )
     return Served(name, raw, notes, origin)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass
+from typing import Any
 
-from edged.config import Config
+from edged.config import Config, RepositoryModel
 from edged.errors import ModelNotFoundError, ModelVersionNotFoundError
 
 
@@ -74,3 +75,24 @@ def origin_doc(cfg: Config, name: str) -> dict[str, str] | None:
     if origin is None:
         return None
     return {"model": origin.model, "version": origin.version, "folder": origin.folder, "note": origin.note}
+
+
+def served_config(doc: dict[str, Any], origin: RepositoryModel, max_batch: int, versions: list[str]) -> dict[str, Any]:
+    """Triton's model configuration of a repository model as its config.pbtxt gave it to clients
+    (DeepStream reads max_batch_size, dims and formats from it): the model's name, the versions
+    its policy serves, the batch left out of the dims of a batched model, the dims clients send
+    where a reshape differs and each input's format. ``doc``: the answer for edged's own view."""
+    skip = 1 if doc["max_batch_size"] > 0 else 0
+    lead = 1 if origin.batched else 0
+    doc = dict(doc, name=origin.model, version_policy={"specific": {"versions": [int(v) for v in versions]}})
+    doc["max_batch_size"] = max_batch if origin.batched else 0
+    for key, reshapes in (("input", origin.input_reshape), ("output", origin.output_reshape)):
+        tensors = []
+        for t in doc[key]:
+            full = [-1] * skip + list(t["dims"])
+            r = reshapes.get(t["name"])
+            dims = list(r.api) if r is not None else full[lead:]
+            extra = {"format": origin.formats[t["name"]]} if key == "input" and t["name"] in origin.formats else {}
+            tensors.append(dict(t, dims=dims, **extra))
+        doc[key] = tensors
+    return doc

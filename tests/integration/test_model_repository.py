@@ -47,7 +47,9 @@ dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 600
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 )
-PLAN_PBTXT = TINY_PBTXT.replace('platform: "onnxruntime_onnx"', 'platform: "tensorrt_plan"')
+PLAN_PBTXT = TINY_PBTXT.replace('platform: "onnxruntime_onnx"', 'platform: "tensorrt_plan"').replace(
+    "dims: [ 16 ] }", "dims: [ 16 ] format: FORMAT_NCHW }"
+)
 OVERRIDES = """
 [models.m]
 priority = 90
@@ -130,6 +132,9 @@ def test_statistics_and_configuration_name_the_model_and_its_versions(
     assert {("m", "1"), ("m", "2"), ("batched", "1"), ("det", "1")} <= every
     config = triton.get_model_config("m", "1")
     assert (config["name"], config["version_policy"]) == ("m", {"specific": {"versions": [1, 2]}})
+    # What DeepStream's gRPC mode reads to lay out its tensors: as config.pbtxt gave it.
+    assert (config["max_batch_size"], config["input"][0]["dims"], config["output"][0]["dims"]) == (8, [16], [4])
+    assert triton.get_model_config("det")["input"][0]["format"] == "FORMAT_NCHW"
 
 
 def test_an_instance_group_and_edged_toml_shape_every_version(served: tuple[DaemonProcess, int, Path]) -> None:

@@ -346,3 +346,8 @@ def test_a_model_folder_with_no_version_is_refused(tmp_path: Path) -> None:
     (tmp_path / "m" / "config.pbtxt").write_text(TINY_PBTXT)
     with pytest.raises(ConfigError, match=r"no version folder \(1/, 2/, ...\) holds the model"):
         read(tmp_path)
+
+
+def test_an_inputs_format_is_kept_for_clients(tmp_path: Path) -> None:
+    model_folder(tmp_path, "m", TINY_PBTXT.replace("dims: [ 16 ] }", "dims: [ 16 ] format: FORMAT_NHWC }"))
+    assert read(tmp_path)[1]["m"].formats == {"x": "FORMAT_NHWC"}

@@ -13,7 +13,7 @@ from edged.backends.base import TensorSpec
 from edged.config import Config, ModelConfig, RepositoryModel, Reshape, WarmupConfig, WarmupInput
 from edged.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelVersionNotFoundError
 from edged.serving.reshape import reshaper
-from edged.serving.versions import Versions, origin_doc
+from edged.serving.versions import Versions, origin_doc, served_config
 from edged.serving.warmup import concrete_shape, warm_inputs
 
 
@@ -131,3 +131,19 @@ def test_warmup_inputs_that_are_not_the_models_are_a_config_error(tmp_path: Path
     short = model_with({"x": WarmupInput(shape=[1, 16], file=str(raw)), "t": WarmupInput(shape=[1])})
     with pytest.raises(ConfigError, match=r"warm-up input 'x' .*needs 64 bytes, got 8"):
         warm_inputs(SPECS, short)
+
+
+def test_the_configuration_clients_read_is_config_pbtxts() -> None:
+    """A batched model whose queue does not batch (max_batch_size 1) still leaves the batch out of
+    its dims, reshaped tensors show their dims, inputs their formats."""
+    tensor = {"name": "x", "data_type": "TYPE_FP32", "format": "FORMAT_NONE", "dims": [-1]}
+    out = {"name": "y", "data_type": "TYPE_FP32", "dims": [-1, 4]}
+    doc = {"name": "m@1", "max_batch_size": 0, "input": [tensor], "output": [out], "version_policy": {}}
+    origin = batched_reshape()
+    origin = RepositoryModel(
+        **{**{f: getattr(origin, f) for f in origin.__struct_fields__}, "formats": {"x": "FORMAT_NCHW"}}
+    )
+    got = served_config(doc, origin, 1, ["1", "2"])
+    assert (got["name"], got["max_batch_size"], got["version_policy"]) == ("m", 1, {"specific": {"versions": [1, 2]}})
+    assert (got["input"][0]["dims"], got["input"][0]["format"]) == ([1], "FORMAT_NCHW")
+    assert got["output"][0]["dims"] == [2, 2]

@@ -17,6 +17,7 @@ import orjson
 from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, ModelNotReadyError
 from edged.serving.registry import ModelRuntime
 from edged.serving.service import Service
+from edged.serving.versions import served_config
 from edged.wire.decode import load_object
 from edged.wire.tensors import v2_datatype
 
@@ -73,12 +74,10 @@ def model_config(service: Service, name: str) -> bytes:
     if rt.backend is None:
         raise ModelNotReadyError(f"model '{name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
     doc = config_doc(rt)
-    known = service.versions()
-    model = known.served(name)[0]
-    served = known.of.get(model)
-    if served is not None:  # a repository model: its name, and the versions its policy serves
-        doc["name"] = model
-        doc["version_policy"] = {"specific": {"versions": [int(v) for v in served]}}
+    origin = service.registry.cfg.repository.get(name)
+    if origin is not None:  # a repository model: as its config.pbtxt told clients
+        versions = list(service.versions().of.get(origin.model, {origin.version: name}))
+        doc = served_config(doc, origin, rt.cfg.max_batch, versions)
     return orjson.dumps(doc)
 
 
