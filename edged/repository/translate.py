@@ -99,7 +99,7 @@ def _version(
 ) -> Served:
     vdir = folder / str(version)
     file = vdir / choice.file
-    if not file.exists():
+    if not file.exists() and not (choice.kind == PLAN and (vdir / "model.onnx").exists()):
         raise ConfigError(f"{vdir}: no {choice.file} in the version folder")
     if choice.kind == ONNX and file.is_dir():  # an ONNX model with its external data: model.onnx/model.onnx
         file = file / "model.onnx"
@@ -146,6 +146,9 @@ def _plan(file: Path, choice: Choice, identity: plans.Identity) -> tuple[Path, s
     """A version's model.plan: served as it is when its manifest matches this device; otherwise
     the model.onnx beside it, built here; with neither, the plan (which then fails, saying why)."""
     onnx = file.with_name("model.onnx")
+    if not file.exists():
+        note = f"no {file.name} in the version folder: serving its model.onnx, built for this device"
+        return onnx, choice.onnx_backend, "", note, onnx_signature(onnx)
     why = plans.verdict(file, identity)
     if not why:
         sig = onnx_signature(onnx) if onnx.exists() else None

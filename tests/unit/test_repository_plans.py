@@ -119,3 +119,10 @@ def test_the_registry_refuses_a_plan_path_whose_manifest_does_not_match(tmp_path
     foreign = plan_with_manifest(tmp_path / "other.plan", "8.5.2", XAVIER)
     with pytest.raises(EdgedError, match=r"other.plan was built for another device.*put the ONNX model beside it"):
         prebuilt_entry(str(foreign), FakeTensorRT, lambda p: "")  # type: ignore[arg-type]
+
+
+def test_a_version_with_only_a_model_onnx_is_built_here(tmp_path: Path) -> None:
+    folder = model_folder(tmp_path, "det", PLAN_PBTXT)
+    models, origins = read_repository(tmp_path, on_orin)
+    assert models["det"].path == str(folder / "1" / "model.onnx")
+    assert origins["det"].note == "no model.plan in the version folder: serving its model.onnx, built for this device"
