@@ -42,6 +42,16 @@ class Reshaper:
             out[name] = arr.reshape(lead + tuple(r.model))
         return out
 
+    def as_sent(self, inputs: Tensors) -> dict[str, np.ndarray]:
+        """Inputs the model takes, in the shapes a client sends them (the daemon's own warm-up
+        requests are made from the model's shapes)."""
+        out = dict(inputs)
+        for name, r in self.inputs.items():
+            arr = inputs.get(name)
+            if arr is not None:
+                out[name] = arr.reshape(self._lead(arr.shape) + tuple(r.api))
+        return out
+
     def to_api(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``outputs`` in the shapes config.pbtxt gives clients."""
         for name, r in self.outputs.items():

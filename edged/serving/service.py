@@ -128,6 +128,11 @@ class Service:
             "outputs": [_tensor_meta(s.name, s.dtype, shown(reshape, s.name, s.shape, True)) for s in rt.outputs],
         }
 
+    def as_sent(self, rt: ModelRuntime, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``inputs`` in the model's own shapes, as a client sends them (a repository's reshapes)."""
+        reshape = self.plan_for(rt).reshape
+        return dict(inputs) if reshape is None else reshape.as_sent(inputs)
+
     def _is_ready(self, name: str) -> bool:
         rt = self.registry.models.get(name)
         return rt is not None and rt.state == ModelState.READY

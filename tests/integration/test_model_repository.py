@@ -25,7 +25,15 @@ from edged.tools.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, wait_for, write_config
 from tests.integration.mosquitto import free_port
 from tests.integration.test_llm import smollm2
-from tests.repository import CHAT_PBTXT, TINY_PBTXT, XAVIER, model_folder, plan_with_manifest, reference
+from tests.repository import (
+    CHAT_PBTXT,
+    TINY_PBTXT,
+    XAVIER,
+    identity_model,
+    model_folder,
+    plan_with_manifest,
+    reference,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +58,11 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 PLAN_PBTXT = TINY_PBTXT.replace('platform: "onnxruntime_onnx"', 'platform: "tensorrt_plan"').replace(
     "dims: [ 16 ] }", "dims: [ 16 ] format: FORMAT_NCHW }"
 )
+# The model takes and gives [N]; clients send and receive [N, 1] (Triton's reshape example).
+FLAT_PBTXT = """max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]
+"""
 OVERRIDES = """
 [models.m]
 priority = 90
@@ -79,6 +92,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPro
     model_folder(repo, "batched", BATCHED_PBTXT)
     det = model_folder(repo, "det", PLAN_PBTXT)
     plan_with_manifest(det / "1" / "model.plan", "8.5.2", XAVIER)
+    identity_model(repo / "flat" / "1" / "model.onnx", ["N"])
+    (repo / "flat" / "config.pbtxt").write_text(FLAT_PBTXT)
     (repo / "edged.toml").write_text(OVERRIDES)
     port = free_port()
     d = DaemonProcess(config(tmp, repo, tcp=[f"127.0.0.1:{port}"]), tmp / "edged.sock", tmp / "edged.log")
@@ -160,6 +175,23 @@ def test_a_preferred_batch_runs_as_soon_as_it_forms(served: tuple[DaemonProcess,
     with d.client() as c:
         after = c.status()["models"]["batched"]
     assert (after["batches"] - before["batches"], after["rows"] - before["rows"]) == (1, 4)
+
+
+def test_clients_send_and_receive_the_reshaped_dims(served: tuple[DaemonProcess, int, Path]) -> None:
+    d = served[0]
+    x = np.arange(3, dtype=np.float32).reshape(3, 1)
+    with d.client() as c:
+        assert c.model_metadata("flat")["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 1]}]
+        got = c.infer("flat", {"x": x})["y"]
+        status, body, _ = c.request("POST", "/v2/models/flat/infer", _json_body("x", np.zeros((3,), np.float32)))
+    np.testing.assert_array_equal(got, x)  # the model's [3] answer, given back as [3, 1]
+    assert status == 400 and "input 'x': shape [3] does not match [?, 1]" in body.decode()
+    assert "flat: warm-up request answered" not in d.log()  # the daemon's own warm-up sent the dims too
+
+
+def _json_body(name: str, x: np.ndarray) -> bytes:
+    doc = {"inputs": [{"name": name, "shape": list(x.shape), "datatype": "FP32", "data": x.reshape(-1).tolist()}]}
+    return json.dumps(doc).encode()
 
 
 def test_a_batch_larger_than_max_batch_size_is_refused(triton: tritonhttp.InferenceServerClient) -> None:
