@@ -80,5 +80,5 @@ def load_config(
         server=msgspec.structs.replace(cfg.server, model_repository=str(root)),
         models={**cfg.models, **models},
         repository=origins,
-        repository_arg=repository,
+        repository_arg=str(root) if repository else "",  # resolved: a reload reads the same folder
     )

@@ -98,12 +98,16 @@ def test_the_repository_joins_the_main_config(tmp_path: Path) -> None:
     assert "tiny" not in cfg.repository
 
 
-def test_a_command_lines_repository_takes_the_place_of_the_configs(tmp_path: Path) -> None:
+def test_a_command_lines_repository_takes_the_place_of_the_configs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_folder(tmp_path / "a", "from_a", TINY_PBTXT)
     model_folder(tmp_path / "b", "from_b", TINY_PBTXT)
     main = tmp_path / "edged.toml"
     main.write_text('[server]\nmodel_repository = "a"\n')
-    cfg = load_config(main, str(tmp_path / "b"), no_tensorrt)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(main, "b", no_tensorrt)
+    # Kept resolved, so that a reload reads the same folder wherever the daemon runs from.
     assert list(cfg.models) == ["from_b"] and cfg.repository_arg == str(tmp_path / "b")
 
 
