@@ -34,7 +34,7 @@ _OTHERS = {
 _SERVED = "edged serves ONNX models, TensorRT plans and GGUF language models"
 
 Group = model_config_pb2.ModelInstanceGroup
-KIND_NAMES = {Group.KIND_AUTO: "KIND_AUTO", Group.KIND_GPU: "KIND_GPU", Group.KIND_CPU: "KIND_CPU"}
+KIND_NAMES: dict[int, str] = {Group.KIND_AUTO: "KIND_AUTO", Group.KIND_GPU: "KIND_GPU", Group.KIND_CPU: "KIND_CPU"}
 
 
 @dataclass
@@ -124,6 +124,8 @@ def _instances(config: model_config_pb2.ModelConfig, choice: Choice, where: str)
     group = groups[0]
     if group.kind not in KIND_NAMES:
         raise ConfigError(f"{where}: instance_group kind KIND_MODEL is not supported: edged places instances itself")
+    if choice.kind == GGUF and group.kind != Group.KIND_AUTO:
+        _llama_kind(group.kind, where)
     said = f"instance_group count {group.count}"
     count = group.count or (2 if group.kind == Group.KIND_CPU and choice.kind == ONNX else 1)
     if not 1 <= count <= 64:
@@ -142,6 +144,30 @@ def _instances(config: model_config_pb2.ModelConfig, choice: Choice, where: str)
             raise ConfigError(f"{where}: instance_group gpus: only a TensorRT model is placed on a GPU")
         choice.set("tensorrt.device", group.gpus[0], f"instance_group gpus [{group.gpus[0]}]")
     return int(group.kind)
+
+
+def llama_offloads() -> bool | None:
+    """Whether edged's llama.cpp runs a language model on the GPU: it offloads every layer where
+    its build can, and none where it cannot. None without llama.cpp (the model fails saying so)."""
+    from edged import backends
+
+    try:
+        return backends.backend_class("llama").fingerprint().get("gpu_offload") == "True"
+    except Exception:  # not installed, or a library that does not load: resolving the model says why
+        return None
+
+
+def _llama_kind(kind: int, where: str) -> None:
+    """A language model's instance kind holds only where llama.cpp runs it anyway."""
+    offloads = llama_offloads()
+    if offloads is not None and offloads != (kind == Group.KIND_GPU):
+        runs = (
+            "on the GPU (its build offloads every layer)" if offloads else "on the CPU (its build has no GPU offload)"
+        )
+        raise ConfigError(
+            f"{where}: instance_group kind {KIND_NAMES[kind]}: edged's llama.cpp runs language models {runs}; "
+            "use KIND_AUTO, or no kind"
+        )
 
 
 _PRECISIONS = {"FP32": "fp32", "FP16": "fp16", "INT8": "int8"}

@@ -271,7 +271,7 @@ def test_a_gguf_in_the_repository_is_a_language_model(
     repo = tmp_path / "repo"
     (repo / "chat" / "1").mkdir(parents=True)
     os.symlink(smollm2, repo / "chat" / "1" / "model.gguf")
-    (repo / "chat" / "config.pbtxt").write_text(CHAT_PBTXT + "instance_group [ { count: 1 kind: KIND_CPU } ]")
+    (repo / "chat" / "config.pbtxt").write_text(CHAT_PBTXT + "instance_group [ { count: 1 } ]")
     (repo / "edged.toml").write_text(
         "[models.chat]\ntimeout_ms = 60000\n[models.chat.warmup]\niterations = 1\n"
         "[models.chat.llm]\ncontext = 1024\nmax_tokens = 8\nmax_tokens_limit = 512\n"

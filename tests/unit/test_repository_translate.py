@@ -291,12 +291,27 @@ def test_warmup_samples_edged_cannot_run_are_refused(tmp_path: Path, sample: str
         read(tmp_path)
 
 
-def test_a_gguf_is_a_language_model_with_slots(tmp_path: Path) -> None:
+@pytest.fixture
+def gpu_llama(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp built with GPU offload, whatever this machine's build is."""
+    monkeypatch.setattr("edged.repository.choice.llama_offloads", lambda: True)
+
+
+def test_a_gguf_is_a_language_model_with_slots(tmp_path: Path, gpu_llama: None) -> None:
     gguf_header(tmp_path / "chat" / "1" / "model.gguf")
     (tmp_path / "chat" / "config.pbtxt").write_text(CHAT_PBTXT + "instance_group [ { count: 2 kind: KIND_GPU } ]")
     m = one(tmp_path, "chat")
     assert (m.backend, m.path.endswith("/chat/1/model.gguf")) == ("llama", True)
     assert m.llm is not None and (m.llm.slots, m.instances) == (2, 2)
+
+
+def test_a_language_models_kind_must_be_where_llama_cpp_runs_it(tmp_path: Path, gpu_llama: None) -> None:
+    gguf_header(tmp_path / "chat" / "1" / "model.gguf")
+    (tmp_path / "chat" / "config.pbtxt").write_text(CHAT_PBTXT + "instance_group [ { kind: KIND_CPU } ]")
+    with pytest.raises(
+        ConfigError, match=r"instance_group kind KIND_CPU: edged's llama.cpp runs language models on the GPU"
+    ):
+        read(tmp_path)
 
 
 def test_a_gguf_found_in_the_version_folder_needs_no_config(tmp_path: Path) -> None:
