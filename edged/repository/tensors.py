@@ -133,6 +133,10 @@ def _check_one(
     if t.HasField("reshape") and inner != dims:
         _check_reshape(label, dims, inner)
         (out.input_reshape if kind == "input" else out.output_reshape)[t.name] = Reshape(api=dims, model=inner)
+    elif kind == "input" and any(m == -1 and c != -1 for c, m in zip(full[len(lead) :], model.shape[len(lead) :])):
+        # Narrower than the model where it keeps a size open too (dims [4, -1] of a [?, ?] model):
+        # no profile can say that, so requests are checked against the dims themselves.
+        out.input_reshape[t.name] = Reshape(api=dims, model=dims)
     if isinstance(t, model_config_pb2.ModelInput) and t.format != model_config_pb2.ModelInput.FORMAT_NONE:
         out.formats[t.name] = model_config_pb2.ModelInput.Format.Name(t.format)
     if kind == "input" and -1 in model.shape and -1 not in inner:

@@ -1,4 +1,6 @@
-"""Tensors that clients see in another shape than the model has (a repository's ``reshape``).
+"""Tensors that clients see in another shape than the model has (a repository's ``reshape``),
+or in narrower dims than the model's that no profile can state (``dims: [4, -1]`` of a model
+that takes any size in both).
 
 A request's input arrives in the shape config.pbtxt's ``dims`` give; it is checked against
 them and reshaped (a view: the same elements, row-major) to the model's own before the input

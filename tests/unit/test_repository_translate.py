@@ -366,3 +366,13 @@ def test_a_model_folder_with_no_version_is_refused(tmp_path: Path) -> None:
 def test_an_inputs_format_is_kept_for_clients(tmp_path: Path) -> None:
     model_folder(tmp_path, "m", TINY_PBTXT.replace("dims: [ 16 ] }", "dims: [ 16 ] format: FORMAT_NHWC }"))
     assert read(tmp_path)[1]["m"].formats == {"x": "FORMAT_NHWC"}
+
+
+def test_dims_narrower_than_the_model_where_no_profile_can_say_so_are_checked_per_request(tmp_path: Path) -> None:
+    identity_model(tmp_path / "m" / "1" / "model.onnx", ["N", "C", "W"])
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'max_batch_size: 8\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 4, -1 ] } ]'
+    )
+    models, origins = read(tmp_path)
+    assert origins["m"].input_reshape == {"x": Reshape(api=[4, -1], model=[4, -1])}
+    assert models["m"].profiles == {}

@@ -147,3 +147,15 @@ def test_the_configuration_clients_read_is_config_pbtxts() -> None:
     assert (got["name"], got["max_batch_size"], got["version_policy"]) == ("m", 1, {"specific": {"versions": [1, 2]}})
     assert (got["input"][0]["dims"], got["input"][0]["format"]) == ([1], "FORMAT_NCHW")
     assert got["output"][0]["dims"] == [2, 2]
+
+
+def test_narrower_dims_are_checked_and_shown() -> None:
+    narrowed = RepositoryModel(
+        model="m", version="1", folder="/r/m", batched=True, input_reshape={"x": Reshape(api=[4, -1], model=[4, -1])}
+    )
+    r = reshaper(narrowed)
+    assert r is not None
+    assert r.to_model({"x": np.zeros((2, 4, 7), np.float32)})["x"].shape == (2, 4, 7)
+    with pytest.raises(InvalidInputError, match=r"input 'x': shape \[2, 5, 7\] does not match \[\?, 4, \?\]"):
+        r.to_model({"x": np.zeros((2, 5, 7), np.float32)})
+    assert r.shown("x", (-1, -1, -1), output=False) == (-1, 4, -1)
