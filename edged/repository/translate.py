@@ -97,20 +97,7 @@ def _version(
     identity: plans.Identity,
     where: str,
 ) -> Served:
-    vdir = folder / str(version)
-    file = vdir / choice.file
-    if not file.exists() and not (choice.kind == PLAN and (vdir / "model.onnx").exists()):
-        raise ConfigError(f"{vdir}: no {choice.file} in the version folder")
-    if choice.kind == ONNX and file.is_dir():  # an ONNX model with its external data: model.onnx/model.onnx
-        file = file / "model.onnx"
-    path, backend, said, note = file, choice.backend, choice.said, ""
-    sig: Signature | None
-    if choice.kind == PLAN:
-        path, backend, said, note, sig = _plan(file, choice, identity)
-    elif choice.kind == ONNX:
-        sig = onnx_signature(file)
-    else:
-        sig = gguf_signature(file)
+    path, backend, said, note, sig = _model_file(folder / str(version), choice, identity)
     raw: dict[str, Any] = {}
     notes = dict(choice.notes)
     for key, value in choice.keys.items():
@@ -142,7 +129,23 @@ def _version(
     return Served(name, raw, notes, origin)
 
 
-def _plan(file: Path, choice: Choice, identity: plans.Identity) -> tuple[Path, str, str, str, Signature | None]:
+# What serves a version: its file, the backend and the setting that chose it, a note, its tensors.
+_Serving = tuple[Path, str, str, str, "Signature | None"]
+
+
+def _model_file(vdir: Path, choice: Choice, identity: plans.Identity) -> _Serving:
+    file = vdir / choice.file
+    if not file.exists() and not (choice.kind == PLAN and (vdir / "model.onnx").exists()):
+        raise ConfigError(f"{vdir}: no {choice.file} in the version folder")
+    if choice.kind == ONNX and file.is_dir():  # an ONNX model with its external data: model.onnx/model.onnx
+        file = file / "model.onnx"
+    if choice.kind == PLAN:
+        return _plan(file, choice, identity)
+    sig = onnx_signature(file) if choice.kind == ONNX else gguf_signature(file)
+    return file, choice.backend, choice.said, "", sig
+
+
+def _plan(file: Path, choice: Choice, identity: plans.Identity) -> _Serving:
     """A version's model.plan: served as it is when its manifest matches this device; otherwise
     the model.onnx beside it, built here; with neither, the plan (which then fails, saying why)."""
     onnx = file.with_name("model.onnx")
