@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    return load(args.config or default_config_path())
+    from edged.repository.load import load_config  # protobuf and onnx, for a model repository only
+
+    return load_config(args.config or default_config_path(), getattr(args, "model_repository", None) or "")
 
 
 def _socket(args: argparse.Namespace) -> SocketPath:
@@ -201,6 +203,10 @@ def _models_table(st: dict[str, Any]) -> None:
         for n, m in st["models"].items()
     ]
     print_table(("model", "state", "backend", "precision", "requests", "p50 ms", "reason"), rows)
+    for n, m in st["models"].items():
+        origin = m.get("repository") or {}
+        if origin.get("note"):  # what a repository model serves otherwise than its config.pbtxt asks
+            print(f"{n} (version {origin['version']} of {origin['model']}): {origin['note']}")
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
@@ -283,10 +289,14 @@ def parser() -> argparse.ArgumentParser:
             )
         return sp
 
-    add("serve", cmd_serve, "run the daemon")
-    add("plan", cmd_plan, "print the memory plan without loading anything").add_argument("--json", action="store_true")
+    repository_help = "a Triton model repository to serve, in place of [server] model_repository"
+    add("serve", cmd_serve, "run the daemon").add_argument("--model-repository", metavar="PATH", help=repository_help)
+    pl = add("plan", cmd_plan, "print the memory plan without loading anything")
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--model-repository", metavar="PATH", help=repository_help)
     b = add("build", cmd_build, "prebuild every model's engine (provisioning)")
     b.add_argument("--check", action="store_true", help="build nothing; exit 1 if a build is needed")
+    b.add_argument("--model-repository", metavar="PATH", help=repository_help)
     add("status", cmd_status, "daemon, memory and model status", client=True).add_argument(
         "--json", action="store_true"
     )

@@ -191,10 +191,22 @@ class ShapeProfile(_Table, frozen=True):
     max: list[PositiveInt]
 
 
+class WarmupInput(_Table, frozen=True):
+    """One input of a warm-up sample described per input (a Triton ``model_warmup`` sample):
+    its whole shape, batch included, and its data."""
+
+    shape: list[NonNegInt]
+    data: Literal["random", "zero"] = "random"
+    # A file of the tensor's raw bytes, row-major (BYTES: 4-byte little-endian lengths, each
+    # followed by its element), in place of ``data``.
+    file: str = ""
+
+
 class WarmupConfig(_Table, frozen=True):
     iterations: NonNegInt = 3
-    # "random" (inputs drawn at the opt shape) or the path of a .npy/.npz sample file.
-    inputs: str = "random"
+    # "random" (inputs drawn at the opt shape), the path of a .npy/.npz sample file, or a table
+    # of inputs by name, each with its own shape and data.
+    inputs: str | dict[str, WarmupInput] = "random"
 
 
 class CalibrationConfig(_Table, frozen=True):
@@ -287,6 +299,8 @@ class ModelConfig(_Table, frozen=True):
     instances: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     max_batch: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     max_queue_delay_us: NonNegInt = 0
+    # Batch sizes (rows) a batch is made of when the queue allows: Triton's preferred_batch_size.
+    preferred_batch: list[PositiveInt] = msgspec.field(default_factory=list)
     queue_depth: PositiveInt = 64
     timeout_ms: NonNegInt = 0  # 0: the server's request_timeout_ms
     threads: NonNegInt = 0  # intra-op threads per instance; 0 = cores / instances
@@ -296,6 +310,33 @@ class ModelConfig(_Table, frozen=True):
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
     tensorrt: TensorRTConfig = msgspec.field(default_factory=TensorRTConfig)
     llm: LlmConfig | None = None  # a GGUF model without this table gets LlmConfig()'s defaults
+
+
+class Reshape(_Table, frozen=True):
+    """A tensor that clients see in another shape than the model file has (Triton's reshape);
+    both without the batch dimension of a batched model, -1 for a variable size."""
+
+    api: list[int]
+    model: list[int]
+
+
+class RepositoryModel(_Table, frozen=True):
+    """A model served from a Triton model repository: the name and version clients ask for and
+    what edged made of its folder. Set by edged.repository, never read from a file."""
+
+    model: str  # the name clients use
+    version: str  # its version folder
+    folder: str  # <repository>/<model>
+    batched: bool = False  # max_batch_size > 0: every tensor's first dimension is the batch
+    input_reshape: dict[str, Reshape] = msgspec.field(default_factory=dict)
+    output_reshape: dict[str, Reshape] = msgspec.field(default_factory=dict)
+    formats: dict[str, str] = msgspec.field(default_factory=dict)  # input → "FORMAT_NCHW", for clients
+    # What edged serves otherwise than config.pbtxt asks, and why (a model.plan not served as is).
+    note: str = ""
+
+
+# Keys of Config that the loaders set and a file may not.
+DERIVED_KEYS = ("source", "repository", "repository_arg")
 
 
 class Config(_Table, frozen=True):
@@ -308,6 +349,11 @@ class Config(_Table, frozen=True):
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
     # Where the config came from; set by load(), never read from the file.
     source: str = ""
+    # The models of [server] model_repository by the name edged serves them under (a served
+    # version other than the latest as NAME@VERSION); set by edged.repository.
+    repository: dict[str, RepositoryModel] = msgspec.field(default_factory=dict)
+    # `edged serve --model-repository`, kept so that a reload reads the same repository.
+    repository_arg: str = ""
 
 
 # --- sizes ---------------------------------------------------------------------------------------
@@ -480,6 +526,13 @@ def _check_model(name: str, model: ModelConfig, src: str) -> None:
                 )
     if model.max_batch > 1 and model.max_batch > model.queue_depth:
         raise ConfigError(f"{where}.max_batch: larger than queue_depth ({model.queue_depth})")
+    too_large = [n for n in model.preferred_batch if n > model.max_batch]
+    if too_large:
+        raise ConfigError(f"{where}.preferred_batch: {too_large[0]} is larger than max_batch ({model.max_batch})")
+    if isinstance(model.warmup.inputs, dict):
+        for inp, sample in model.warmup.inputs.items():
+            if sample.file and sample.data != "random":
+                raise ConfigError(f"{where}.warmup.inputs.{inp}: give either data or file, not both")
     if model.llm is not None:
         _check_llm(where, model, model.llm)
 
@@ -499,20 +552,25 @@ def _check_llm(where: str, model: ModelConfig, llm: LlmConfig) -> None:
         raise ConfigError(f"{where}.llm.system_prompt: longer than the context ({llm.context} tokens) can hold")
 
 
+def finish_model(m: ModelConfig, base: Path) -> ModelConfig:
+    """A checked model with its paths resolved against ``base`` (the folder of the file that
+    named them) and a language model's instances set to its slots."""
+    cal = m.calibration
+    if cal is not None:
+        cal = msgspec.structs.replace(cal, data=_resolve(base, cal.data))
+    warm = m.warmup
+    if isinstance(warm.inputs, dict):
+        inputs = {k: msgspec.structs.replace(v, file=_resolve(base, v.file)) for k, v in warm.inputs.items()}
+        warm = msgspec.structs.replace(warm, inputs=inputs)
+    elif warm.inputs != "random":
+        warm = msgspec.structs.replace(warm, inputs=_resolve(base, warm.inputs))
+    # A language model runs one instance per slot.
+    instances = m.llm.slots if m.llm is not None else m.instances
+    return msgspec.structs.replace(m, path=_resolve(base, m.path), calibration=cal, warmup=warm, instances=instances)
+
+
 def _with_paths(cfg: Config, base: Path, source: str) -> Config:
-    models = {}
-    for name, m in cfg.models.items():
-        cal = m.calibration
-        if cal is not None:
-            cal = msgspec.structs.replace(cal, data=_resolve(base, cal.data))
-        warm = m.warmup
-        if warm.inputs != "random":
-            warm = msgspec.structs.replace(warm, inputs=_resolve(base, warm.inputs))
-        # A language model runs one instance per slot.
-        instances = m.llm.slots if m.llm is not None else m.instances
-        models[name] = msgspec.structs.replace(
-            m, path=_resolve(base, m.path), calibration=cal, warmup=warm, instances=instances
-        )
+    models = {name: finish_model(m, base) for name, m in cfg.models.items()}
     mqtt = cfg.mqtt
     if mqtt.tls is not None:
         tls = mqtt.tls
@@ -531,6 +589,7 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
             cfg.server,
             socket=_resolve(base, cfg.server.socket),
             tcp_token_file=_resolve(base, cfg.server.tcp_token_file),
+            model_repository=_resolve(base, cfg.server.model_repository),
         ),
         cache=msgspec.structs.replace(cfg.cache, dir=_resolve(base, cfg.cache.dir)),
         mqtt=mqtt,
@@ -541,8 +600,9 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
 
 def from_mapping(raw: Mapping[str, Any], source: str = "<config>", base: Path | None = None) -> Config:
     """Validate an already-parsed TOML document (tests and reload use this directly)."""
-    if "source" in raw:
-        raise ConfigError(f"{source}: source: unknown key")
+    for key in DERIVED_KEYS:
+        if key in raw:
+            raise ConfigError(f"{source}: {key}: unknown key")
     cfg = _convert(dict(raw, models={}), Config, source, "")
     models_raw = raw.get("models", {})
     if not isinstance(models_raw, Mapping):
@@ -555,18 +615,37 @@ def from_mapping(raw: Mapping[str, Any], source: str = "<config>", base: Path | 
     return _with_paths(cfg, base or Path.cwd(), source)
 
 
-def load(path: str | os.PathLike[str]) -> Config:
-    """Read and validate one config file; every failure is a ConfigError naming the file."""
+def read_toml(path: str | os.PathLike[str], what: str = "config") -> dict[str, Any]:
+    """One TOML file as a document; a failure is a ConfigError naming the file."""
     p = Path(path)
     try:
         data = p.read_bytes()
     except OSError as e:
-        raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
+        raise ConfigError(f"{p}: cannot read {what}: {e.strerror}") from None
     try:
-        raw = tomllib.loads(data.decode("utf-8"))
+        return tomllib.loads(data.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    return from_mapping(raw, str(p), p.resolve().parent)
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read and validate one config file; every failure is a ConfigError naming the file."""
+    p = Path(path)
+    return from_mapping(read_toml(p), str(p), p.resolve().parent)
+
+
+def convert_model(raw: Any, name: str, source: str) -> ModelConfig:
+    """One ``[models.NAME]`` table, validated and checked as ``load`` does, errors naming
+    ``source`` and ``models.NAME``; its paths are not resolved yet (``finish_model``)."""
+    model = _convert_model(raw, source, f"models.{name}")
+    _check_model(name, model, source)
+    sizes = {"tensorrt.workspace": model.tensorrt.workspace}
+    for key, value in sizes.items():
+        try:
+            parse_size(value)
+        except ValueError as e:
+            raise ConfigError(f"{source}: models.{name}.{key}: {e}") from None
+    return model
 
 
 def default_config_path() -> str:

@@ -79,7 +79,7 @@ class ModelNotFoundError(NotFoundError):
 
 
 class ModelVersionNotFoundError(NotFoundError):
-    """A model version other than "1" (edged serves one version of each model)."""
+    """A version the model does not serve ("1" for a model of the config, a repository model's served versions)."""
 
     code = "model_version_not_found"
 

@@ -194,7 +194,7 @@ async def warm_request_path(app: App, registry: Registry, sockets: list[str] | N
             with uncounted():
                 await app.generation.warm(rt.name)
             continue
-        inputs = warm_inputs(rt.backend.inputs, rt.cfg)
+        inputs = app.service.as_sent(rt, warm_inputs(rt.backend.inputs, rt.cfg))
         largest = max([largest, *(a.nbytes for a in inputs.values())])
         names = [o.name for o in rt.backend.outputs]
         bodies = _bodies(inputs, names)

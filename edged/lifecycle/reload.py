@@ -23,11 +23,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edged.config import Config, format_size, load
+import msgspec
+
+from edged.config import Config, ServerConfig, format_size
 from edged.errors import EdgedError
 from edged.host import systemd
 from edged.llm.gguf_header import read_header
 from edged.quantize.job import job_key
+from edged.repository.load import load_config
 from edged.serving.background import BackgroundBuilds, stand_in
 from edged.serving.registry import ModelRuntime, Registry
 from edged.serving.states import ModelState
@@ -52,9 +55,11 @@ def diff_configs(old: Config, new: Config) -> Diff:
     d.added = sorted(set(new.models) - set(old.models))
     d.removed = sorted(set(old.models) - set(new.models))
     d.changed = sorted(n for n in set(old.models) & set(new.models) if old.models[n] != new.models[n])
-    for section in ("server", "mqtt"):
-        if getattr(old, section) != getattr(new, section):
-            d.restart_needed.append(section)
+    # A reload applies a new model repository (its models are added and removed like any).
+    if _restart_only(old.server) != _restart_only(new.server):
+        d.restart_needed.append("server")
+    if old.mqtt != new.mqtt:
+        d.restart_needed.append("mqtt")
     if old.cache.dir != new.cache.dir:
         d.restart_needed.append("cache.dir")
     return d
@@ -99,7 +104,7 @@ class Reloader:
 
     def _paths(self) -> list[str]:
         cfg = self.registry.cfg
-        return [cfg.source, *(m.path for m in cfg.models.values())]
+        return [cfg.source, *(m.path for m in cfg.models.values()), *_repository_paths(cfg)]
 
     def snapshot(self) -> None:
         self._stamps = {p: _stamp(p) for p in self._paths()}
@@ -160,7 +165,7 @@ class Reloader:
         path = reg.cfg.source
         if not path or not await asyncio.to_thread(os.path.exists, path):
             raise EdgedError(f"the config file {path!r} is gone")
-        new_cfg = await asyncio.to_thread(load, path)
+        new_cfg = await asyncio.to_thread(load_config, path, reg.cfg.repository_arg)
         d = diff_configs(reg.cfg, new_cfg)
         if d.restart_needed:
             log.warning("changes to [%s] take effect at the next restart", ", ".join(d.restart_needed))
@@ -350,6 +355,24 @@ class Reloader:
 
 def _cannot_serve(rt: ModelRuntime, e: EdgedError) -> EdgedError:
     return EdgedError(f"{rt.name}: {rt.cfg.path} cannot be served: {e.message}")
+
+
+def _restart_only(server: ServerConfig) -> ServerConfig:
+    return msgspec.structs.replace(server, model_repository="")
+
+
+def _repository_paths(cfg: Config) -> list[str]:
+    """What a change to the model repository shows in: the repository's folder (a model added or
+    removed) and its edged.toml, each model's folder (a version added or removed), config.pbtxt
+    and each served version's folder (a file replaced there, such as a model.plan)."""
+    if not cfg.server.model_repository:
+        return []
+    root = cfg.server.model_repository
+    paths = {root, os.path.join(root, "edged.toml")}
+    for origin in cfg.repository.values():
+        paths |= {origin.folder, os.path.join(origin.folder, "config.pbtxt")}
+        paths.add(os.path.join(origin.folder, origin.version))
+    return sorted(paths)
 
 
 def _stamp(path: str) -> tuple[int, int]:

@@ -30,6 +30,7 @@ from edged.host.memory import rss_bytes
 from edged.quantize.figures import describe, precision_text
 from edged.quantize.job import BuildJob, job_key, make_job
 from edged.quantize.runner import BuildRunner
+from edged.repository.plans import is_engine, prebuilt_entry
 from edged.serving.admission import PlanItem, choose_evictions
 from edged.serving.metrics import Metrics
 from edged.serving.scheduler import ModelQueue
@@ -185,7 +186,13 @@ class Registry:
             self._calibration_digest,
             self.cfg.cache.generation_tag if generation_tag is None else generation_tag,
         )
-        rt.entry = self._lookup(rt)
+        if is_engine(rt.cfg.path, cls):
+            # A TensorRT plan built elsewhere (a model repository's model.plan) is served as it
+            # is when its manifest matches this device, and never built or rewritten.
+            rt.entry = prebuilt_entry(rt.cfg.path, cls, self.digests.digest)
+            rt.precision = str(rt.entry.manifest.get("precision") or rt.precision)
+        else:
+            rt.entry = self._lookup(rt)
         self._estimate(rt)
 
     def _waits(self, rt: ModelRuntime) -> bool:
@@ -289,7 +296,7 @@ class Registry:
         the next start rebuilds it."""
         entry = rt.entry
         rt.entry = None
-        if entry is None or rt.stands_in_for:
+        if entry is None or rt.stands_in_for or not entry.key:  # not the cache's own: never moved
             return
         problem = await asyncio.to_thread(self.cache.verify, entry)
         why = f"{e.message}; {problem}" if problem else e.message
@@ -305,7 +312,7 @@ class Registry:
         rt.measured = True
         self.metrics.footprint.labels(rt.name).set(rt.footprint)
         stored = rt.entry.manifest.get("footprint") or 0
-        if not rt.stands_in_for and abs(rt.footprint - stored) > 0.25 * max(stored, 1):
+        if not rt.stands_in_for and rt.entry.key and abs(rt.footprint - stored) > 0.25 * max(stored, 1):
             # Remembered for the next boot's plan; small drifts do not rewrite the cache.
             rt.entry = await asyncio.to_thread(self._remember_footprint, rt.entry, rt.footprint)
         self.set_state(rt, ModelState.WARMING)
@@ -324,6 +331,7 @@ class Registry:
             rt.cfg.max_batch,
             rt.cfg.max_queue_delay_us,
             batchable=_batchable(backend),
+            preferred=rt.cfg.preferred_batch,
         )
         queue.start(inline, inline_max_elements(backend.inputs, rt.cfg, rt.infer_us) if inline and rt.infer_us else 0)
         rt.queue = queue
@@ -365,7 +373,9 @@ class Registry:
             raise
         except Exception as e:
             backend.unload()
-            raise CacheError(f"{rt.name}: {rt.entry.artifact.name} does not load: {e}") from e
+            # A prebuilt plan that does not load is no cache entry to rebuild: the model fails.
+            error = CacheError if rt.entry.key or rt.stands_in_for else BackendError
+            raise error(f"{rt.name}: {rt.entry.artifact.name} does not load: {e}") from e
         return backend, instances, rss_bytes() - before
 
     def _warm_blocking(

@@ -13,7 +13,8 @@ inputs.
 
 Dynamic batching: a worker that takes a request looks for more queued requests with the same
 input shapes, waiting at most ``max_queue_delay_us`` for company, concatenates them along the
-batch axis, runs once and splits the outputs.
+batch axis, runs once and splits the outputs. With preferred batch sizes it runs a batch of one
+of them as soon as it can form it (edged/serving/batching.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
+from edged.serving.batching import preferred_cut
 from edged.serving.sinks import OutputShapes, OutputSink, run_into, signature
 from edged.thread_to_loop import to_loop
 from edged.wire.tensors import is_bytes
@@ -94,6 +96,7 @@ class ModelQueue:
         max_batch: int = 1,
         max_queue_delay_us: int = 0,
         batchable: bool = False,
+        preferred: Sequence[int] = (),
     ) -> None:
         self.model = model
         self._instances = list(instances)
@@ -101,6 +104,7 @@ class ModelQueue:
         self.depth = depth
         self.max_batch = max_batch if batchable else 1
         self.max_delay = max_queue_delay_us / 1e6
+        self.preferred = tuple(sorted(n for n in set(preferred) if n <= self.max_batch))
         self._queue: collections.deque[_Work] = collections.deque()
         self._cond = threading.Condition()
         self._backlog = 0  # requests queued or running; only touched on the loop
@@ -266,14 +270,16 @@ class ModelQueue:
 
     def _gather(self, batch: list[_Work]) -> None:
         """With the condition held: add queued requests of the same shapes, waiting up to the
-        configured delay for company, never past ``max_batch`` rows."""
+        configured delay for company, never past ``max_batch`` rows; with preferred sizes, run
+        as soon as a batch of one of them forms (edged/serving/batching.py)."""
         first = batch[0]
         rows = first.rows
         # Never hold a request past its own deadline waiting for company.
         until = min(time.monotonic() + self.max_delay, first.deadline)
-        while rows < self.max_batch:
+        top = self.preferred[-1] if self.preferred else self.max_batch
+        while True:
             blocked = False
-            for w in list(self._queue):
+            for w in list(self._queue) if rows < self.max_batch else ():
                 if w.signature != first.signature:
                     continue
                 if rows + w.rows > self.max_batch:
@@ -283,11 +289,16 @@ class ModelQueue:
                 batch.append(w)
                 rows += w.rows
                 if rows >= self.max_batch:
-                    return
-            left = until - time.monotonic()
-            if blocked or left <= 0 or self._closed:
+                    break
+            now = time.monotonic()
+            cut = preferred_cut([w.rows for w in batch], self.preferred, top) if self.preferred else 0
+            if cut and not (self.max_delay and now >= until):  # once late, everything gathered runs
+                self._queue.extendleft(reversed(batch[cut:]))  # the rest, first in line again
+                del batch[cut:]
                 return
-            self._cond.wait(left)
+            if rows >= top or blocked or now >= until or self._closed:
+                return
+            self._cond.wait(until - now)
 
     def _worker(self, inst: Instance, state: WorkerState) -> None:
         while True:

@@ -10,82 +10,37 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from edged import __version__
-from edged.backends.base import Backend
-from edged.config import Config, ModelConfig, parse_size
+from edged.config import Config
 from edged.errors import (
-    BadRequestError,
     EdgedError,
     ModelNotFoundError,
     ModelNotReadyError,
-    ModelVersionNotFoundError,
     ShuttingDownError,
 )
 from edged.host.memory import MemoryInfo, probe
 from edged.serving.admission import Plan
 from edged.serving.metrics import Metrics, counted
+from edged.serving.modelplan import ModelPlan, decode_now, make_plan, outputs_checked, shown
 from edged.serving.registry import ModelRuntime, Registry
-from edged.serving.scheduler import ModelQueue, elements_of
+from edged.serving.scheduler import ModelQueue
 from edged.serving.sinks import OutputSink
 from edged.serving.states import READY, ModelState
 from edged.serving.stats import ModelStatistics, Statistics
+from edged.serving.versions import Versions, origin_doc
 from edged.wire.decode import (
-    MAX_TENSORS,
     OFFLOAD_BYTES,
     InferRequest,
-    Limits,
     ShmResolver,
-    decode_infer,
     v2_datatype,
 )
 from edged.wire.jsonchild import decode_infer_async
-from edged.wire.tensors import is_bytes
-from edged.wire.validate import InputRules
 
 log = logging.getLogger(__name__)
-
-# Decoder plans remembered as checked, per model plan (then forgotten all at once).
-_PASSED = 256
-
-
-@dataclass(frozen=True)
-class ModelPlan:
-    """What every request to one model is checked against, built once per load and config (a
-    reload, a swap or a lazy model's load changes one of the three it was built from)."""
-
-    cfg: Config
-    model_cfg: ModelConfig
-    backend: Backend | None
-    limits: Limits  # what a request may name, before its tensors are decoded
-    outputs: frozenset[str]  # the model's output names (empty: not loaded)
-    rules: InputRules | None  # its inputs' names, datatypes and shapes (None: not loaded)
-    timeout_s: float
-    # The decoder's plans (InferRequest.shapes, hashed by identity) whose inputs passed
-    # ``rules``, with their element count: a stream of requests with one header is checked once.
-    passed: dict[object, int] = field(default_factory=dict, compare=False)
-
-    def checked(self, inputs: Mapping[str, np.ndarray], shapes: object) -> int:
-        """``rules.check(inputs)``, remembered by ``shapes`` (see above); the inputs' elements."""
-        elements = self.passed.get(shapes)  # never stored under None
-        if elements is not None:
-            return elements
-        assert self.rules is not None  # READY with a queue: loaded
-        self.rules.check(inputs)
-        elements = elements_of(inputs)
-        if shapes is not None:
-            if len(self.passed) >= _PASSED:
-                self.passed.clear()
-            self.passed[shapes] = elements
-        return elements
-
-    def current(self, cfg: Config, rt: ModelRuntime) -> bool:
-        return self.cfg is cfg and self.model_cfg is rt.cfg and self.backend is rt.backend
-
 
 EXTENSIONS = [
     "binary_tensor_data",
@@ -115,8 +70,9 @@ class Service:
         # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
         self.unready: Callable[[], str] = lambda: ""
         self._plans: dict[str, ModelPlan] = {}
+        self._versions: tuple[Config, Versions] | None = None
         # Triton's statistics extension: one record per configured model (edged/serving/stats.py).
-        self.stats = Statistics(lambda: self.registry.models)
+        self.stats = Statistics(lambda: self.registry.models, lambda name: self.versions().served(name))
 
     # --- health and metadata ---
 
@@ -132,17 +88,19 @@ class Service:
             raise ModelNotFoundError(f"unknown model '{name}'")
         return rt
 
+    def versions(self) -> Versions:
+        """The served versions of the configuration in force (worked out once per config)."""
+        cfg = self.registry.cfg
+        if self._versions is None or self._versions[0] is not cfg:
+            self._versions = (cfg, Versions.of_config(cfg))
+        return self._versions[1]
+
     def resolve(self, name: str, version: str = "") -> str:
         """The model that serves ``name`` at ``version`` ('' for the model's default): what every
         transport asks before it names a model to the service, so that versions mean the same
-        over HTTP, gRPC and MQTT. Raises model_not_found, or model_version_not_found for a
-        model that exists without that version."""
-        self.model(name)  # an unknown model is model_not_found whatever the version
-        if version not in ("", "1"):
-            raise ModelVersionNotFoundError(
-                f"model '{name}' has no version '{version[:64]}'; edged serves version 1 of each model"
-            )
-        return name
+        over HTTP, gRPC and MQTT (edged/serving/versions.py). Raises model_not_found, or
+        model_version_not_found for a model that exists without that version."""
+        return self.versions().resolve(name, version, self.registry.models)
 
     async def memory_available(self) -> int | None:
         """Free memory now, from the configured probe, off the loop (jtop answers over a socket,
@@ -155,16 +113,29 @@ class Service:
         return info.available
 
     def model_metadata(self, name: str) -> dict[str, Any]:
+        """Triton's model metadata. ``versions``: for a model's default, every version of it that
+        is ready (as Triton answers without a version); for another version, that one."""
         rt = self.model(name)
         if rt.backend is None:
             raise ModelNotReadyError(f"model '{name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
+        known = self.versions()
+        reshape = self.plan_for(rt).reshape
         return {
-            "name": name,
-            "versions": ["1"],
+            "name": known.served(name)[0],
+            "versions": known.listed(name, self._is_ready),
             "platform": f"{rt.backend_cls.name if rt.backend_cls else ''}_{rt.precision}",
-            "inputs": [_tensor_meta(s.name, s.dtype, s.shape) for s in rt.inputs],
-            "outputs": [_tensor_meta(s.name, s.dtype, s.shape) for s in rt.outputs],
+            "inputs": [_tensor_meta(s.name, s.dtype, shown(reshape, s.name, s.shape, False)) for s in rt.inputs],
+            "outputs": [_tensor_meta(s.name, s.dtype, shown(reshape, s.name, s.shape, True)) for s in rt.outputs],
         }
+
+    def as_sent(self, rt: ModelRuntime, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``inputs`` in the model's own shapes, as a client sends them (a repository's reshapes)."""
+        reshape = self.plan_for(rt).reshape
+        return dict(inputs) if reshape is None else reshape.as_sent(inputs)
+
+    def _is_ready(self, name: str) -> bool:
+        rt = self.registry.models.get(name)
+        return rt is not None and rt.state == ModelState.READY
 
     # --- inference ---
 
@@ -177,7 +148,7 @@ class Service:
         plan = self.plan_for(self.model(name))
         if len(body) <= OFFLOAD_BYTES:
             return decode_now(plan, body, header_length, shm)  # the hot path: no hand-off
-        return _outputs_checked(plan, await decode_infer_async(body, header_length, shm, plan.limits))
+        return outputs_checked(plan, await decode_infer_async(body, header_length, shm, plan.limits))
 
     def infer_now(
         self,
@@ -202,6 +173,7 @@ class Service:
         entered = time.perf_counter_ns()
         stats = self.stats.counted(rt.name)
         try:
+            inputs = plan.to_model(inputs)
             elements = plan.checked(inputs, shapes)
             rt.last_used = time.monotonic()
             out = queue.run_now(inputs, stats, elements)
@@ -210,6 +182,7 @@ class Service:
             raise
         if out is not None:  # else its instance is busy with a larger request, or its queue full
             self._succeeded(rt.name, transport, stats, received_ns or entered, entered)
+            out = plan.to_api(out)
         return out
 
     async def infer(
@@ -242,6 +215,7 @@ class Service:
                 rt, queue = await self._await_model(rt)
             plan = self.plan_for(rt)
             assert plan.rules is not None  # READY with a queue: loaded
+            inputs = plan.to_model(inputs)
             plan.rules.check(inputs)  # the one check of this request's tensors
             rt.last_used = time.monotonic()
             out = await queue.submit(inputs, plan.timeout_s, request_id, stats, sink)
@@ -249,7 +223,7 @@ class Service:
             self._failed(name, transport, e, stats, received_ns or entered, entered, request_id)
             raise
         self._succeeded(name, transport, stats, received_ns or entered, entered)
-        return out
+        return plan.to_api(out)
 
     def _serving_queue(self, rt: ModelRuntime) -> ModelQueue | None:
         """The queue of a model that serves now; None while it must be waited for. Until READY=1
@@ -297,7 +271,7 @@ class Service:
         plan = self._plans.get(rt.name)
         if plan is not None and plan.current(cfg, rt):
             return plan
-        plan = self._plans[rt.name] = _make_plan(cfg, rt)
+        plan = self._plans[rt.name] = make_plan(cfg, rt)
         return plan
 
     async def _await_model(self, rt: ModelRuntime) -> tuple[ModelRuntime, Any]:
@@ -340,12 +314,19 @@ class Service:
     # --- repository ---
 
     def repository_index(self) -> list[dict[str, Any]]:
-        return [
-            {"name": rt.name, "version": "1", "state": rt.state.upper(), "reason": rt.reason}
-            for rt in self.registry.models.values()
-        ]
+        """Triton's index: one entry per model version (a repository model's versions each)."""
+        known = self.versions()
+        out = []
+        for rt in self.registry.models.values():
+            model, version = known.served(rt.name)
+            out.append({"name": model, "version": version, "state": rt.state.upper(), "reason": rt.reason})
+        return sorted(out, key=lambda e: (e["name"], int(e["version"])))
 
     async def load(self, name: str) -> None:
+        for each in self.versions().every(name, self.registry.models):
+            await self._load_one(each)
+
+    async def _load_one(self, name: str) -> None:
         rt = self.model(name)
         if rt.state == ModelState.READY:
             return
@@ -354,6 +335,10 @@ class Service:
         await self.registry.ensure_loaded(rt, self.loop)
 
     async def unload(self, name: str) -> None:
+        for each in self.versions().every(name, self.registry.models):
+            await self._unload_one(each)
+
+    async def _unload_one(self, name: str) -> None:
         rt = self.model(name)
         if rt.state == ModelState.FAILED or rt.backend is None:
             return
@@ -384,44 +369,14 @@ class Service:
             "builds": [b.to_dict() for b in reg.runner.active.values()],
             "models": {
                 name: dict(
-                    rt.to_dict(), **self.metrics.model(name).percentiles(), requests=self.metrics.model(name).requests
+                    rt.to_dict(),
+                    **self.metrics.model(name).percentiles(),
+                    requests=self.metrics.model(name).requests,
+                    repository=origin_doc(reg.cfg, name),
                 )
                 for name, rt in reg.models.items()
             },
         }
-
-
-def _make_plan(cfg: Config, rt: ModelRuntime) -> ModelPlan:
-    max_json = parse_size(cfg.server.max_json)
-    inputs, outputs = rt.inputs, rt.outputs
-    if inputs and outputs:
-        strings = frozenset(s.name for s in inputs if is_bytes(s.np_dtype))
-        limits = Limits(len(inputs), len(outputs), rt.name, max_json, strings)
-    else:  # not loaded yet: its counts are unknown
-        limits = Limits(MAX_TENSORS, MAX_TENSORS, rt.name, max_json)
-    rules = None
-    if rt.backend is not None:
-        # The backend's input rules narrowed by the model's config (edged/wire/validate.py owns them).
-        bounds = {n: (tuple(p.min), tuple(p.max)) for n, p in rt.cfg.profiles.items()}
-        rules = rt.backend.input_rules.narrowed(rt.name, bounds, rt.cfg.max_batch)
-    timeout_s = (rt.cfg.timeout_ms or cfg.server.request_timeout_ms) / 1000
-    return ModelPlan(cfg, rt.cfg, rt.backend, limits, frozenset(s.name for s in outputs), rules, timeout_s)
-
-
-def decode_now(
-    plan: ModelPlan, body: bytes | memoryview, header_length: int | None, shm: ShmResolver | None
-) -> InferRequest:
-    """``Service.decode_infer`` on the caller's thread, for a body of at most OFFLOAD_BYTES."""
-    return _outputs_checked(plan, decode_infer(body, header_length, shm, plan.limits))
-
-
-def _outputs_checked(plan: ModelPlan, req: InferRequest) -> InferRequest:
-    """``req``, once every output it asks for is one of the model's."""
-    if req.outputs is not None and plan.outputs:
-        for out in req.outputs:
-            if out.name not in plan.outputs:
-                raise BadRequestError(f"requested output '{out.name}' is not an output of '{plan.limits.model}'")
-    return req
 
 
 def _tensor_meta(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:

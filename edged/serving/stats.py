@@ -33,7 +33,7 @@ from typing import Any
 
 from edged.serving.metrics import counted
 
-# Triton's version field: edged serves one version of each model.
+# Triton's version field for a model of the TOML: edged serves it as version 1.
 VERSION = "1"
 
 
@@ -137,7 +137,7 @@ class ModelStatistics:
 
     # --- the wire shape ---
 
-    def to_dict(self, name: str) -> dict[str, Any]:
+    def to_dict(self, name: str, version: str = VERSION) -> dict[str, Any]:
         def stat(count: int, ns: int) -> dict[str, int]:
             return {"count": count, "ns": ns}
 
@@ -147,7 +147,7 @@ class ModelStatistics:
         last = (_wall_offset_ns() + self.last_ns) // 1_000_000 if self.last_ns else 0
         return {
             "name": name,
-            "version": VERSION,
+            "version": version,
             "last_inference": last,
             "inference_count": self.inference_count,
             "execution_count": self.execution_count,
@@ -191,8 +191,13 @@ class Statistics:
     """The records of the configured models, created on first use and dropped when a reload
     removes the model (``models`` is read live from the registry)."""
 
-    def __init__(self, models: Callable[[], Collection[str]]) -> None:
+    def __init__(
+        self,
+        models: Callable[[], Collection[str]],
+        served: Callable[[str], tuple[str, str]] = lambda name: (name, VERSION),
+    ) -> None:
         self._models = models
+        self._served = served  # the model and version a registered name serves (a repository's versions)
         self._records: dict[str, ModelStatistics] = {}
 
     def counted(self, name: str) -> ModelStatistics | None:
@@ -226,5 +231,5 @@ class Statistics:
     def report(self, name: str | None = None) -> dict[str, Any]:
         """``{"model_stats": [...]}`` for one model or every configured one (zeros until used)."""
         names = [name] if name is not None else sorted(self._models())
-        stats = [(self._records.get(n) or ModelStatistics()).to_dict(n) for n in names]
+        stats = [(self._records.get(n) or ModelStatistics()).to_dict(*self._served(n)) for n in names]
         return {"model_stats": stats}

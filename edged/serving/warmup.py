@@ -1,4 +1,6 @@
-"""Warm-up inputs: random tensors at the profile's optimal shape, or a sample file.
+"""Warm-up inputs: random tensors at the profile's optimal shape, a sample file, or inputs
+given one by one (a shape each, and zeros, random data or a file of the tensor's raw bytes: a
+Triton model_warmup sample).
 
 Random data is enough to page in weights, build kernels' caches and start thread pools; a model
 whose work depends on the data (detection post-processing, early exits) should be warmed with a
@@ -16,8 +18,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edged.backends.base import TensorSpec
-from edged.config import ModelConfig
-from edged.errors import ConfigError
+from edged.config import ModelConfig, WarmupInput
+from edged.errors import ConfigError, EdgedError
+from edged.wire.tensors import from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,9 @@ _DEFAULT_BATCH, _DEFAULT_DIM = 1, 64
 
 
 def concrete_shape(spec: TensorSpec, model: ModelConfig) -> tuple[int, ...]:
+    given = model.warmup.inputs
+    if isinstance(given, dict) and spec.name in given:
+        return tuple(given[spec.name].shape)
     profile = model.profiles.get(spec.name)
     if profile is not None:
         return tuple(profile.opt)
@@ -46,10 +52,46 @@ def random_tensor(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Gener
 
 def warm_inputs(specs: tuple[TensorSpec, ...], model: ModelConfig) -> dict[str, np.ndarray]:
     source = model.warmup.inputs
+    if isinstance(source, dict):
+        return _given(source, specs)
     if source != "random":
         return _from_file(source, specs)
     rng = np.random.default_rng(0)
     return {s.name: random_tensor(s, concrete_shape(s, model), rng) for s in specs}
+
+
+def _given(inputs: dict[str, WarmupInput], specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
+    missing = [s.name for s in specs if s.name not in inputs]
+    unknown = sorted(set(inputs) - {s.name for s in specs})
+    if missing or unknown:
+        raise ConfigError(f"warm-up inputs {sorted(inputs)} are not the model's inputs {[s.name for s in specs]}")
+    rng = np.random.default_rng(0)
+    out = {}
+    for spec in specs:
+        given = inputs[spec.name]
+        shape = tuple(given.shape)
+        if given.file:
+            out[spec.name] = _raw_file(given.file, spec, shape)
+        elif given.data == "zero":
+            out[spec.name] = (
+                np.full(shape, b"", dtype=object) if spec.np_dtype.kind == "O" else np.zeros(shape, spec.np_dtype)
+            )
+        else:
+            out[spec.name] = random_tensor(spec, shape, rng)
+    return out
+
+
+def _raw_file(path: str, spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor from a file of its raw bytes, row-major (BYTES: length-prefixed elements)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"warm-up input '{spec.name}': cannot read {path}: {e.strerror}") from None
+    try:
+        return from_bytes(data, spec.np_dtype, shape, f"warm-up input '{spec.name}' ({path})")
+    except EdgedError as e:
+        raise ConfigError(e.message) from None
 
 
 def _from_file(path: str, specs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:

@@ -109,7 +109,7 @@ def _output(model: str, out: OutputRequest, results: Mapping[str, np.ndarray]) -
 
 
 def _encode_small(
-    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: OutputResolver | None
+    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: OutputResolver | None, version: str = "1"
 ) -> tuple[bytes, int | None]:
     """The hot path: one orjson call for the whole JSON document."""
     entries: list[dict[str, Any]] = []
@@ -125,7 +125,7 @@ def _encode_small(
         else:
             entry["data"] = _json_data(out.name, arr.reshape(-1))
         entries.append(entry)
-    doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
+    doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
     if req.id:
         doc["id"] = req.id
     header = orjson.dumps(doc, option=_JSON_OPTS)
@@ -145,13 +145,21 @@ def encode_infer_parts(
     req: InferRequest,
     results: Mapping[str, np.ndarray],
     shm: OutputResolver | None = None,
+    version: str = "1",
 ) -> tuple[list[Part], int | None]:
-    """(the body as parts, header length or None when the body is plain JSON)."""
+    """(the body as parts, header length or None when the body is plain JSON). ``model`` and
+    ``version``: the name and version the client asked for (a repository model's served version)."""
     if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
-        body, header_length = _encode_small(model, req, results, shm)
+        body, header_length = _encode_small(model, req, results, shm, version)
         return [body], header_length
     wanted = _wanted(req, results)
-    json_parts: list[Part] = [b'{"model_name":', orjson.dumps(model), b',"model_version":"1","outputs":[']
+    json_parts: list[Part] = [
+        b'{"model_name":',
+        orjson.dumps(model),
+        b',"model_version":',
+        orjson.dumps(version),
+        b',"outputs":[',
+    ]
     chunks: list[Part] = []
     for i, out in enumerate(wanted):
         arr = _output(model, out, results)
@@ -187,22 +195,27 @@ def encode_infer(
     req: InferRequest,
     results: Mapping[str, np.ndarray],
     shm: OutputResolver | None = None,
+    version: str = "1",
 ) -> tuple[bytes, int | None]:
     """(body, header length or None when the body is plain JSON)."""
     if sum(wire_nbytes(a) for a in results.values()) <= OFFLOAD_BYTES:
-        return _encode_small(model, req, results, shm)
-    parts, header_length = encode_infer_parts(model, req, results, shm)
+        return _encode_small(model, req, results, shm, version)
+    parts, header_length = encode_infer_parts(model, req, results, shm, version)
     return b"".join(parts), header_length
 
 
 def encode_now(
-    model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: OutputResolver | None = None
+    model: str,
+    req: InferRequest,
+    results: Mapping[str, np.ndarray],
+    shm: OutputResolver | None = None,
+    version: str = "1",
 ) -> tuple[bytes, int | None] | None:
     """The answer as one body, encoded on the caller's thread (outputs bound for shared memory
     written through ``shm``), when it is small; None when it is not (``encode_large_async``)."""
     if sum(wire_nbytes(a) for a in results.values()) > OFFLOAD_BYTES:
         return None
-    return _encode_small(model, req, results, shm)
+    return _encode_small(model, req, results, shm, version)
 
 
 async def encode_infer_async(
@@ -210,13 +223,14 @@ async def encode_infer_async(
     req: InferRequest,
     results: Mapping[str, np.ndarray],
     shm: OutputResolver | None = None,
+    version: str = "1",
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_parts`` for the event loop: results above OFFLOAD_BYTES are encoded on a
     worker thread. Outputs written to shared memory stay on the loop, where the regions live."""
-    small = encode_now(model, req, results, shm)
+    small = encode_now(model, req, results, shm, version)
     if small is not None:
         return [small[0]], small[1]
-    return await encode_large_async(model, req, results, shm)
+    return await encode_large_async(model, req, results, shm, version=version)
 
 
 async def encode_large_async(
@@ -225,6 +239,7 @@ async def encode_large_async(
     results: Mapping[str, np.ndarray],
     shm: OutputResolver | None = None,
     written: bool = False,
+    version: str = "1",
 ) -> tuple[list[Part], int | None]:
     """``encode_infer_async`` for results ``encode_now`` found above OFFLOAD_BYTES (not added up
     again: a BYTES output's size is a walk of its elements). ``written``: every output bound for
@@ -233,13 +248,13 @@ async def encode_large_async(
     in shared memory costs its header, and a thread's two wake-ups would cost more (a
     detector's 1.6 MB answer: 0.55 ms of its request on a 16-core host, docs/performance.md)."""
     if _loop_cost(req, results, written) <= OFFLOAD_BYTES:
-        return encode_infer_parts(model, req, results, shm)
+        return encode_infer_parts(model, req, results, shm, version)
     if shm is not None and any(o.shm_region for o in req.outputs or ()):
         resolved = _resolved_on_the_loop(model, req, results, shm)
         if resolved is None:
-            return encode_infer_parts(model, req, results, shm)
+            return encode_infer_parts(model, req, results, shm, version)
         shm = resolved
-    return await asyncio.to_thread(encode_infer_parts, model, req, results, shm)
+    return await asyncio.to_thread(encode_infer_parts, model, req, results, shm, version)
 
 
 def _loop_cost(req: InferRequest, results: Mapping[str, np.ndarray], written: bool) -> int:

@@ -162,8 +162,9 @@ class InferRoute:
         else the rest of its encoding, to call and await (it releases ``shm``: the caller's
         release is then a no-op)."""
         ran = time.perf_counter_ns()
+        model, version = self.service.versions().served(name)  # what the client asked for
         try:
-            encoded: tuple[Body, int | None] | None = encode_now(name, req, outputs, shm.output)  # the usual
+            encoded: tuple[Body, int | None] | None = encode_now(model, req, outputs, shm.output, version)
         except BaseException:
             self.service.stats.encode_failed(name, received, ran)
             raise
@@ -184,7 +185,8 @@ class InferRoute:
     ) -> Answer:
         try:
             try:
-                answer, header_len = encoded or await _encode_large(name, req, outputs, shm)
+                served = self.service.versions().served(name)
+                answer, header_len = encoded or await _encode_large(served, req, outputs, shm)
                 if shm.held is not None and shm.held.writes:
                     await shm.held.flush()
             except BaseException:
@@ -225,10 +227,13 @@ async def _fill(req: InferRequest, shm: _LazyShm) -> None:
         await resolve_pending_async(req)
 
 
-async def _encode_large(name: str, req: InferRequest, outputs: Tensors, shm: _LazyShm) -> tuple[Body, int | None]:
+async def _encode_large(
+    served: tuple[str, str], req: InferRequest, outputs: Tensors, shm: _LazyShm
+) -> tuple[Body, int | None]:
     early = None if shm.held is None else shm.held.early
     written = early is not None and early.complete
-    parts, header_len = await encode_large_async(name, req, outputs, shm.output, written)
+    model, version = served
+    parts, header_len = await encode_large_async(model, req, outputs, shm.output, written, version)
     first = parts[0]
     return (first if len(parts) == 1 and isinstance(first, bytes) else parts), header_len
 

@@ -17,6 +17,7 @@ import orjson
 from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, ModelNotReadyError
 from edged.serving.registry import ModelRuntime
 from edged.serving.service import Service
+from edged.serving.versions import served_config
 from edged.wire.decode import load_object
 from edged.wire.tensors import v2_datatype
 
@@ -72,7 +73,12 @@ def model_config(service: Service, name: str) -> bytes:
     rt = service.model(name)
     if rt.backend is None:
         raise ModelNotReadyError(f"model '{name}' is {rt.state}" + (f": {rt.reason}" if rt.reason else ""))
-    return orjson.dumps(config_doc(rt))
+    doc = config_doc(rt)
+    origin = service.registry.cfg.repository.get(name)
+    if origin is not None:  # a repository model: as its config.pbtxt told clients
+        versions = list(service.versions().of.get(origin.model, {origin.version: name}))
+        doc = served_config(doc, origin, rt.cfg.max_batch, versions)
+    return orjson.dumps(doc)
 
 
 def config_doc(rt: ModelRuntime) -> dict[str, Any]:

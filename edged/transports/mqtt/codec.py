@@ -262,10 +262,11 @@ def request_id(msg: Incoming) -> str:
 # --- replies ------------------------------------------------------------------------------------
 
 
-def ok_reply(model: str, dec: Decoded, results: dict[str, np.ndarray]) -> Reply:
+def ok_reply(model: str, dec: Decoded, results: dict[str, np.ndarray], version: str = "1") -> Reply:
+    """``model`` and ``version``: as the client knows them (a repository model's served version)."""
     if dec.raw:
         return raw_reply(model, results, dec.raw_output)
-    body, header_length = encode_infer(model, dec.request, results)
+    body, header_length = encode_infer(model, dec.request, results, version=version)
     if header_length is None:
         return Reply(body)
     return Reply(body, OCTET, [(HEADER_LENGTH, str(header_length))])

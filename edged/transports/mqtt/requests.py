@@ -268,7 +268,8 @@ class Requests:
             ran = time.perf_counter_ns()
             size = sum(tensors.wire_nbytes(a) for a in results.values() if isinstance(a, np.ndarray))
             try:
-                reply: codec.Reply = await self._run(size, lambda: codec.ok_reply(model, dec, results))
+                served, version = self.service.versions().served(model)
+                reply: codec.Reply = await self._run(size, lambda: codec.ok_reply(served, dec, results, version))
             except BaseException:
                 self.service.stats.encode_failed(model, received, ran)
                 raise
