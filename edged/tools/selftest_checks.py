@@ -22,6 +22,7 @@ import numpy as np
 from edged.backends.base import BuildSpec, LoadOptions
 from edged.cache.store import Entry
 from edged.config import Config, ModelConfig, format_size, from_mapping
+from edged.errors import EdgedError
 
 Feed = dict[str, np.ndarray]
 Profiles = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
@@ -230,7 +231,11 @@ def int8_check(demo: Demo, tmp: Path, say: Callable[[str], None]) -> tuple[Check
             seen.append(phase)
             say(phase)
 
-    entry = build_precision(job, TensorRTBackend, cache, progress)
+    try:
+        entry = build_precision(job, TensorRTBackend, cache, progress)
+    except EdgedError as e:  # the check says which step failed: int8's own, or its fallback's
+        record = cache.lookup(job.model, job_key(job, TensorRTBackend), TensorRTBackend.artifact_suffix)
+        return Check("int8", "FAIL", failed_step(record.manifest if record else None, seen, e)), None, []
     record = cache.lookup(job.model, job_key(job, TensorRTBackend), TensorRTBackend.artifact_suffix)
     manifest = record.manifest if record is not None else entry.manifest
     gate = manifest.get("gate") or {}
@@ -245,6 +250,21 @@ def int8_check(demo: Demo, tmp: Path, say: Callable[[str], None]) -> tuple[Check
     return Check("int8", "PASS" if passed else "FAIL", detail), entry, list(itertools.islice(held, 8))
 
 
+def failed_step(int8_record: dict[str, Any] | None, phases: Sequence[str], error: Exception) -> str:
+    """Where a build that raised stopped: ``int8_record`` is int8's cached verdict when its gate
+    had already judged it (the error then came from the fallback's build), ``phases`` the build's
+    progress phases in order."""
+    step = f"'{phases[-1]}'" if phases else "its start"
+    if int8_record is None or not int8_record.get("fallback"):
+        return f"the int8 build failed at {step}: {error}"
+    gate = int8_record.get("gate") or {}
+    inner = error.__cause__ if isinstance(error.__cause__, Exception) else error
+    return (
+        f"{_figures(gate)}; int8 built but failed its gate ({gate.get('reason', 'no reason recorded')}); "
+        f"the fallback {int8_record['fallback']} then failed at {step}: {inner}"
+    )
+
+
 def _figures(gate: dict[str, Any]) -> str:
     keys = ("mask_iou", "det_f1", "top1", "rel_l2", "cosine")
     shown = [f"{k} {gate[k]:.4g}" for k in keys if isinstance(gate.get(k), (int, float))]
@@ -257,7 +277,12 @@ def _build_note(manifest: dict[str, Any]) -> str:
     )
     floats = manifest.get("fp16") or {}
     if floats:
-        typing += f", float parts FP16 ({floats.get('fp16_nodes')} nodes; {floats.get('fp32_nodes')} kept FP32)"
+        raised = floats.get("raised_weight_scales")
+        typing += f", float parts FP16 ({floats.get('fp16_nodes')} nodes; {floats.get('fp32_nodes')} kept FP32"
+        typing += f"; {raised} weight scales raised to FP16's range)" if raised else ")"
+    retried = manifest.get("retried")
+    if retried:
+        typing += f", retried with float parts {str(retried.get('float_parts')).upper()} ({retried.get('because')})"
     if manifest.get("legacy_calibrator"):
         typing += f", legacy calibrator on {manifest.get('calibration_samples')} samples"
     dla = manifest.get("dla_gpu_fallback")

@@ -18,8 +18,8 @@ import pytest
 
 from edged.backends import resolve
 from edged.backends.tensorrt import TensorRTBackend
-from edged.backends.tensorrt.build import timing_cache_path
-from edged.backends.tensorrt.versions import BuildOptions, read_model_traits
+from edged.backends.tensorrt.timing import timing_cache_path
+from edged.backends.tensorrt.versions import read_model_traits
 from tests.helpers import tensorrt_installed, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,14 +118,12 @@ def test_model_traits_see_qdq_nodes_and_fp16(tmp_path: Path) -> None:
 
 
 def test_timing_cache_is_kept_per_device_fingerprint(tmp_path: Path) -> None:
-    dest = tmp_path / ".tmp-1-x.engine"
     orin = {"tensorrt": "10.3.0.30", "gpu": "Orin", "l4t": "36.4.3"}
-    a = timing_cache_path(BuildOptions(), dest, orin)
+    a = timing_cache_path("", tmp_path, orin)
     assert a.parent == tmp_path / "timing"
-    assert a == timing_cache_path(BuildOptions(), dest, dict(orin))
-    assert a != timing_cache_path(BuildOptions(), dest, dict(orin, tensorrt="10.3.0.31"))
-    explicit = BuildOptions(timing_cache=str(tmp_path / "t.cache"))
-    assert timing_cache_path(explicit, dest, orin) == tmp_path / "t.cache"
+    assert a == timing_cache_path("", tmp_path, dict(orin))
+    assert a != timing_cache_path("", tmp_path, dict(orin, tensorrt="10.3.0.31"))
+    assert timing_cache_path(str(tmp_path / "t.cache"), tmp_path, orin) == tmp_path / "t.cache"
 
 
 # --- the type check against the official stubs --------------------------------------------------
