@@ -226,3 +226,20 @@ def test_int64_is_narrowed_for_an_input_tensorrt_8_made_int32() -> None:
     # The engine's profile is the backend's own bound, checked by the shared rules.
     with pytest.raises(InvalidInputError, match=r"outside the profile \[1, 4\]..\[8, 4\] \(dim 0 is 9, not 1..8\)"):
         backend.check_inputs({"ids": np.zeros((9, 4), np.int64)})
+
+
+@needs_no_tensorrt
+def test_on_a_jetson_the_reason_says_what_makes_tensorrt_import(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from edged.backends.tensorrt import backend as backend_mod
+
+    release = tmp_path / "nv_tegra_release"
+    monkeypatch.setattr(backend_mod, "TEGRA_RELEASE", str(release))
+    assert "scripts/install.sh" not in TensorRTBackend.available()[1]  # not a Jetson
+    release.write_text("# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64\n")
+    why = TensorRTBackend.available()[1]
+    assert why.endswith(
+        f"; on a Jetson, scripts/install.sh --python {sys.executable} makes JetPack's TensorRT import under this "
+        "Python (JetPack 5: it builds the bindings for it; docs/tensorrt.md#what-it-needs)"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 
 from edged.backends.base import Backend, BuildSpec, Instance, LoadOptions, Progress, TensorSpec
 from edged.backends.tensorrt.cuda import CudaDevice, IOBuffers, shared_device
-from edged.backends.tensorrt.fingerprint import board_model, gpu_fingerprint, tensorrt_cuda
+from edged.backends.tensorrt.fingerprint import TEGRA_RELEASE, board_model, gpu_fingerprint, tensorrt_cuda
 from edged.backends.tensorrt.profiles import ProfileSlots, profile_scheme, select_profile
 from edged.backends.tensorrt.shapes import (
     Profile,
@@ -66,6 +67,17 @@ def _fingerprint(ordinal: int) -> dict[str, str]:
         "board": board_model(),
         **gpu_fingerprint(shared_device(ordinal)),
     }
+
+
+def _jetson_hint() -> str:
+    """On a Jetson, TensorRT is there but its bindings may be for another Python (JetPack 5's are
+    for 3.8): say what makes them import here."""
+    if not Path(TEGRA_RELEASE).exists():
+        return ""
+    return (
+        f"; on a Jetson, scripts/install.sh --python {sys.executable} makes JetPack's TensorRT import under this "
+        "Python (JetPack 5: it builds the bindings for it; docs/tensorrt.md#what-it-needs)"
+    )
 
 
 class _TrtInstance(Instance):
@@ -150,9 +162,9 @@ class TensorRTBackend(Backend):
 
             version = trt.__version__
         except AttributeError:  # a namespace package: only the type stubs are installed
-            return False, "tensorrt is not installed (only its type stubs are)"
+            return False, "tensorrt is not installed (only its type stubs are)" + _jetson_hint()
         except Exception as e:  # ImportError, or a libnvinfer that fails to load
-            return False, f"tensorrt does not import ({type(e).__name__}: {e})"
+            return False, f"tensorrt does not import ({type(e).__name__}: {e})" + _jetson_hint()
         why = unsupported_reason(parse_version(version))
         if why:
             return False, why
