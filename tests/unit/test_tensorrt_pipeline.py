@@ -160,7 +160,7 @@ def test_the_cache_key_carries_the_pipeline_and_backend_recipes(setup: dict[str,
     assert job_key(the_job, Rebuilt) != job_key(the_job, cls)
     from edged.backends.tensorrt import TensorRTBackend
 
-    assert TensorRTBackend.build_recipe == BUILD_RECIPE != "1"  # a recipe the engines built before lack
+    assert TensorRTBackend.build_recipe == BUILD_RECIPE != "1"  # its own, not the default of other backends
 
 
 @pytest.mark.parametrize(
