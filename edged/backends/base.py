@@ -59,6 +59,10 @@ class BuildSpec:
     # for a backend that calibrates the FP32 model itself (TensorRT's legacy calibrator); the key
     # covers it through the job's calibration digest.
     calibration: Any = None
+    # The engine cache's directory, where a backend keeps what every build on this device shares
+    # (TensorRT's timing caches): the artefact's own folder may be a trial's temporary one. "" when
+    # the build has no cache (the artefact's folder is used).
+    cache_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,9 @@ class Backend(abc.ABC):
     artifact_suffix: ClassVar[str] = ".bin"
     # Precisions in the order a failed accuracy gate falls back through them.
     precisions: ClassVar[tuple[str, ...]] = ("fp32",)
+    # Changed whenever the way this backend builds an artefact changes (a conversion fixed, a
+    # recipe retried): it is part of the cache key, so the change reaches artefacts built before.
+    build_recipe: ClassVar[str] = "1"
 
     def __init__(self, artifact: Path, options: LoadOptions | None = None) -> None:
         self.artifact = artifact
@@ -145,6 +152,19 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def fingerprint(cls) -> dict[str, str]:
         """What an artefact is bound to besides the backend version (device, ISA, driver)."""
+
+    @classmethod
+    def device_fingerprint(cls, options: Mapping[str, Any]) -> dict[str, str]:
+        """The fingerprint of the device a build with these options runs on (a backend that
+        builds on one of several GPUs names that GPU); ``fingerprint()`` unless overridden."""
+        return cls.fingerprint()
+
+    @classmethod
+    def buildable_precisions(cls, source: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """The precisions this backend can build for the model at ``source`` with these options
+        here, in fallback order (a TensorRT without weak typing cannot build fp16 from an FP32
+        model); a failed accuracy gate falls back only through these."""
+        return cls.precisions
 
     @classmethod
     @abc.abstractmethod

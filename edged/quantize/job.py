@@ -20,6 +20,10 @@ from edged.config import ModelConfig
 # The build option naming the Q/DQ model's nodes a mixed-precision search kept out of INT8:
 # ONNX Runtime runs them FP32 as written; TensorRT may run them FP16.
 FLOAT_NODES_OPTION = "int8_float_nodes"
+# Part of every cache key with the backend's own ``build_recipe``: change it with any change to
+# what the pipeline makes of the same inputs (the Q/DQ recipe, the search, the fallback), so that
+# entries already cached are built again the new way rather than served as they were.
+PIPELINE_RECIPE = "1"
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,9 @@ def key_fields(job: BuildJob, cls: type[Backend]) -> dict[str, Any]:
         "profiles": job.profiles,
         "backend": cls.name,
         "backend_version": cls.version(),
-        "device": cls.fingerprint(),
+        "device": cls.device_fingerprint(job.options),
         "options": job.options,
+        "recipe": {"pipeline": PIPELINE_RECIPE, "backend": cls.build_recipe},
     }
     if job.precision == "int8" and job.calibration is not None:
         fields["calibration"] = {

@@ -10,6 +10,7 @@ degraded model.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,7 @@ from edged.backends.base import Backend, BuildSpec, LoadOptions, Progress, Tenso
 from edged.cache.store import EngineCache, Entry
 from edged.config import CalibrationConfig, GateConfig
 from edged.errors import BuildError
-from edged.quantize.job import FLOAT_NODES_OPTION, BuildJob, job_key, key_fields
+from edged.quantize.job import FLOAT_NODES_OPTION, PIPELINE_RECIPE, BuildJob, job_key, key_fields
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,16 @@ Feed = dict[str, np.ndarray]
 RunFn = Callable[[Feed], Mapping[str, np.ndarray]]
 
 
-def fallback_precision(cls: type[Backend], precision: str) -> str | None:
-    """The next precision down the ladder int8 → fp16 → fp32 that this backend runs."""
-    ladder = ("int8", "fp16", "fp32")
-    for candidate in ladder[ladder.index(precision) + 1 :]:
-        if candidate in cls.precisions or candidate == "fp32":
+LADDER = ("int8", "fp16", "fp32")
+
+
+def fallback_precision(cls: type[Backend], job: BuildJob) -> str | None:
+    """The next precision down the ladder int8 → fp16 → fp32 that this backend can build for
+    this model here (``Backend.buildable_precisions``: TensorRT 11 builds no fp16 from an FP32
+    model, so its int8 falls back to fp32)."""
+    buildable = cls.buildable_precisions(job.source, job.options)
+    for candidate in LADDER[LADDER.index(job.precision) + 1 :]:
+        if candidate in buildable:
             return candidate
     return None
 
@@ -72,7 +78,10 @@ def _qdq_model(job: BuildJob, cache: EngineCache, calib: Any, progress: Progress
     assert job.calibration is not None
     method = str(job.calibration.get("method", "minmax"))
     percentile = float(job.calibration.get("percentile", 99.999))
-    key = ranges_key(job.source_digest, calib.digest, method, percentile)
+    # The pipeline's recipe names the file too: a changed recipe writes a new Q/DQ model.
+    key = hashlib.sha256(
+        f"{ranges_key(job.source_digest, calib.digest, method, percentile)}:{PIPELINE_RECIPE}".encode()
+    ).hexdigest()
     qdq_dir = cache.dir / "qdq"
     out = qdq_dir / f"{job.model}-{key[:20]}.onnx"
     ranges = qdq_dir / f"{job.model}-{key[:20]}.ranges.json"
@@ -118,6 +127,7 @@ def _build_artifact(
         profiles={k: (tuple(v[0]), tuple(v[1]), tuple(v[2])) for k, v in job.profiles.items()},
         options=options,
         calibration=calibration,
+        cache_dir=job.cache_dir,  # every build and every search trial shares what the device learnt
     )
     return cls.build(spec, tmp, progress)
 
@@ -132,7 +142,14 @@ def build_precision(job: BuildJob, cls: type[Backend], cache: EngineCache, progr
             existing = _build_locked(job, cls, cache, key, progress)
     fallback = existing.manifest.get("fallback")
     if existing.manifest.get("artifact") is None and fallback:
-        return build_precision(job.at_precision(str(fallback)), cls, cache, progress)
+        try:
+            return build_precision(job.at_precision(str(fallback)), cls, cache, progress)
+        except BuildError as e:  # name the step: the reduced precision's verdict stands
+            verdict = (existing.manifest.get("gate") or {}).get("reason", "")
+            raise BuildError(
+                f"{job.model}: {job.precision} failed its accuracy gate ({verdict}), so {fallback} was to be "
+                f"served, but building {fallback} failed: {e}"
+            ) from e
     return existing
 
 
@@ -193,9 +210,12 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
 def _reject(
     job: BuildJob, cls: type[Backend], cache: EngineCache, key: str, manifest: dict[str, Any], gate: dict[str, Any]
 ) -> Entry:
-    fallback = fallback_precision(cls, job.precision)
+    fallback = fallback_precision(cls, job)
     if fallback is None:
-        raise BuildError(f"{job.model}: {job.precision} failed the accuracy gate ({gate['reason']})")
+        raise BuildError(
+            f"{job.model}: {job.precision} failed the accuracy gate ({gate['reason']}), and {cls.name} can build "
+            f"no lower precision of this model here"
+        )
     reason = f"{job.precision} failed the accuracy gate ({gate['reason']}); serving {fallback}"
     log.warning("%s: %s", job.model, reason, extra={"model": job.model})
     return cache.commit(job.model, key, cls.artifact_suffix, None, dict(manifest, fallback=fallback, reason=reason))

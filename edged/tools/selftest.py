@@ -129,14 +129,15 @@ def _platform(report: Report, cfg: Config) -> bool:
     if not ok:
         report.line("tensorrt", f"NOT USABLE: {why}")
         return False
+    from edged.backends.tensorrt.cuda import cuda_versions, shared_device
+
     fp = TensorRTBackend.fingerprint()
     report.line("tensorrt", fp["tensorrt"] + (f" ({fp['tensorrt_cuda']})" if fp["tensorrt_cuda"] else ""))
     report.line(
         "cuda",
-        f"driver API {fp['cuda_driver']}, pycuda built for {fp['cuda_build']}"
+        f"driver API {fp['cuda_driver']}, pycuda built for {cuda_versions()[1]}"
         + (f", kernel driver {fp['driver']}" if fp["driver"] else ""),
     )
-    from edged.backends.tensorrt.cuda import shared_device
 
     kind = "integrated, host buffers mapped" if shared_device(0).integrated else "discrete, pinned buffers and copies"
     report.line("gpu", f"{fp['gpu']}, compute {fp['compute_capability']}, {fp['sm_count']} SMs, {kind}")

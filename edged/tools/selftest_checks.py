@@ -1,7 +1,7 @@
-"""The checks of ``edged selftest`` (see ``edged.tools.selftest``): the demo model and its data, the int8
-build through the daemon's pipeline, several instances of a dynamic engine, mapped against copied
-host buffers, cold start and steady latency. Only the TensorRT checks need TensorRT; choosing the
-demo and making its data run anywhere (and are unit-tested here)."""
+"""The checks of ``edged selftest`` (see ``edged.tools.selftest``): the demo model (its data is made
+by ``selftest_data``), the int8 build through the daemon's pipeline, several instances of a dynamic
+engine, mapped against copied host buffers, cold start and steady latency. Only the TensorRT checks
+need TensorRT; choosing the demo and making its data run anywhere (and are unit-tested)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,26 @@ import numpy as np
 from edged.backends.base import BuildSpec, LoadOptions
 from edged.cache.store import Entry
 from edged.config import Config, ModelConfig, format_size, from_mapping
+from edged.errors import EdgedError
+from edged.tools.selftest_data import input_specs, render_pages, synthetic_feeds, write_feeds
+
+__all__ = [
+    "Check",
+    "Demo",
+    "buffers_check",
+    "cold_start",
+    "demo_model",
+    "failed_step",
+    "input_specs",
+    "instances_check",
+    "int8_check",
+    "render_pages",
+    "steady",
+    "synthetic_feeds",
+    "write_feeds",
+]
 
 Feed = dict[str, np.ndarray]
-Profiles = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 DEMO = Path("data/models/ocr_det.onnx")
 DEMO_PROFILE = {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640], "max": [1, 3, 1280, 1280]}
 # The detector's decision is its text mask: judge it by that (the gate's task metric), not by the
@@ -32,7 +49,6 @@ DEMO_PROFILE = {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640], "max": [1, 3, 12
 DEMO_GATE: dict[str, Any] = {"metric": "mask_iou"}
 PAGES, SAMPLES, INSTANCES, STEADY_RUNS = 40, 32, 3, 200
 MLP_PROFILE = ((1, 16), (4, 16), (8, 16))
-WORDS = ("edged", "Jetson", "INT8", "engine", "warm", "ready", "frame", "camera", "Orin", "text", "page", "model")
 
 
 @dataclass(frozen=True)
@@ -129,80 +145,6 @@ def _configured(name: str, model: ModelConfig, tmp: Path) -> Demo:
     )
 
 
-def input_specs(path: Path, profiles: Profiles) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape at the profile's opt, numpy dtype) of each model input."""
-    from edged.backends.onnxruntime import OnnxRuntimeBackend, ort_session
-
-    specs = []
-    for spec in OnnxRuntimeBackend.specs_of(ort_session(str(path))):
-        shape = profiles[spec.name][1] if spec.name in profiles else tuple(d if d > 0 else 1 for d in spec.shape)
-        specs.append((spec.name, tuple(shape), spec.dtype))
-    return specs
-
-
-def synthetic_feeds(specs: Sequence[tuple[str, tuple[int, ...], str]], count: int, seed: int) -> list[Feed]:
-    """Image inputs get document-like pictures (a light page with dark strokes, normalised as
-    ImageNet models expect); other inputs standard normal values."""
-    rng = np.random.default_rng(seed)
-    feeds = []
-    for _ in range(count):
-        feed = {}
-        for name, shape, dtype in specs:
-            arr = _page(rng, shape) if len(shape) == 4 and shape[1] == 3 else rng.standard_normal(shape)
-            feed[name] = arr.astype(dtype)
-        feeds.append(feed)
-    return feeds
-
-
-def _page(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    n, c, h, w = shape
-    img = np.empty(shape, np.float32)
-    for i in range(n):
-        page = np.full((h, w), rng.uniform(0.75, 0.95), np.float32)
-        page += np.linspace(0, rng.uniform(-0.1, 0.1), w, dtype=np.float32)[None, :]
-        for _ in range(int(rng.integers(5, 25))):
-            y, x = int(rng.integers(0, h)), int(rng.integers(0, w))
-            length = int(rng.integers(max(1, w // 20), max(2, w // 3)))
-            page[y : y + max(2, h // 40), x : x + length] = rng.uniform(0.0, 0.3)
-        img[i] = page[None] + rng.normal(0, 0.02, (c, h, w))
-    mean = np.array([0.485, 0.456, 0.406], np.float32)[:, None, None]
-    std = np.array([0.229, 0.224, 0.225], np.float32)[:, None, None]
-    return (img - mean) / std
-
-
-def write_feeds(folder: Path, feeds: Sequence[Feed]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    savez: Any = np.savez  # numpy's stub reads **arrays as its allow_pickle keyword
-    for i, feed in enumerate(feeds):
-        savez(folder / f"sample{i:04d}.npz", **feed)
-    return folder
-
-
-def render_pages(folder: Path, count: int, size: int = 640) -> Path:
-    """Light pages with lines of dark text: what a text detector is for (its calibration and
-    held-out data go through the daemon's own image loader)."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(2024)
-    for i in range(count):
-        img = Image.new("RGB", (size, size), tuple(int(v) for v in rng.integers(190, 256, 3)))
-        draw = ImageDraw.Draw(img)
-        y = int(rng.integers(4, 24))
-        while y < size - 40:
-            height = int(rng.integers(14, 40))
-            try:
-                font: Any = ImageFont.load_default(size=height)
-            except TypeError:  # Pillow < 10.1 has one bitmap size
-                font = ImageFont.load_default()
-            words = " ".join(rng.choice(WORDS, int(rng.integers(1, 6))))
-            ink = tuple(int(v) for v in rng.integers(0, 90, 3))
-            draw.text((int(rng.integers(4, size // 4)), y), words, fill=ink, font=font)
-            y += height + int(rng.integers(6, 40))
-        img.save(folder / f"page{i:03d}.png")
-    return folder
-
-
 # --- int8 through the daemon's pipeline --------------------------------------------------------
 
 
@@ -230,7 +172,11 @@ def int8_check(demo: Demo, tmp: Path, say: Callable[[str], None]) -> tuple[Check
             seen.append(phase)
             say(phase)
 
-    entry = build_precision(job, TensorRTBackend, cache, progress)
+    try:
+        entry = build_precision(job, TensorRTBackend, cache, progress)
+    except EdgedError as e:  # the check says which step failed: int8's own, or its fallback's
+        record = cache.lookup(job.model, job_key(job, TensorRTBackend), TensorRTBackend.artifact_suffix)
+        return Check("int8", "FAIL", failed_step(record.manifest if record else None, seen, e)), None, []
     record = cache.lookup(job.model, job_key(job, TensorRTBackend), TensorRTBackend.artifact_suffix)
     manifest = record.manifest if record is not None else entry.manifest
     gate = manifest.get("gate") or {}
@@ -245,6 +191,21 @@ def int8_check(demo: Demo, tmp: Path, say: Callable[[str], None]) -> tuple[Check
     return Check("int8", "PASS" if passed else "FAIL", detail), entry, list(itertools.islice(held, 8))
 
 
+def failed_step(int8_record: dict[str, Any] | None, phases: Sequence[str], error: Exception) -> str:
+    """Where a build that raised stopped: ``int8_record`` is int8's cached verdict when its gate
+    had already judged it (the error then came from the fallback's build), ``phases`` the build's
+    progress phases in order."""
+    step = f"'{phases[-1]}'" if phases else "its start"
+    if int8_record is None or not int8_record.get("fallback"):
+        return f"the int8 build failed at {step}: {error}"
+    gate = int8_record.get("gate") or {}
+    inner = error.__cause__ if isinstance(error.__cause__, Exception) else error
+    return (
+        f"{_figures(gate)}; int8 built but failed its gate ({gate.get('reason', 'no reason recorded')}); "
+        f"the fallback {int8_record['fallback']} then failed at {step}: {inner}"
+    )
+
+
 def _figures(gate: dict[str, Any]) -> str:
     keys = ("mask_iou", "det_f1", "top1", "rel_l2", "cosine")
     shown = [f"{k} {gate[k]:.4g}" for k in keys if isinstance(gate.get(k), (int, float))]
@@ -257,7 +218,12 @@ def _build_note(manifest: dict[str, Any]) -> str:
     )
     floats = manifest.get("fp16") or {}
     if floats:
-        typing += f", float parts FP16 ({floats.get('fp16_nodes')} nodes; {floats.get('fp32_nodes')} kept FP32)"
+        raised = floats.get("raised_weight_scales")
+        typing += f", float parts FP16 ({floats.get('fp16_nodes')} nodes; {floats.get('fp32_nodes')} kept FP32"
+        typing += f"; {raised} weight scales raised to FP16's range)" if raised else ")"
+    retried = manifest.get("retried")
+    if retried:
+        typing += f", retried with float parts {str(retried.get('float_parts')).upper()} ({retried.get('because')})"
     if manifest.get("legacy_calibrator"):
         typing += f", legacy calibrator on {manifest.get('calibration_samples')} samples"
     dla = manifest.get("dla_gpu_fallback")

@@ -304,7 +304,7 @@ def test_fingerprint_of_this_gpu(device: CudaDevice) -> None:
     assert re.fullmatch(r"\d+\.\d+", fp["compute_capability"])
     assert int(fp["sm_count"]) > 0
     assert re.fullmatch(r"\d+\.\d+", fp["cuda_driver"])
-    assert re.fullmatch(r"\d+(\.\d+)+", fp["cuda_build"])
+    assert "cuda_build" not in fp  # pycuda's own CUDA build: no part of what an engine is bound to
     if not device.integrated:
         assert re.fullmatch(r"\d+\.\d+(\.\d+)?", fp["driver"]), fp
         assert fp["l4t"] == ""

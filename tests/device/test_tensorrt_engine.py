@@ -242,7 +242,6 @@ def test_fingerprint_names_everything_the_engine_is_bound_to(major: int) -> None
         "sm_count",
         "driver",
         "cuda_driver",
-        "cuda_build",
         "l4t",
     }
     assert fp["tensorrt"] == TensorRTBackend.version()

@@ -18,8 +18,8 @@ import pytest
 
 from edged.backends import resolve
 from edged.backends.tensorrt import TensorRTBackend
-from edged.backends.tensorrt.build import timing_cache_path
-from edged.backends.tensorrt.versions import BuildOptions, read_model_traits
+from edged.backends.tensorrt.timing import timing_cache_path
+from edged.backends.tensorrt.versions import read_model_traits
 from tests.helpers import tensorrt_installed, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,14 +118,12 @@ def test_model_traits_see_qdq_nodes_and_fp16(tmp_path: Path) -> None:
 
 
 def test_timing_cache_is_kept_per_device_fingerprint(tmp_path: Path) -> None:
-    dest = tmp_path / ".tmp-1-x.engine"
     orin = {"tensorrt": "10.3.0.30", "gpu": "Orin", "l4t": "36.4.3"}
-    a = timing_cache_path(BuildOptions(), dest, orin)
+    a = timing_cache_path("", tmp_path, orin)
     assert a.parent == tmp_path / "timing"
-    assert a == timing_cache_path(BuildOptions(), dest, dict(orin))
-    assert a != timing_cache_path(BuildOptions(), dest, dict(orin, tensorrt="10.3.0.31"))
-    explicit = BuildOptions(timing_cache=str(tmp_path / "t.cache"))
-    assert timing_cache_path(explicit, dest, orin) == tmp_path / "t.cache"
+    assert a == timing_cache_path("", tmp_path, dict(orin))
+    assert a != timing_cache_path("", tmp_path, dict(orin, tensorrt="10.3.0.31"))
+    assert timing_cache_path(str(tmp_path / "t.cache"), tmp_path, orin) == tmp_path / "t.cache"
 
 
 # --- the type check against the official stubs --------------------------------------------------
@@ -228,3 +226,20 @@ def test_int64_is_narrowed_for_an_input_tensorrt_8_made_int32() -> None:
     # The engine's profile is the backend's own bound, checked by the shared rules.
     with pytest.raises(InvalidInputError, match=r"outside the profile \[1, 4\]..\[8, 4\] \(dim 0 is 9, not 1..8\)"):
         backend.check_inputs({"ids": np.zeros((9, 4), np.int64)})
+
+
+@needs_no_tensorrt
+def test_on_a_jetson_the_reason_says_what_makes_tensorrt_import(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from edged.backends.tensorrt import backend as backend_mod
+
+    release = tmp_path / "nv_tegra_release"
+    monkeypatch.setattr(backend_mod, "TEGRA_RELEASE", str(release))
+    assert "scripts/install.sh" not in TensorRTBackend.available()[1]  # not a Jetson
+    release.write_text("# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64\n")
+    why = TensorRTBackend.available()[1]
+    assert why.endswith(
+        f"; on a Jetson, scripts/install.sh --python {sys.executable} makes JetPack's TensorRT import under this "
+        "Python (JetPack 5: it builds the bindings for it; docs/tensorrt.md#what-it-needs)"
+    )

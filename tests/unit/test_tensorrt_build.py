@@ -8,6 +8,7 @@ strict mypy run against the official stubs (test_tensorrt_backend.py)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from edged.backends.base import BuildSpec, TensorSpec
 from edged.backends.tensorrt import calibrator as calibrator_mod
 from edged.backends.tensorrt import trtlog
 from edged.backends.tensorrt.build import build_engine
+from edged.backends.tensorrt.timing import timing_cache_path
 from edged.config import CalibrationConfig
 from edged.errors import BuildError
 from edged.quantize.calibrate import CalibrationSet
@@ -49,7 +51,16 @@ class FakeTensorRT(types.ModuleType):
 
     parsed_model: onnx.ModelProto  # what the fake parser read, set by parse_from_file
 
-    def __init__(self, version: str, dla_cores: int = 0, layers: tuple[str, ...] = ("fc1", "relu", "fc2")) -> None:
+    def __init__(
+        self,
+        version: str,
+        dla_cores: int = 0,
+        layers: tuple[str, ...] = ("fc1", "relu", "fc2"),
+        fail_fp16: str = "",
+        reject_timing: bytes = b"",
+    ) -> None:
+        """``fail_fp16``: "parse" or "build" fails for a model holding FP16 tensors (as a
+        strongly typed build might); ``reject_timing``: a timing cache TensorRT refuses."""
         super().__init__("tensorrt")
         self.__version__ = version
         self.calls: list[tuple[Any, ...]] = []
@@ -91,20 +102,30 @@ class FakeTensorRT(types.ModuleType):
             def get_layer(self, i: int) -> Layer:
                 return Layer(layers[i])
 
-        class Parser:
-            num_errors = 0
+        def has_fp16(model: onnx.ModelProto) -> bool:
+            return any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
 
+        class Parser:
             def __init__(self, network: Network, logger: Any) -> None:
-                pass
+                self.num_errors = 0
 
             def parse_from_file(self, path: str) -> bool:
                 fake.parsed.append(path)
                 fake.parsed_model = onnx.load(path)
+                if fail_fp16 == "parse" and has_fp16(fake.parsed_model):
+                    self.num_errors = 1
+                    return False
                 return True
 
+            def get_error(self, i: int) -> str:
+                return "In node 7 (parseGraph): the FP16 Q/DQ scale is not supported here"
+
         class TimingCache:
+            def __init__(self, data: bytes) -> None:
+                self.data = data
+
             def serialize(self) -> bytes:
-                return b"timing"
+                return self.data + b"timings;"
 
         class Config:
             int8_calibrator: Any = None
@@ -127,14 +148,15 @@ class FakeTensorRT(types.ModuleType):
             def set_flag(self, flag: Any) -> None: ...
             def set_preview_feature(self, feature: Any, on: bool) -> None: ...
             def set_calibration_profile(self, profile: Any) -> None: ...
-            def set_timing_cache(self, cache: Any, ignore: bool) -> bool:
-                return True
+            def set_timing_cache(self, cache: TimingCache, ignore: bool) -> bool:
+                self._timing = cache
+                return not (reject_timing and cache.data == reject_timing)
 
             def create_timing_cache(self, data: bytes) -> TimingCache:
-                return TimingCache()
+                return TimingCache(bytes(data))
 
             def get_timing_cache(self) -> TimingCache:
-                return TimingCache()
+                return self._timing
 
             def add_optimization_profile(self, profile: Any) -> int:
                 return sum(1 for c in fake.calls if c[0] == "add_optimization_profile") - 1
@@ -162,7 +184,10 @@ class FakeTensorRT(types.ModuleType):
             def create_optimization_profile(self) -> Profile:
                 return Profile()
 
-            def build_serialized_network(self, network: Network, config: Config) -> bytes:
+            def build_serialized_network(self, network: Network, config: Config) -> bytes | None:
+                if fail_fp16 == "build" and has_fp16(fake.parsed_model):
+                    trtlog.record(1, "Error Code 10: Could not find any implementation for node conv1")
+                    return None
                 calibrator = config.int8_calibrator
                 while calibrator is not None and calibrator.get_batch(["x"]):
                     pass  # TensorRT's calibration loop: until get_batch returns no pointers
@@ -290,5 +315,127 @@ def test_dla_records_the_layers_left_to_the_gpu(fake_trt: Any, mlp: Path, tmp_pa
     with pytest.raises(BuildError, match="min = opt = max"):
         build_engine(BuildSpec(str(mlp), "fp16", PROFILE, {"dla_core": 1}), tmp_path / "e2", print, {})
     fake_trt("10.3.0.30", dla_cores=0)
-    with pytest.raises(BuildError, match=r"0 DLA core\(s\).*set dla_core = -1"):
+    with pytest.raises(BuildError, match=r"this GPU has no DLA cores: set dla_core = -1"):
         build_engine(BuildSpec(str(mlp), "fp16", static, {"dla_core": 0}), tmp_path / "e3", print, {})
+
+
+# --- one timing cache per device, for every build and every trial ---------------------------------
+
+ORIN = {"tensorrt": "10.3.0.30", "gpu": "Orin", "l4t": "36.4.3"}
+
+
+def test_builds_in_other_folders_share_the_devices_timing_cache(
+    fake_trt: Any, mlp: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second build (a search trial, its artefact in a temporary folder) loads what the
+    first timed, from the engine cache's ``timing/``, and the log says so."""
+    fake = fake_trt("10.3.0.30")
+    cache = tmp_path / "cache"
+    trial = tmp_path / "cache" / ".tmp-1-mixed-x"
+    trial.mkdir(parents=True)
+    spec = BuildSpec(str(mlp), "fp32", PROFILE, {}, cache_dir=str(cache))
+    with caplog.at_level(logging.INFO, logger="edged.backends.tensorrt.timing"):
+        first = build_engine(spec, cache / ".tmp-1-a.engine", print, ORIN)
+        second = build_engine(spec, trial / "artefact.engine", print, ORIN)
+    files = list((cache / "timing").iterdir())
+    assert [f.name for f in files] == [first["timing_cache"]] == [second["timing_cache"]]
+    assert [c[1] for c in named_calls(fake, "create_timing_cache")] == [b"", b"timings;"]
+    assert first["timing_cache_bytes"] == [0, 8] and second["timing_cache_bytes"] == [8, 16]
+    assert files[0].read_bytes() == b"timings;timings;"
+    assert not (trial / "timing").exists()
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("none yet for this device; this build times every tactic" in m for m in logged)
+    assert any("0.0 KiB of tactic timings for this device loaded; layers timed before are not" in m for m in logged)
+
+
+def named_calls(fake: FakeTensorRT, call: str) -> list[tuple[Any, ...]]:
+    return [c for c in fake.calls if c[0] == call]
+
+
+def test_a_timing_cache_tensorrt_rejects_is_quarantined_and_the_build_goes_on(
+    fake_trt: Any, mlp: Path, tmp_path: Path
+) -> None:
+    fake_trt("10.3.0.30", reject_timing=b"garbage")
+    cache = tmp_path / "cache"
+    path = timing_cache_path("", cache, ORIN)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"garbage")
+    extra = build_engine(BuildSpec(str(mlp), "fp32", PROFILE, {}, cache_dir=str(cache)), cache / "e", print, ORIN)
+    assert extra["timing_cache_bytes"] == [0, 8] and path.read_bytes() == b"timings;"
+    [moved] = [p for p in (cache / "quarantine").iterdir() if p.suffix != ".why"]
+    assert moved.name.startswith(path.name) and moved.read_bytes() == b"garbage"
+    assert "timing cache rejected by TensorRT" in Path(f"{moved}.why").read_text()
+
+
+# --- the safer recipe, once -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["parse", "build"])
+def test_a_strongly_typed_fp16_build_that_fails_is_retried_with_fp32_float_parts(
+    fake_trt: Any, qdq: Path, tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = fake_trt("10.3.0.30", fail_fp16=where)
+    with caplog.at_level(logging.WARNING, logger="edged.backends.tensorrt.build"):
+        extra = build_engine(BuildSpec(str(qdq), "int8", PROFILE, {}), tmp_path / "e", print, {})
+    assert len(fake.parsed) == 2 and fake.parsed[1] == str(qdq)  # the Q/DQ model as quantized
+    assert extra["float_parts"] == "fp32" and "fp16" not in extra
+    why = "the FP16 Q/DQ scale is not supported" if where == "parse" else "Could not find any implementation"
+    assert extra["retried"]["float_parts"] == "fp32" and why in extra["retried"]["because"]
+    assert any("trying once more with the safer 'fp32'" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "e").read_bytes() == b"engine"
+
+
+def test_a_failed_fp16_conversion_is_retried_too(
+    fake_trt: Any, qdq: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edged.backends.tensorrt import build as build_mod
+
+    def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise BuildError("q.onnx: the FP16 conversion made an invalid model (...)")
+
+    monkeypatch.setattr(build_mod, "to_mixed_fp16", broken)
+    fake_trt("11.1.0")
+    extra = build_engine(BuildSpec(str(qdq), "int8", PROFILE, {}), tmp_path / "e", print, {})
+    assert extra["retried"]["because"].startswith("q.onnx: the FP16 conversion made an invalid model")
+
+
+def test_when_the_safer_recipe_fails_too_both_reasons_are_given(fake_trt: Any, qdq: Path, tmp_path: Path) -> None:
+    fake = fake_trt("10.3.0.30", fail_fp16="parse")
+    original = fake.OnnxParser.parse_from_file
+
+    def always_fails(self: Any, path: str) -> bool:
+        original(self, path)
+        self.num_errors = 1
+        return False
+
+    fake.OnnxParser.parse_from_file = always_fails
+    with pytest.raises(BuildError) as failed:
+        build_engine(BuildSpec(str(qdq), "int8", PROFILE, {}), tmp_path / "e", print, {})
+    text = str(failed.value)
+    assert text.startswith("TensorRT could not build mlp.qdq.onnx with float_parts = 'fp16' (TensorRT cannot parse")
+    assert "nor with the safer 'fp32' (TensorRT cannot parse" in text
+    assert len(fake.parsed) == 2
+
+
+def test_a_recipe_without_fp16_float_parts_is_not_retried(fake_trt: Any, qdq: Path, tmp_path: Path) -> None:
+    fake = fake_trt("8.6.1.6")  # weakly typed: the flags decide the float parts, nothing converts
+    fake.Builder.build_serialized_network = lambda self, network, config: None
+    with pytest.raises(BuildError, match="TensorRT could not build the engine"):
+        build_engine(BuildSpec(str(qdq), "int8", PROFILE, {}), tmp_path / "e", print, {})
+    assert len(fake.parsed) == 1
+
+
+def test_the_dla_error_on_a_board_without_cores_names_that_board(
+    fake_trt: Any, mlp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edged.backends.tensorrt import build as build_mod
+
+    monkeypatch.setattr(build_mod, "board_model", lambda: "NVIDIA Jetson Orin Nano Developer Kit (nvidia,p3767-0005)")
+    fake_trt("10.3.0.30", dla_cores=0)
+    static = {"x": ((4, 16), (4, 16), (4, 16))}
+    with pytest.raises(BuildError) as failed:
+        build_engine(BuildSpec(str(mlp), "fp16", static, {"dla_core": 0}), tmp_path / "e", print, {})
+    assert str(failed.value) == (
+        "tensorrt.dla_core = 0, but NVIDIA Jetson Orin Nano Developer Kit (nvidia,p3767-0005) has no DLA cores: "
+        "set dla_core = -1 to run on the GPU"
+    )

@@ -77,6 +77,22 @@ def test_a_sample_off_the_calibration_shape_is_a_build_error_naming_it(
     assert len(got) == 1
 
 
+def test_int64_samples_feed_the_int32_input_tensorrt_8_makes_of_them() -> None:
+    """TensorRT 8.x's ONNX parser turns an INT64 input into INT32; the samples hold the ONNX
+    model's INT64 (the same files ONNX Runtime's quantizer reads): narrowed, range-checked."""
+    got: list[np.ndarray] = []
+    ids = ("ids.npy", {"ids": np.arange(8, dtype=np.int64).reshape(2, 4)})
+    feeder = BatchFeeder([ids], {"ids": ((1, 4), "int32")})
+    while feeder.get_batch(["ids"], upload_into(got)):
+        pass
+    assert feeder.error is None and [a.dtype for a in got] == [np.int32, np.int32]
+    assert [a.tolist() for a in got] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    huge = ("huge.npy", {"ids": np.full((1, 4), 2**40, np.int64)})
+    feeder = BatchFeeder([huge], {"ids": ((1, 4), "int32")})
+    assert feeder.get_batch(["ids"], upload_into(got)) == []
+    assert str(feeder.error).startswith("calibration sample huge.npy: input 'ids' holds values outside int32")
+
+
 def test_an_exception_inside_get_batch_is_kept_with_the_sample_name() -> None:
     def failing_upload(name: str, arr: np.ndarray) -> int:
         raise MemoryError("cuMemAlloc failed")

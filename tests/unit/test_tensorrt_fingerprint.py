@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+import types
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +142,40 @@ def test_verbose_messages_are_dropped_first_unless_debug_is_on(caplog: pytest.Lo
         assert wanted(1) and wanted(2) and not wanted(4) and not wanted(3)
     with caplog.at_level(logging.DEBUG, logger="edged.backends.tensorrt.trt"):
         assert wanted(4)
+
+
+class FakeDevice:
+    """Stands in for ``cuda.CudaDevice`` (what the fingerprint reads of it) in this unit test."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.name = ["NVIDIA H200", "NVIDIA RTX A2000"][ordinal]
+        self.compute_capability = ["9.0", "8.6"][ordinal]
+        self.sm_count = [132, 26][ordinal]
+
+
+def test_the_key_names_the_gpu_the_engine_is_built_on_and_not_pycudas_cuda(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a host with two different GPUs, an engine built for ``tensorrt.device = 1`` is keyed by
+    GPU 1; pycuda's own CUDA build (it allocates and copies, the engine never sees it) is in no key."""
+    from edged.backends.tensorrt import TensorRTBackend
+    from edged.backends.tensorrt import backend as backend_mod
+    from edged.backends.tensorrt import fingerprint as fingerprint_mod
+    from edged.quantize.job import BuildJob, key_fields
+
+    module = types.ModuleType("tensorrt")
+    module.__version__ = "10.13.3.9"  # type: ignore[attr-defined]  # a fake: the version is all it has
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+    monkeypatch.setattr(backend_mod, "shared_device", FakeDevice)
+    monkeypatch.setattr(fingerprint_mod, "cuda_versions", lambda: ("13.0", "12.9"))
+    backend_mod._fingerprint.cache_clear()
+    try:
+        second = TensorRTBackend.device_fingerprint({"device": 1})
+        first = TensorRTBackend.device_fingerprint({})
+        job = BuildJob("m", "m.onnx", "fp32", "tensorrt", str(tmp_path), "digest", options={"device": 1})
+        keyed = key_fields(job, TensorRTBackend)["device"]
+    finally:
+        backend_mod._fingerprint.cache_clear()
+    assert (second["gpu"], second["compute_capability"], second["sm_count"]) == ("NVIDIA RTX A2000", "8.6", "26")
+    assert first["gpu"] == "NVIDIA H200" and keyed == second
+    assert "cuda_build" not in second and second["cuda_driver"] == "13.0"

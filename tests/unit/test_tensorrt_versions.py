@@ -7,7 +7,10 @@ import pytest
 from edged.backends.tensorrt.versions import (
     BuildOptions,
     ModelTraits,
+    buildable_precisions,
     check_dla,
+    dla_cores_error,
+    dla_supported,
     parse_version,
     plan_build,
     unsupported_reason,
@@ -270,3 +273,59 @@ def test_a_dla_model_with_a_dynamic_profile_is_refused_at_config_time() -> None:
         from_mapping({"models": {"m": dict(model, tensorrt={"dla_core": 0})}})
     static = {"x": {"min": [2, 3], "opt": [2, 3], "max": [2, 3]}}
     assert from_mapping({"models": {"m": dict(model, profiles=static, tensorrt={"dla_core": 0})}}).models["m"]
+
+
+# --- what can be built, and where DLA exists ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "version, traits, opts, buildable",
+    [
+        (TRT_11, FP32_MODEL, DEFAULT, ("int8", "fp32")),  # no FP16 flag: fp16 needs an FP16 model
+        (TRT_11, FP16_MODEL, DEFAULT, ("int8", "fp16", "fp32")),
+        (TRT_11, FP32_MODEL, LEGACY, ("fp32",)),  # no implicit calibrator either
+        ((11, 0, 0), FP32_MODEL, BuildOptions(dla_core=0), ()),  # no DLA: nothing builds
+        (TRT_10_13, FP32_MODEL, DEFAULT, ("int8", "fp16", "fp32")),
+        (TRT_10_3, FP32_MODEL, LEGACY, ("int8", "fp16", "fp32")),
+        (TRT_8_5, FP32_MODEL, DEFAULT, ("int8", "fp16", "fp32")),
+    ],
+)
+def test_buildable_precisions_follow_the_plan(
+    version: tuple[int, int, int], traits: ModelTraits, opts: BuildOptions, buildable: tuple[str, ...]
+) -> None:
+    assert buildable_precisions(version, traits, opts) == buildable
+
+
+@pytest.mark.parametrize(
+    "version, dla",
+    [
+        (TRT_8_5, True),
+        (TRT_8_6, True),
+        (TRT_10_3, True),
+        ((10, 7, 0), True),
+        ((10, 8, 0), False),  # 10.7 was the last 10.x with DLA
+        (TRT_10_13, False),  # JetPack 7: Thor, which has no DLA
+        ((11, 0, 0), False),
+        ((11, 4, 0), False),  # DLA on Windows on ARM only
+        ((11, 4, 1), True),  # back on Jetson AGX Orin with JetPack 7.2.2+
+    ],
+)
+def test_dla_exists_up_to_10_7_and_again_from_11_4_1(version: tuple[int, int, int], dla: bool) -> None:
+    assert dla_supported(version) is dla
+    if not dla:
+        with pytest.raises(BuildError, match=r"no DLA support .*Jetson Thor has no DLA"):
+            plan_build(version, "fp16", BuildOptions(dla_core=0), FP32_MODEL)
+
+
+def test_the_dla_core_error_names_the_board_not_orins_cores() -> None:
+    thor = "NVIDIA Jetson AGX Thor Developer Kit (nvidia,p3834-0008)"
+    text = dla_cores_error(0, 0, thor)
+    assert text == f"tensorrt.dla_core = 0, but {thor} has no DLA cores: set dla_core = -1 to run on the GPU"
+    assert "Orin" not in text
+    assert "only 2 DLA core(s) (0..1)" in dla_cores_error(2, 2, "NVIDIA Jetson AGX Orin (nvidia,p3701-0005)")
+    assert dla_cores_error(0, 0, "").startswith("tensorrt.dla_core = 0, but this GPU has no DLA cores")
+
+
+def test_every_plan_names_the_version_it_was_made_for() -> None:
+    for version in (TRT_8_5, TRT_8_6, TRT_10_3, TRT_10_13, TRT_11):
+        assert plan_build(version, "fp32", DEFAULT, FP32_MODEL).version == version

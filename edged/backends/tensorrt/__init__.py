@@ -13,6 +13,7 @@ usable instead of failing. Its parts:
 - ``trtlog``: TensorRT's logger bridged into ``logging``;
 - ``build`` and ``calibrator``: engine building (the build child process); the legacy
   calibrator reads its samples through ``edged.quantize.calibrate``, the one loader;
+- ``timing``: the device's timing cache, shared by every build and search trial;
 - ``backend``: loading, instances, inference.
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 
 from edged.backends.base import Backend, BuildSpec, Instance, LoadOptions, Progress, TensorSpec
 from edged.backends.tensorrt.cuda import CudaDevice, IOBuffers, shared_device
-from edged.backends.tensorrt.fingerprint import board_model, gpu_fingerprint, tensorrt_cuda
+from edged.backends.tensorrt.fingerprint import TEGRA_RELEASE, board_model, gpu_fingerprint, tensorrt_cuda
 from edged.backends.tensorrt.profiles import ProfileSlots, profile_scheme, select_profile
 from edged.backends.tensorrt.shapes import (
     Profile,
@@ -35,7 +36,15 @@ from edged.backends.tensorrt.shapes import (
     numpy_dtype,
 )
 from edged.backends.tensorrt.trtlog import capture_errors, get_logger
-from edged.backends.tensorrt.versions import BuildOptions, parse_version, unsupported_reason, uses_device_memory_v2
+from edged.backends.tensorrt.versions import (
+    BUILD_RECIPE,
+    BuildOptions,
+    buildable_precisions,
+    parse_version,
+    read_model_traits,
+    unsupported_reason,
+    uses_device_memory_v2,
+)
 from edged.errors import BackendError, CacheError, InvalidInputError
 from edged.wire.validate import Bounds
 
@@ -46,17 +55,29 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def _fingerprint() -> dict[str, str]:
+def _fingerprint(ordinal: int) -> dict[str, str]:
     import tensorrt as trt
 
     # cu12 and cu13 builds of one TensorRT share a version string; Orin NX 8GB and Orin Nano
-    # 8GB report the same GPU: both go into the key.
+    # 8GB report the same GPU: both go into the key. The GPU is the one the engine is built and
+    # loaded on (``tensorrt.device``), which on a host with two different GPUs is not GPU 0.
     return {
         "tensorrt": trt.__version__,
         "tensorrt_cuda": tensorrt_cuda(),
         "board": board_model(),
-        **gpu_fingerprint(shared_device(0)),
+        **gpu_fingerprint(shared_device(ordinal)),
     }
+
+
+def _jetson_hint() -> str:
+    """On a Jetson, TensorRT is there but its bindings may be for another Python (JetPack 5's are
+    for 3.8): say what makes them import here."""
+    if not Path(TEGRA_RELEASE).exists():
+        return ""
+    return (
+        f"; on a Jetson, scripts/install.sh --python {sys.executable} makes JetPack's TensorRT import under this "
+        "Python (JetPack 5: it builds the bindings for it; docs/tensorrt.md#what-it-needs)"
+    )
 
 
 class _TrtInstance(Instance):
@@ -111,6 +132,7 @@ class TensorRTBackend(Backend):
     name = "tensorrt"
     artifact_suffix = ".engine"
     precisions = ("int8", "fp16", "fp32")
+    build_recipe = BUILD_RECIPE
 
     def __init__(self, artifact: Path, options: LoadOptions | None = None) -> None:
         super().__init__(artifact, options)
@@ -140,9 +162,9 @@ class TensorRTBackend(Backend):
 
             version = trt.__version__
         except AttributeError:  # a namespace package: only the type stubs are installed
-            return False, "tensorrt is not installed (only its type stubs are)"
+            return False, "tensorrt is not installed (only its type stubs are)" + _jetson_hint()
         except Exception as e:  # ImportError, or a libnvinfer that fails to load
-            return False, f"tensorrt does not import ({type(e).__name__}: {e})"
+            return False, f"tensorrt does not import ({type(e).__name__}: {e})" + _jetson_hint()
         why = unsupported_reason(parse_version(version))
         if why:
             return False, why
@@ -166,7 +188,19 @@ class TensorRTBackend(Backend):
 
     @classmethod
     def fingerprint(cls) -> dict[str, str]:
-        return dict(_fingerprint())
+        """GPU 0's; a build or a cache key names its own GPU through ``device_fingerprint``."""
+        return dict(_fingerprint(0))
+
+    @classmethod
+    def device_fingerprint(cls, options: Mapping[str, Any]) -> dict[str, str]:
+        return dict(_fingerprint(BuildOptions.from_mapping(options).device))
+
+    @classmethod
+    def buildable_precisions(cls, source: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """What ``plan_build`` accepts for this model on the installed TensorRT: on 11.x an FP32
+        model has no fp16 (no FP16 flag; only an FP16 model builds fp16), so int8 falls back to fp32."""
+        version = parse_version(cls.version())
+        return buildable_precisions(version, read_model_traits(source), BuildOptions.from_mapping(options))
 
     @classmethod
     def build(cls, spec: BuildSpec, dest: Path, progress: Progress) -> dict[str, Any]:
@@ -175,7 +209,7 @@ class TensorRTBackend(Backend):
         # On the GPU the model will be loaded on: an engine is tuned for (and on a multi-GPU
         # host may only load on) the device that built it.
         with shared_device(BuildOptions.from_mapping(spec.options).device).activate():
-            return build_engine(spec, dest, progress, cls.fingerprint())
+            return build_engine(spec, dest, progress, cls.device_fingerprint(spec.options))
 
     # --- loading --------------------------------------------------------------------------------
 
@@ -202,8 +236,9 @@ class TensorRTBackend(Backend):
             profile_scheme(version), engine.num_optimization_profiles, bool(profiles), self.artifact.name
         )
         self._mapped = device.integrated and device.can_map if self._mapped_option is None else self._mapped_option
-        v2 = uses_device_memory_v2(version)
-        self._context_bytes = engine.device_memory_size_v2 if v2 else engine.device_memory_size
+        self._context_bytes = (
+            engine.device_memory_size_v2 if uses_device_memory_v2(version) else engine.device_memory_size
+        )
         log.info(
             "loaded %s: %d I/O tensors, %d bytes of activations per context%s",
             self.artifact.name,

@@ -1,16 +1,21 @@
 """Building an engine: ONNX → network → builder config → serialized plan.
 
 Runs in the build child process with the device's primary context active. Every choice that
-depends on the TensorRT version was made by ``versions.plan_build``; this module applies it. The
-timing cache is kept per device fingerprint beside the engines, so a rebuild (a new model version,
-a cleared entry) reuses the tactic timings of earlier builds on the same GPU and TensorRT.
+depends on the TensorRT version was made by ``versions.plan_build``; this module applies it, and
+each name only some releases have sits under the version check of ``versions`` that admits it
+(tests/unit/test_tensorrt_api.py holds every name to every release it can run on). The timing
+cache is the device's one (``timing.py``), shared by every build and every trial.
+
+A build whose recipe converts the Q/DQ model's float parts to FP16 (strongly typed int8) and then
+fails (the conversion, TensorRT's parser, or the builder) is tried once more with the safer
+recipe, ``float_parts = "fp32"``: the model as quantized. The manifest records that and why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import json
 import logging
 import tempfile
 import time
@@ -20,18 +25,28 @@ from typing import TYPE_CHECKING, Any
 
 from edged.backends.base import BuildSpec, Progress
 from edged.backends.tensorrt.calibrator import BatchFeeder, make_calibrator
+from edged.backends.tensorrt.fingerprint import board_model
 from edged.backends.tensorrt.fp16 import to_mixed_fp16
+from edged.backends.tensorrt.profiles import shares_profiles_by_flag
 from edged.backends.tensorrt.shapes import Profile, Shape, dims, numpy_dtype, resolve_profiles
+from edged.backends.tensorrt.timing import TimingCache, timing_cache_path
 from edged.backends.tensorrt.trtlog import capture_errors, get_logger
 from edged.backends.tensorrt.versions import (
+    LEGACY_REFUSED,
     BuildOptions,
     BuildPlan,
+    Version,
     check_dla,
+    dla_cores_error,
+    has_explicit_batch_flag,
+    has_optimization_level,
+    has_strongly_typed_flag,
+    has_weak_typing,
     parse_version,
     plan_build,
     read_model_traits,
 )
-from edged.cache.store import atomic_write, file_digest
+from edged.cache.store import file_digest
 from edged.errors import BuildError
 
 if TYPE_CHECKING:
@@ -41,6 +56,15 @@ log = logging.getLogger(__name__)
 
 NetworkInput = tuple[str, Shape, str]  # name, shape (-1 dynamic), numpy dtype
 DLA_FALLBACK_LISTED = 50  # layer names kept in the manifest; the count is always exact
+SAFER_FLOAT_PARTS = "fp32"
+
+
+class _RecipeFailed(Exception):
+    """The steps the recipe decides (the FP16 conversion, the parse, the build) failed."""
+
+    def __init__(self, error: BuildError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def build_engine(spec: BuildSpec, dest: Path, progress: Progress, fingerprint: Mapping[str, str]) -> dict[str, Any]:
@@ -55,23 +79,73 @@ def build_engine(spec: BuildSpec, dest: Path, progress: Progress, fingerprint: M
     plan = plan_build(version, spec.precision, opts, traits, spec.source, samples=spec.calibration is not None)
     for note in plan.notes:
         log.warning("%s: %s", spec.source, note)
+    root = Path(spec.cache_dir) if spec.cache_dir else dest.parent
+    timing = TimingCache(timing_cache_path(opts.timing_cache, root, fingerprint), root)
+    try:
+        extra = _attempt(spec, dest, progress, plan, opts, timing)
+    except _RecipeFailed as failed:
+        if not plan.fp16_float_parts:
+            raise failed.error from None
+        extra = _retry_safer(spec, dest, progress, plan, opts, timing, failed.error)
+    extra.update(_manifest(trt.__version__, plan, opts, time.monotonic() - started))
+    extra.update(timing.manifest())
+    return extra
+
+
+def _retry_safer(
+    spec: BuildSpec,
+    dest: Path,
+    progress: Progress,
+    plan: BuildPlan,
+    opts: BuildOptions,
+    timing: TimingCache,
+    first: BuildError,
+) -> dict[str, Any]:
+    log.warning(
+        "%s: the build with float_parts = 'fp16' failed (%s); trying once more with the safer %r",
+        spec.source,
+        first,
+        SAFER_FLOAT_PARTS,
+    )
+    progress("building (safer recipe)", None)
+    safer_opts = dataclasses.replace(opts, float_parts=SAFER_FLOAT_PARTS)
+    safer = dataclasses.replace(plan, fp16_float_parts=False)
+    try:
+        extra = _attempt(spec, dest, progress, safer, safer_opts, timing)
+    except _RecipeFailed as second:
+        raise BuildError(
+            f"TensorRT could not build {Path(spec.source).name} with float_parts = 'fp16' ({first}) nor with "
+            f"the safer {SAFER_FLOAT_PARTS!r} ({second.error})"
+        ) from None
+    extra["retried"] = {"float_parts": SAFER_FLOAT_PARTS, "because": str(first)}
+    return extra
+
+
+def _attempt(
+    spec: BuildSpec, dest: Path, progress: Progress, plan: BuildPlan, opts: BuildOptions, timing: TimingCache
+) -> dict[str, Any]:
+    """One build with one recipe; raises ``_RecipeFailed`` for what another recipe might fix."""
+    import tensorrt as trt
+
     builder = trt.Builder(get_logger())
     network = builder.create_network(_network_flags(plan))
     parser = trt.OnnxParser(network, get_logger())
-    with network_source(spec.source, plan, opts, dest.parent) as (source, float_info):
-        _parse(parser, source)
+    try:
+        with network_source(spec.source, plan, opts, dest.parent) as (source, float_info):
+            _parse(parser, source)
+    except BuildError as e:
+        raise _RecipeFailed(e) from e
     inputs = _network_inputs(network)
     profiles = resolve_profiles([(n, s) for n, s, _ in inputs], spec.profiles)
-    check_dla(version, plan.dla_core, profiles)
+    check_dla(plan.version, plan.dla_core, profiles)
     config = builder.create_builder_config()
     _configure(builder, config, plan, opts)
     profile = add_profiles(builder, config, profiles, plan.profile_copies)
-    timing_path = timing_cache_path(opts, dest, fingerprint)
-    _load_timing_cache(config, timing_path)
+    timing.load(config)
     calibrator, feeder = None, None
     if plan.calibrator:
         feeder = calibration_feeder(spec, inputs, profiles)
-        calibrator = _attach_calibrator(config, profile, feeder, opts, spec, timing_path.parent)
+        calibrator = _attach_calibrator(config, profile, feeder, opts, spec, timing.path.parent, plan.version)
     fallback = dla_gpu_layers(config, network) if plan.dla_core >= 0 else None
     progress("building", None)
     with capture_errors() as errors:
@@ -80,15 +154,13 @@ def build_engine(spec: BuildSpec, dest: Path, progress: Progress, fingerprint: M
     if feeder is not None and feeder.error is not None:
         raise feeder.error  # TensorRT read it as "no more data" and may even have built
     if serialized is None:
-        raise BuildError(
-            "TensorRT could not build the engine: " + ("; ".join(errors[-5:]) or "see the log for TensorRT's reasons")
-        )
+        why = "; ".join(errors[-5:]) or "see the log for TensorRT's reasons"
+        raise _RecipeFailed(BuildError(f"TensorRT could not build the engine: {why}"))
     with open(dest, "wb") as f:
         f.write(serialized)
-    _save_timing_cache(config, timing_path)
+    timing.save(config)
     progress("building", 1.0)
-    extra = _manifest(trt.__version__, plan, opts, timing_path, time.monotonic() - started)
-    extra.update(float_info)
+    extra: dict[str, Any] = dict(float_info)
     if fallback is not None:
         extra["dla_gpu_fallback"] = fallback
     if feeder is not None:
@@ -96,7 +168,7 @@ def build_engine(spec: BuildSpec, dest: Path, progress: Progress, fingerprint: M
     return extra
 
 
-def _manifest(version: str, plan: BuildPlan, opts: BuildOptions, timing_path: Path, seconds: float) -> dict[str, Any]:
+def _manifest(version: str, plan: BuildPlan, opts: BuildOptions, seconds: float) -> dict[str, Any]:
     return {
         "tensorrt": version,
         "strongly_typed": plan.strongly_typed,
@@ -108,7 +180,6 @@ def _manifest(version: str, plan: BuildPlan, opts: BuildOptions, timing_path: Pa
         "device": opts.device,
         "workspace": opts.workspace,
         "builder_optimization_level": plan.optimization_level,
-        "timing_cache": timing_path.name,
         "build_s": round(seconds, 1),
     }
 
@@ -136,27 +207,31 @@ def _network_flags(plan: BuildPlan) -> int:
 
     flags = 0
     for name in plan.network_flags:
-        if name == "EXPLICIT_BATCH":
+        if name == "EXPLICIT_BATCH" and has_explicit_batch_flag(plan.version):
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
-        elif name == "STRONGLY_TYPED":
+        elif name == "STRONGLY_TYPED" and has_strongly_typed_flag(plan.version):
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
         else:
-            raise BuildError(f"unknown network flag {name}")
+            raise BuildError(f"network flag {name} does not exist on TensorRT {_dotted(plan.version)}")
     return flags
 
 
-def _builder_flag(name: str) -> trt.BuilderFlag:
+def _dotted(version: Version) -> str:
+    return ".".join(map(str, version))
+
+
+def _builder_flag(name: str, version: Version) -> trt.BuilderFlag:
     import tensorrt as trt
 
-    # Member by member rather than getattr: TensorRT 11 has no INT8/FP16 members at all, and
-    # the plan never names them there.
-    if name == "INT8":
+    # Member by member rather than getattr, each under the check of the releases that have it:
+    # TensorRT 11 has no INT8/FP16 members at all (the plan never names them there).
+    if name == "INT8" and has_weak_typing(version):
         return trt.BuilderFlag.INT8
-    if name == "FP16":
+    if name == "FP16" and has_weak_typing(version):
         return trt.BuilderFlag.FP16
     if name == "GPU_FALLBACK":
         return trt.BuilderFlag.GPU_FALLBACK
-    raise BuildError(f"unknown builder flag {name}")
+    raise BuildError(f"builder flag {name} does not exist on TensorRT {_dotted(version)}")
 
 
 def _parse(parser: trt.OnnxParser, source: str) -> None:
@@ -178,21 +253,18 @@ def _configure(builder: trt.Builder, config: trt.IBuilderConfig, plan: BuildPlan
     import tensorrt as trt
 
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, opts.workspace)
-    if plan.optimization_level is not None:
+    if has_optimization_level(plan.version) and plan.optimization_level is not None:
         config.builder_optimization_level = plan.optimization_level
     for name in plan.builder_flags:
-        config.set_flag(_builder_flag(name))
+        config.set_flag(_builder_flag(name, plan.version))
     for name in plan.preview_features:
-        if name != "PROFILE_SHARING_0806":
-            raise BuildError(f"unknown preview feature {name}")
+        if name != "PROFILE_SHARING_0806" or not shares_profiles_by_flag(plan.version):
+            raise BuildError(f"preview feature {name} is not for TensorRT {_dotted(plan.version)}")
         config.set_preview_feature(trt.PreviewFeature.PROFILE_SHARING_0806, True)
     if plan.dla_core >= 0:
         cores = builder.num_DLA_cores
         if plan.dla_core >= cores:
-            raise BuildError(
-                f"tensorrt.dla_core = {plan.dla_core}, but this device has {cores} DLA core(s) "
-                "(Jetson AGX Orin and Orin NX have 2, Orin Nano and discrete GPUs none): set dla_core = -1"
-            )
+            raise BuildError(dla_cores_error(plan.dla_core, cores, board_model()))
         config.default_device_type = trt.DeviceType.DLA
         config.DLA_core = plan.dla_core
 
@@ -228,41 +300,6 @@ def dla_gpu_layers(config: trt.IBuilderConfig, network: trt.INetworkDefinition) 
     return {"layers": names[:DLA_FALLBACK_LISTED], "count": len(names), "of": network.num_layers}
 
 
-def timing_cache_path(opts: BuildOptions, dest: Path, fingerprint: Mapping[str, str]) -> Path:
-    """One timing cache per device fingerprint (TensorRT version, GPU, driver, L4T), in
-    ``timing/`` beside the engines unless the config names a file."""
-    if opts.timing_cache:
-        return Path(opts.timing_cache)
-    canon = json.dumps(dict(fingerprint), sort_keys=True).encode()
-    return dest.parent / "timing" / f"{hashlib.sha256(canon).hexdigest()[:20]}.cache"
-
-
-def _load_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        data = b""
-    except OSError as e:
-        log.warning("cannot read timing cache %s (%s); timing from scratch", path, e)
-        data = b""
-    try:
-        cache = config.create_timing_cache(data)
-        if data and (cache is None or not config.set_timing_cache(cache, False)):
-            raise ValueError("TensorRT rejected it")
-    except Exception as e:  # a damaged or foreign cache costs timing, never the build
-        log.warning("timing cache %s unusable (%s); timing from scratch", path, e)
-        cache = config.create_timing_cache(b"")
-    config.set_timing_cache(cache, False)
-
-
-def _save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, bytes(config.get_timing_cache().serialize()))
-    except OSError as e:  # a lost timing cache only makes the next build slower
-        log.warning("cannot save timing cache %s: %s", path, e)
-
-
 def calibration_feeder(spec: BuildSpec, inputs: list[NetworkInput], profiles: Mapping[str, Profile]) -> BatchFeeder:
     """The legacy calibrator's samples, checked against the shapes TensorRT calibrates at: a
     dynamic input's profile ``opt`` shape, a static input's own shape."""
@@ -282,10 +319,13 @@ def _attach_calibrator(
     opts: BuildOptions,
     spec: BuildSpec,
     cache_dir: Path,
+    version: Version,
 ) -> trt.IInt8EntropyCalibrator2:
+    if not has_weak_typing(version):  # the plan refuses it there first; the names are gone in 11
+        raise BuildError(LEGACY_REFUSED.format(v=_dotted(version)))
     digest = calibration_digest(spec.source, str(spec.calibration.digest))
     cache_path = opts.calibration_cache or str(cache_dir / f"calib-{digest}.cache")
-    calibrator = make_calibrator(feeder, cache_path)
+    calibrator = make_calibrator(feeder, cache_path, version)
     config.int8_calibrator = calibrator
     if profile is not None:  # dynamic shapes: calibration runs at this profile's opt shapes
         config.set_calibration_profile(profile)

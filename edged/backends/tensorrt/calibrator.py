@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edged.backends.tensorrt.cuda import driver
-from edged.backends.tensorrt.shapes import Shape
+from edged.backends.tensorrt.shapes import Shape, narrow_int64
+from edged.backends.tensorrt.versions import LEGACY_REFUSED, Version, has_weak_typing
 from edged.cache.store import atomic_write
 from edged.errors import BuildError
 
@@ -54,6 +55,7 @@ class BatchFeeder:
         if missing:
             raise BuildError(f"calibration sample {where}: no array for input(s) {', '.join(missing)}")
         rows: int | None = None
+        feed = {name: self._typed(where, name, feed[name]) for name in self.shapes}
         for name, (shape, dtype) in self.shapes.items():
             arr = feed[name]
             if arr.dtype != np.dtype(dtype):
@@ -76,6 +78,16 @@ class BatchFeeder:
         if rows is None or rows == 1:
             return [{name: np.ascontiguousarray(feed[name]) for name in self.shapes}]
         return [{name: np.ascontiguousarray(feed[name][i : i + 1]) for name in self.shapes} for i in range(rows)]
+
+    def _typed(self, where: str, name: str, arr: np.ndarray) -> np.ndarray:
+        """TensorRT 8.x's ONNX parser makes an INT64 input INT32, while the samples hold the ONNX
+        model's INT64: narrowed (values INT32 cannot hold are refused, naming the sample)."""
+        if arr.dtype != np.int64 or np.dtype(self.shapes[name][1]) != np.int32:
+            return arr
+        try:
+            return narrow_int64(name, arr)
+        except ValueError as e:
+            raise BuildError(f"calibration sample {where}: {e}") from None
 
     def next_feed(self) -> NamedFeed | None:
         while not self._rows:
@@ -111,11 +123,14 @@ class BatchFeeder:
         return addresses
 
 
-def make_calibrator(feeder: BatchFeeder, cache_path: str) -> trt.IInt8EntropyCalibrator2:
+def make_calibrator(feeder: BatchFeeder, cache_path: str, version: Version) -> trt.IInt8EntropyCalibrator2:
     """An entropy calibrator feeding ``feeder``'s samples from device buffers it owns, each sized
     for its input's calibration shape (freed with it; the build process ends right after); it
     reads and writes ``cache_path`` so a rebuild with the same data skips the calibration runs."""
     import tensorrt as trt
+
+    if not has_weak_typing(version):  # TensorRT 11 has no IInt8EntropyCalibrator2
+        raise BuildError(LEGACY_REFUSED.format(v=".".join(map(str, version))))
 
     class _Entropy(trt.IInt8EntropyCalibrator2):  # type: ignore[misc, unused-ignore]  # as in trtlog
         def __init__(self) -> None:

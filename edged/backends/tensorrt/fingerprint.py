@@ -46,15 +46,16 @@ def read_text(path: str) -> str:
 
 
 def gpu_fingerprint(device: CudaDevice) -> dict[str, str]:
-    """Everything but the TensorRT version (which the caller adds): the GPU side alone."""
-    cuda_driver, cuda_build = cuda_versions()
+    """Everything but the TensorRT version (which the caller adds): the GPU side alone. Not the
+    CUDA that pycuda was compiled against: pycuda only allocates and copies, the engine never
+    sees it, and a pycuda rebuilt for another CUDA must not rebuild every engine."""
+    cuda_driver, _ = cuda_versions()
     return {
         "gpu": device.name,
         "compute_capability": device.compute_capability,
         "sm_count": str(device.sm_count),
         "driver": parse_driver_version(read_text(DRIVER_VERSION)),
         "cuda_driver": cuda_driver,
-        "cuda_build": cuda_build,
         "l4t": parse_tegra_release(read_text(TEGRA_RELEASE)),
     }
 

@@ -46,10 +46,16 @@ SHARING_0806 = ProfileScheme("sharing_0806", preview_sharing=True, set_on_contex
 PER_CONTEXT = ProfileScheme("per_context", preview_sharing=False, set_on_context=True)
 
 
+def shares_profiles_by_flag(version: Version) -> bool:
+    """8.6: contexts share a profile only in an engine built with ``PROFILE_SHARING_0806`` (the
+    preview feature exists in 8.6 and 10.x, not in 8.5 or 11)."""
+    return (8, 6, 0) <= version < (9, 0, 0)
+
+
 def profile_scheme(version: Version) -> ProfileScheme:
     if version >= (9, 0, 0):
         return SHARED
-    if version >= (8, 6, 0):
+    if shares_profiles_by_flag(version):
         return SHARING_0806
     return PER_CONTEXT
 

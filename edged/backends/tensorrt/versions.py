@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
-from edged.backends.tensorrt.profiles import profile_scheme
+from edged.backends.tensorrt.profiles import profile_scheme, shares_profiles_by_flag
 from edged.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 Version = tuple[int, int, int]
 MIN_VERSION: Version = (8, 5, 0)
 NEWEST_MAJOR = 11  # the newest major release this code was written against
+# Part of every engine's cache key (``TensorRTBackend.build_recipe``): change it with any change
+# to what the build makes of the same inputs (the plan, the FP16 pass, the retry), so that
+# engines already cached are rebuilt the new way instead of served as they were.
+BUILD_RECIPE = "2"
 
 LEGACY_REFUSED = (
     "tensorrt.legacy_calibrator is not available on TensorRT {v}: implicit INT8 calibration was "
@@ -70,9 +74,59 @@ def unsupported_reason(version: Version) -> str:
     return ""
 
 
+# --- the version checks the code branches on ---------------------------------------------------
+#
+# A TensorRT name the backend uses where only some releases have it sits under one of these (an
+# ``if``, a conditional expression, or an early ``raise`` that leaves the rest of a function to
+# the releases it admits). tests/unit/test_tensorrt_api.py evaluates them on every release's
+# version to know which names each release must have (scripts/data/tensorrt_api.json).
+
+
 def uses_device_memory_v2(version: Version) -> bool:
     """``device_memory_size_v2`` exists from 10.1; 11 removed the old property."""
     return version >= (10, 1, 0)
+
+
+def has_weak_typing(version: Version) -> bool:
+    """8.x and 10.x: the INT8/FP16 builder flags, ``EXPLICIT_BATCH`` and the implicit INT8
+    calibrator (``IInt8EntropyCalibrator2``, ``int8_calibrator``); 11.0 removed them all."""
+    return version < (11, 0, 0)
+
+
+def has_explicit_batch_flag(version: Version) -> bool:
+    """``NetworkDefinitionCreationFlag.EXPLICIT_BATCH``: needed on 8.x, deprecated in 10 (every
+    network is explicit batch), gone in 11."""
+    return version < (11, 0, 0)
+
+
+def has_strongly_typed_flag(version: Version) -> bool:
+    """``NetworkDefinitionCreationFlag.STRONGLY_TYPED``: not in 8.x."""
+    return version >= (10, 0, 0)
+
+
+def has_optimization_level(version: Version) -> bool:
+    """``IBuilderConfig.builder_optimization_level`` arrived in 8.6."""
+    return version >= (8, 6, 0)
+
+
+def dla_supported(version: Version) -> bool:
+    """DLA: 8.5 to 10.7 (10.7 was the last 10.x with DLA), then again from 11.4.1 (Jetson AGX
+    Orin, JetPack 7.2.2+; 11.4.0 had DLA on Windows on ARM only)."""
+    return version < (10, 8, 0) or version >= (11, 4, 1)
+
+
+VERSION_CHECKS: dict[str, Callable[[Version], bool]] = {
+    f.__name__: f
+    for f in (
+        uses_device_memory_v2,
+        has_weak_typing,
+        has_explicit_batch_flag,
+        has_strongly_typed_flag,
+        has_optimization_level,
+        dla_supported,
+        shares_profiles_by_flag,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -188,6 +242,7 @@ class BuildPlan:
     preview_features: tuple[str, ...] = ()  # PreviewFeature names to enable
     profile_copies: int = 1  # identical optimization profiles (one per instance on 8.5)
     fp16_float_parts: bool = False  # convert a Q/DQ model's float parts to FP16 (strongly typed)
+    version: Version = MIN_VERSION  # the TensorRT it was made for; build.py checks names by it
 
 
 def _precision_plan(
@@ -219,9 +274,10 @@ def _precision_plan(
 
 
 DLA_MISSING = (
-    "tensorrt.dla_core = {core}, but TensorRT {v} has no DLA support (TensorRT 11.0-11.3 dropped "
-    "it; 11.4.1 brings it back on Jetson AGX Orin with JetPack 7.2.2 or later). Set dla_core = -1 "
-    "to run on the GPU, or use the TensorRT 8.5/8.6/10.x of JetPack 5/6/7"
+    "tensorrt.dla_core = {core}, but TensorRT {v} has no DLA support (10.7 was the last 10.x "
+    "release with DLA; 11.0 to 11.4.0 have none on Jetson; 11.4.1 brings it back on Jetson AGX "
+    "Orin with JetPack 7.2.2 or later; Jetson Thor has no DLA at all). Set dla_core = -1 to run "
+    "on the GPU, or use a TensorRT with DLA: 8.5 (JetPack 5), 8.6 (6.0), 10.3 (6.1/6.2)"
 )
 DLA_DYNAMIC = (
     "DLA needs static shapes: the profile of input {name!r} is min {lo} / opt {opt} / max {hi}. "
@@ -229,9 +285,12 @@ DLA_DYNAMIC = (
 )
 
 
-def dla_supported(version: Version) -> bool:
-    """TensorRT 11.0-11.3 have no DLA at all."""
-    return not ((11, 0, 0) <= version < (11, 4, 0))
+def dla_cores_error(core: int, cores: int, board: str) -> str:
+    """A DLA core this device does not have, named with the board it runs on (Orin AGX and NX
+    have 2 cores; an Orin Nano, a Jetson Thor and a discrete GPU none)."""
+    where = board or "this GPU"
+    has = f"only {cores} DLA core(s) (0..{cores - 1})" if cores else "no DLA cores"
+    return f"tensorrt.dla_core = {core}, but {where} has {has}: set dla_core = -1 to run on the GPU"
 
 
 def check_dla(version: Version, dla_core: int, profiles: Mapping[str, tuple[Any, Any, Any]]) -> None:
@@ -299,4 +358,20 @@ def plan_build(
         preview_features=("PROFILE_SHARING_0806",) if scheme.preview_sharing else (),
         profile_copies=scheme.copies(opts.instances),
         fp16_float_parts=strongly and precision == "int8" and opts.float_parts == "fp16",
+        version=version,
     )
+
+
+def buildable_precisions(version: Version, traits: ModelTraits, opts: BuildOptions) -> tuple[str, ...]:
+    """The precisions ``plan_build`` accepts for a model with these traits (its FP32 form: for
+    int8 the pipeline writes the Q/DQ model itself, unless the legacy calibrator takes the FP32
+    one), in fallback order. On 11.x an FP32 model has no fp16: its chain is int8 -> fp32."""
+    found = []
+    for precision in ("int8", "fp16", "fp32"):
+        probe = replace(traits, qdq=True) if precision == "int8" and not opts.legacy_calibrator else traits
+        try:
+            plan_build(version, precision, opts, probe, samples=True)
+        except BuildError:
+            continue
+        found.append(precision)
+    return tuple(found)
