@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "int8": ("bench.int8", "INT8 (mixed) against FP32 on real models: task metric, latency, search"),
     "fuzz": ("bench.fuzz", "mutated requests and hostile peers against a live daemon: crashes, stalls, 5xx, RSS"),
     "soak": ("bench.soak", "mixed socket, shm and MQTT clients with a reload and a broker restart"),
-    "llm": ("bench.llm", "language model: TTFT and tokens/s against llama.cpp's server and a lazy loader"),
+    "llm": ("bench.llm", "language model: TTFT, tokens/s, restarts against llama-server and llama_cpp.server"),
     "first-request": (
         "bench.first_request",
         "first request after READY=1 against one after the same idle gap, per stage",

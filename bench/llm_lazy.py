@@ -1,7 +1,9 @@
 """The lazy-loading peer of bench/llm.py: how Ollama and most local wrappers serve a model. It
 answers at once after start, loads the GGUF on the first request (llama-cpp-python, the same
 engine and threads as edged), and unloads it after an idle timeout. OpenAI's streaming
-``/v1/completions`` only, with the standard library's threading HTTP server.
+``/v1/chat/completions`` (the GGUF's chat template, as llama-cpp-python applies it) and
+``/v1/completions`` only, one generation at a time, with the standard library's threading HTTP
+server; any GET answers 200 (it is ready at once: that is the point).
 
     python -m bench.llm_lazy MODEL.gguf PORT [THREADS] [IDLE_S]
 """
@@ -12,8 +14,9 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 from llama_cpp import Llama
 
@@ -60,15 +63,20 @@ def handler(lazy: Lazy) -> type[BaseHTTPRequestHandler]:
             self.send_header("content-type", "text/event-stream")
             self.send_header("connection", "close")
             self.end_headers()
+            sampling: dict[str, Any] = {
+                "max_tokens": req.get("max_tokens", 16),
+                "temperature": req.get("temperature", 0.0),
+                "seed": req.get("seed"),
+                "stream": True,
+            }
             with lazy.lock:  # one generation at a time, as one llama.cpp context allows
                 llm = lazy.model()
-                for chunk in llm.create_completion(
-                    req["prompt"],
-                    max_tokens=req.get("max_tokens", 16),
-                    temperature=req.get("temperature", 0.0),
-                    seed=req.get("seed"),
-                    stream=True,
-                ):
+                chunks: Iterator[Any]
+                if self.path == "/v1/chat/completions":
+                    chunks = cast(Iterator[Any], llm.create_chat_completion(req["messages"], **sampling))
+                else:
+                    chunks = cast(Iterator[Any], llm.create_completion(req["prompt"], **sampling))
+                for chunk in chunks:
                     self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                     self.wfile.flush()
                 lazy.last = time.monotonic()
