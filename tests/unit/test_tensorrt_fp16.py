@@ -235,12 +235,18 @@ def detector_qdq(demo_models: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """The demo detector (PP-OCRv4, 62 Conv and 2 ConvTranspose) quantized by edged's recipe on
     rendered text pages: all-INT8, and with two convolutions kept in float as the search keeps
     them (one of them among those whose weight scales are below FP16's range)."""
+    import onnxruntime
+
     from edged.backends.base import TensorSpec
     from edged.config import CalibrationConfig
     from edged.quantize.calibrate import CalibrationSet
     from edged.quantize.qdq import quantize_qdq
     from edged.tools.selftest_checks import render_pages
 
+    if tuple(int(x) for x in onnxruntime.__version__.split(".")[:2]) < (1, 24):
+        # ONNX Runtime 1.23 (the last for Python 3.10) stops its symbolic shape inference on this
+        # model ("Incomplete symbolic shape inference"), so its Q/DQ model cannot be made here.
+        pytest.skip(f"onnxruntime {onnxruntime.__version__} cannot quantize the demo detector")
     work = tmp_path_factory.mktemp("detector")
     pages = render_pages(work / "pages", 6, size=160)
     cal = CalibrationConfig(data=str(pages), resize=[160, 160], color="BGR", mean=[0.5] * 3, std=[0.5] * 3)
