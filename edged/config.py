@@ -92,11 +92,6 @@ class ServerConfig(_Table, frozen=True):
     tcp: list[str] = msgspec.field(default_factory=list)
     tcp_token_file: str = ""
     metrics: str = ""
-    # KServe v2 gRPC (Triton's GRPCInferenceService): a Unix socket ("" = <socket>.grpc beside
-    # the HTTP one; "none" = off) and TCP listeners, which take tcp_token_file's token as
-    # "authorization: Bearer" metadata.
-    grpc_socket: str = ""
-    grpc_tcp: list[str] = msgspec.field(default_factory=list)
     # A Triton model repository served as it is (config.pbtxt, version folders); its models join
     # [models.*]. "" = none.
     model_repository: str = ""
