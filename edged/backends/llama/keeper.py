@@ -206,7 +206,12 @@ class PrefixKeeper:
         assert self.states is not None
         restored = 0
         limit = self.e.llm.prefix_cache_tokens << 20  # a MiB a token: far above any model's KV
-        for path in statefile.saved_files(self.states)[: self.e.llm.saved_prefixes]:
+        files = statefile.saved_files(self.states)[: self.e.llm.saved_prefixes]
+        # The system prompt's state first: it then lands in the cells it was saved from (the first
+        # ones), and every chat's recompute sums in the order it was saved with.
+        system = self.states / f"{token_digest(self.system)[:32]}.kv" if self.system else None
+        files.sort(key=lambda path: path != system)
+        for path in files:
             started = time.monotonic()
             try:
                 saved = statefile.read(path, self.binding, limit)
