@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from edged.cache.store import EngineCache, atomic_write
-from edged.errors import EdgedError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +28,7 @@ _LEN = struct.Struct("<I")
 MAX_HEADER = 4 << 20  # tokens and a few logits: far below this
 
 
-class StateFileError(EdgedError):
+class StateFileError(Exception):
     """A state file that does not check out: moved to the quarantine, the prefix recomputed."""
 
 
