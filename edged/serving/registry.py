@@ -32,6 +32,7 @@ from edged.quantize.job import BuildJob, job_key, make_job
 from edged.quantize.runner import BuildRunner
 from edged.repository.plans import is_engine, prebuilt_entry
 from edged.serving.admission import PlanItem, choose_evictions
+from edged.serving.batchfit import BatchFit, fit_batching, not_batched
 from edged.serving.metrics import Metrics
 from edged.serving.scheduler import ModelQueue
 from edged.serving.states import ModelState
@@ -61,6 +62,7 @@ class ModelRuntime:
     measured: bool = False
     infer_us: float | None = None
     threads: int = 0  # intra-op threads per instance, as configured or measured at warm-up
+    batching: BatchFit | None = None  # whether batches form, measured at warm-up
     last_used: float = field(default_factory=time.monotonic)
     gate: dict[str, Any] | None = None
     loading: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -108,7 +110,8 @@ class ModelRuntime:
             "infer_us": None if self.infer_us is None else round(self.infer_us, 1),
             "threads": self.threads,
             "queue": self.queue.backlog if self.queue else 0,
-            **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0}),
+            **(self.queue.batch_stats() if self.queue else {"batches": 0, "rows": 0, "batch_waits": 0}),
+            "batching": self.batching.to_dict() if self.batching else None,
             "cache_key": self.entry.key if self.entry and not self.stands_in_for else None,
             "gate": self.gate,
             # TensorRT's DLA builds: the layers it reported as falling back to the GPU.
@@ -323,6 +326,11 @@ class Registry:
         if _may_run_inline(rt) and rt.infer_us is not None and 0 < threshold <= rt.infer_us < LOOP_CHECK_MAX_US:
             rt.infer_us = min(rt.infer_us, await loop_cost_us(functools.partial(instances[0].infer, inputs)))
         inline = _may_run_inline(rt) and rt.infer_us is not None and rt.infer_us < threshold
+        rt.batching = not_batched(rt.cfg.max_batch, _batchable(backend), rt.infer_us if inline else None)
+        if rt.batching is None:  # off the loop: its runs measured against batched ones, on a thread
+            run = instances[0].infer
+            args = (rt.cfg.max_batch, rt.cfg.preferred_batch, rt.infer_us, rt.name)
+            rt.batching = await asyncio.to_thread(fit_batching, run, inputs, *args)
         queue = ModelQueue(
             rt.name,
             instances,
@@ -332,6 +340,7 @@ class Registry:
             rt.cfg.max_queue_delay_us,
             batchable=_batchable(backend),
             preferred=rt.cfg.preferred_batch,
+            batch_rows=rt.batching.rows,
         )
         queue.start(inline, inline_max_elements(backend.inputs, rt.cfg, rt.infer_us) if inline and rt.infer_us else 0)
         rt.queue = queue

@@ -11,10 +11,16 @@ cost grows with it, goes to the model's worker thread like any other.
 timed out or went away is taken out of the queue at once, so it holds neither a slot nor its
 inputs.
 
-Dynamic batching: a worker that takes a request looks for more queued requests with the same
-input shapes, waiting at most ``max_queue_delay_us`` for company, concatenates them along the
-batch axis, runs once and splits the outputs. With preferred batch sizes it runs a batch of one
-of them as soon as it can form it (edged/serving/batching.py).
+Dynamic batching never holds a request for company it may not get: a request that finds an
+instance idle runs at once, alone. Requests that arrive while every instance is busy queue, and
+the next instance to finish takes the oldest with every queued request of the same input shapes
+(up to ``batch_rows`` rows: ``max_batch``, or less where the warm-up measured that a larger batch
+does not help, edged/serving/batchfit.py), concatenates them along the batch axis, runs once and
+splits the outputs. With preferred batch sizes it runs the longest run of them, from the oldest,
+that makes a preferred size (edged/serving/batching.py); a batch of several requests that makes
+none may wait for more, until its oldest request has been queued ``max_queue_delay_us``. A batch
+of one request never waits: under load the queue fills while the instances run, so waiting only
+pays where a preferred size is worth a delay to the requests already gathered.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class WorkerState:
     busy_since: float | None = None
     batches: int = 0
     rows: int = 0
+    waits: int = 0  # batches that waited for company (preferred sizes under load only)
 
 
 class ModelQueue:
@@ -97,14 +104,18 @@ class ModelQueue:
         max_queue_delay_us: int = 0,
         batchable: bool = False,
         preferred: Sequence[int] = (),
+        batch_rows: int | None = None,
     ) -> None:
+        """``max_batch``: the most rows a request may carry; ``batch_rows``: the most a batch
+        formed of several requests may (None: ``max_batch``; 1: every request runs alone)."""
         self.model = model
         self._instances = list(instances)
         self._loop = loop
         self.depth = depth
         self.max_batch = max_batch if batchable else 1
-        self.max_delay = max_queue_delay_us / 1e6
-        self.preferred = tuple(sorted(n for n in set(preferred) if n <= self.max_batch))
+        self.batch_rows = max(1, min(self.max_batch if batch_rows is None else batch_rows, self.max_batch))
+        self.max_delay_ns = max_queue_delay_us * 1000
+        self.preferred = tuple(sorted(n for n in set(preferred) if n <= self.batch_rows))
         self._queue: collections.deque[_Work] = collections.deque()
         self._cond = threading.Condition()
         self._backlog = 0  # requests queued or running; only touched on the loop
@@ -125,7 +136,7 @@ class ModelQueue:
         """Every instance gets a worker thread. An inline model also runs requests of at most
         ``inline_max_elements`` input elements (the warm-up's size) on the loop, with the first
         instance; 0 means the size of the instance's static input shapes, dynamic axes as 1."""
-        self.inline = inline and self.max_batch == 1
+        self.inline = inline and self.batch_rows == 1  # a model run on the loop never queues to batch
         if self.inline:
             self._inline_instance = self._instances[0]
             self.inline_max_elements = inline_max_elements or _static_elements(self._instances[0])
@@ -210,7 +221,7 @@ class ModelQueue:
         work = _Work(
             inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns(), sink=sink
         )
-        if self.max_batch > 1:
+        if self.batch_rows > 1:
             work.signature = tuple((k, v.shape[1:], v.dtype.str) for k, v in inputs.items())
             work.rows = next(iter(inputs.values())).shape[0] if inputs else 1
         self._backlog += 1
@@ -256,7 +267,7 @@ class ModelQueue:
 
     # --- workers (threads) ---
 
-    def _take(self) -> list[_Work] | None:
+    def _take(self, state: WorkerState) -> list[_Work] | None:
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
@@ -264,45 +275,59 @@ class ModelQueue:
                 return None
             first = self._queue.popleft()
             batch = [first]
-            if self.max_batch > 1:
-                self._gather(batch)
+            if self.batch_rows > 1:
+                self._gather(batch, state)
             return batch
 
-    def _gather(self, batch: list[_Work]) -> None:
-        """With the condition held: add queued requests of the same shapes, waiting up to the
-        configured delay for company, never past ``max_batch`` rows; with preferred sizes, run
-        as soon as a batch of one of them forms (edged/serving/batching.py)."""
+    def _gather(self, batch: list[_Work], state: WorkerState) -> None:
+        """With the condition held: add the queued requests of the first's shapes, never past
+        ``batch_rows`` rows; with preferred sizes, run the longest preferred run of them, and let
+        a batch of several requests that makes none wait for more until its oldest request has
+        been queued ``max_queue_delay_us`` (or reaches its deadline), counted in ``state.waits``."""
         first = batch[0]
         rows = first.rows
-        # Never hold a request past its own deadline waiting for company.
-        until = min(time.monotonic() + self.max_delay, first.deadline)
-        top = self.preferred[-1] if self.preferred else self.max_batch
+        top = self.preferred[-1] if self.preferred else self.batch_rows
+        waited = False
         while True:
-            blocked = False
-            for w in list(self._queue) if rows < self.max_batch else ():
-                if w.signature != first.signature:
-                    continue
-                if rows + w.rows > self.max_batch:
-                    blocked = True  # the next compatible request does not fit: run what we have
-                    continue
-                self._queue.remove(w)
-                batch.append(w)
-                rows += w.rows
-                if rows >= self.max_batch:
-                    break
-            now = time.monotonic()
-            cut = preferred_cut([w.rows for w in batch], self.preferred, top) if self.preferred else 0
-            if cut and not (self.max_delay and now >= until):  # once late, everything gathered runs
-                self._queue.extendleft(reversed(batch[cut:]))  # the rest, first in line again
-                del batch[cut:]
+            rows, blocked = self._add_compatible(batch, rows)
+            if self.preferred:
+                cut = preferred_cut([w.rows for w in batch], self.preferred, top)
+                if cut:
+                    self._queue.extendleft(reversed(batch[cut:]))  # the rest, first in line again
+                    del batch[cut:]
+                    return
+            # Without preferred sizes every batch is what queued while the instances were busy:
+            # under load that fills it, and without load a wait only delays the requests held.
+            if not self.preferred or len(batch) < 2 or rows >= top or blocked or self._closed:
                 return
-            if rows >= top or blocked or now >= until or self._closed:
+            left_ns = min(first.enqueued_ns + self.max_delay_ns - perf_counter_ns(), _ns(first.deadline))
+            if left_ns <= 0:
                 return
-            self._cond.wait(until - now)
+            if not waited:
+                waited = True
+                state.waits += 1
+            self._cond.wait(left_ns / 1e9)
+
+    def _add_compatible(self, batch: list[_Work], rows: int) -> tuple[int, bool]:
+        """Move queued requests of the batch's shapes into it, in arrival order, up to
+        ``batch_rows``; also whether a compatible request was left out because it did not fit."""
+        first, blocked = batch[0], False
+        for w in list(self._queue) if rows < self.batch_rows else ():
+            if w.signature != first.signature:
+                continue
+            if rows + w.rows > self.batch_rows:
+                blocked = True  # the next compatible request does not fit: run what we have
+                continue
+            self._queue.remove(w)
+            batch.append(w)
+            rows += w.rows
+            if rows >= self.batch_rows:
+                break
+        return rows, blocked
 
     def _worker(self, inst: Instance, state: WorkerState) -> None:
         while True:
-            batch = self._take()
+            batch = self._take(state)
             if batch is None:
                 return
             self._serve(inst, state, batch)
@@ -414,7 +439,18 @@ class ModelQueue:
             log.debug("%s: %d answers dropped, the event loop has closed", self.model, len(done))
 
     def batch_stats(self) -> dict[str, int]:
-        return {"batches": sum(w.batches for w in self.workers), "rows": sum(w.rows for w in self.workers)}
+        """Runs on worker threads, rows they ran, and batches that waited for company."""
+        workers = self.workers
+        return {
+            "batches": sum(w.batches for w in workers),
+            "rows": sum(w.rows for w in workers),
+            "batch_waits": sum(w.waits for w in workers),
+        }
+
+
+def _ns(deadline: float) -> int:
+    """Nanoseconds until a ``time.monotonic()`` deadline."""
+    return int((deadline - time.monotonic()) * 1e9)
 
 
 def _expire(work: _Work) -> None:

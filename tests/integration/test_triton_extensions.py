@@ -61,7 +61,9 @@ def _one(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_statistics_count_exactly_the_requests_sent(triton: Callable[..., Started]) -> None:
-    _, client, _ = triton()
+    # Both models on their workers: a model as cheap as these runs on the event loop otherwise,
+    # and never waits in a queue.
+    _, client, _ = triton(inline_threshold_us=0)
     every = client.get_inference_statistics()
     assert [m["name"] for m in every["model_stats"]] == ["batched", "tiny"]
     for m in every["model_stats"]:  # the daemon's warm-up requests are not counted
@@ -242,16 +244,26 @@ def test_cuda_shared_memory_answers_a_clear_error(triton: Callable[..., Started]
     assert _infer(client, "tiny", 1).shape == (1, 4)
 
 
-def test_dynamic_batches_show_in_batch_stats(daemon_factory: Callable[..., DaemonProcess], model_dir: Path) -> None:
-    """Requests sent together while the batcher waits for company: fewer executions than
-    requests, and each batch size counted with the rows it held."""
-    port = free_port()
+def test_dynamic_batches_show_in_batch_stats(
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path, tmp_path: Path
+) -> None:
+    """Requests sent together while the model's worker is busy (held by the test-only wedge,
+    edged/lifecycle/faults.py): fewer executions than requests, and each batch size counted with
+    the rows it held."""
+    port, wedge = free_port(), tmp_path / "wedge"
     models = {"batched": {"path": str(model_dir / "tiny_b.onnx"), "max_batch": 8, "max_queue_delay_us": 300_000}}
-    daemon_factory(models, extra={"server": {"tcp": [f"127.0.0.1:{port}"]}}).start()
+    server = {"tcp": [f"127.0.0.1:{port}"], "inline_threshold_us": 0}  # on its worker, which the wedge holds
+    d = daemon_factory(models, extra={"server": server}, env={"EDGED_TEST_WEDGE": str(wedge)}).start()
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", concurrency=8)
     x = httpclient.InferInput("x", [1, 16], "FP32")
     x.set_data_from_numpy(np.ones((1, 16), np.float32))
-    pending = [client.async_infer("batched", [x]) for _ in range(8)]
+    wedge.touch()
+    try:
+        pending = [client.async_infer("batched", [x]) for _ in range(8)]
+        with d.client() as c:
+            wait_for(lambda: c.status()["models"]["batched"]["queue"] == 8, 30, what="all 8 held by the model")
+    finally:
+        wedge.unlink(missing_ok=True)
     assert all(p.get_result().as_numpy("probs").shape == (1, 4) for p in pending)
     m = _one(client.get_inference_statistics("batched"))
     runs = {b["batch_size"]: b for b in m["batch_stats"]}
