@@ -154,6 +154,25 @@ class DaemonProcess:
             self.proc.wait(10)
 
 
+def while_held(d: DaemonProcess, wedge: Path, model: str, count: int, send: Callable[[], list[Any]]) -> list[Any]:
+    """What ``send`` (``count`` requests to ``model`` at once) returns, sent while the model's
+    worker hangs on the first it took (the test-only wedge at ``wedge``, edged/lifecycle/faults.py,
+    set in the daemon's environment) and released once the model holds them all, queued or
+    running: the rest queue behind the held one, so they batch whatever the machine's speed."""
+    wedge.touch()
+    results: list[Any] = []
+    sender = threading.Thread(target=lambda: results.extend(send()))
+    sender.start()
+    try:
+        with d.client() as c:
+            wait_for(lambda: c.status()["models"][model]["queue"] == count, 30, what=f"{count} requests held")
+    finally:
+        wedge.unlink(missing_ok=True)
+        sender.join(60)
+    assert len(results) == count, results
+    return results
+
+
 @contextlib.contextmanager
 def running(config: Path, socket: Path, log: Path, **kw: Any) -> Iterator[DaemonProcess]:
     d = DaemonProcess(config, socket, log, **kw).start()

@@ -38,6 +38,7 @@ from edged.serving.scheduler import ModelQueue
 from edged.serving.states import ModelState
 from edged.serving.threadpick import fit_threads
 from edged.serving.warmup import LOOP_CHECK_MAX_US, inline_max_elements, loop_cost_us, warm_cost_us, warm_inputs
+from edged.wire.tensors import is_bytes
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +327,10 @@ class Registry:
         if _may_run_inline(rt) and rt.infer_us is not None and 0 < threshold <= rt.infer_us < LOOP_CHECK_MAX_US:
             rt.infer_us = min(rt.infer_us, await loop_cost_us(functools.partial(instances[0].infer, inputs)))
         inline = _may_run_inline(rt) and rt.infer_us is not None and rt.infer_us < threshold
-        rt.batching = not_batched(rt.cfg.max_batch, _batchable(backend), rt.infer_us if inline else None)
+        # A BYTES tensor never runs on the loop (edged/serving/scheduler.py, elements_of): such
+        # a model's requests all queue for its worker, where they may batch.
+        on_loop = inline and not any(is_bytes(s.np_dtype) for s in backend.inputs)
+        rt.batching = not_batched(rt.cfg.max_batch, _batchable(backend), rt.infer_us if on_loop else None)
         if rt.batching is None:  # off the loop: its runs measured against batched ones, on a thread
             run = instances[0].infer
             args = (rt.cfg.max_batch, rt.cfg.preferred_batch, rt.infer_us, rt.name)

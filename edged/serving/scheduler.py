@@ -197,8 +197,8 @@ class ModelQueue:
             out = inst.infer(inputs, checked=True)
         finally:
             self._inline_lock.release()
-        if stats is not None:  # never queued: a wait of 0, a batch of one
-            stats.ran_alone(perf_counter_ns() - started)
+        if stats is not None:  # never queued: a wait of 0, a batch of its own rows
+            stats.ran_alone(perf_counter_ns() - started, _rows(inputs) if self.max_batch > 1 else 1)
         return out
 
     async def submit(
@@ -221,9 +221,10 @@ class ModelQueue:
         work = _Work(
             inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns(), sink=sink
         )
+        if self.max_batch > 1:  # the first dimension is a batch: its rows are what the statistics count
+            work.rows = _rows(inputs)
         if self.batch_rows > 1:
             work.signature = tuple((k, v.shape[1:], v.dtype.str) for k, v in inputs.items())
-            work.rows = next(iter(inputs.values())).shape[0] if inputs else 1
         self._backlog += 1
         with self._cond:
             self._queue.append(work)
@@ -446,6 +447,10 @@ class ModelQueue:
             "rows": sum(w.rows for w in workers),
             "batch_waits": sum(w.waits for w in workers),
         }
+
+
+def _rows(inputs: Tensors) -> int:
+    return next(iter(inputs.values())).shape[0] if inputs else 1
 
 
 def _ns(deadline: float) -> int:

@@ -78,16 +78,17 @@ class ModelStatistics:
         self.infer_ns += infer_ns
         self.inference_count += rows
 
-    def ran_alone(self, infer_ns: int) -> None:
-        """A request run on the event loop: no wait, a batch of one (ran + executed, in one call)."""
+    def ran_alone(self, infer_ns: int, rows: int = 1) -> None:
+        """A request run on the event loop: no wait, a batch of its own ``rows`` (ran + executed,
+        in one call)."""
         self.queue_count += 1
         self.infer_count += 1
         self.infer_ns += infer_ns
-        self.inference_count += 1
+        self.inference_count += rows
         self.execution_count += 1
-        entry = self.batches.get(1)
+        entry = self.batches.get(rows)
         if entry is None:
-            entry = self.batches[1] = [0, 0, 0, 0]
+            entry = self.batches[rows] = [0, 0, 0, 0]
         entry[0] += 1
         entry[2] += infer_ns
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,9 @@ import pytest
 
 from edged import errors
 from edged.client import AsyncClient, Client
+from edged.serving.batchfit import MARGIN
 from edged.tools.demo import save_graph
-from tests.helpers import DaemonProcess, wait_for
+from tests.helpers import DaemonProcess, while_held
 
 pytestmark = pytest.mark.integration
 
@@ -100,22 +100,6 @@ def _payloads(count: int, rows: Callable[[int], int]) -> list[np.ndarray]:
     ]
 
 
-def _held(d: DaemonProcess, wedge: Path, model: str, payloads: list[np.ndarray]) -> list[Any]:
-    """Every payload at once while the model's worker hangs on the first it took; released once
-    the model holds them all (queued or running)."""
-    wedge.touch()
-    results: list[Any] = []
-    sender = threading.Thread(target=lambda: results.extend(asyncio.run(_fire(str(d.socket), model, payloads))))
-    sender.start()
-    try:
-        wait_for(lambda: _status(d, model)["queue"] == len(payloads), 30, what="every request held by the model")
-    finally:
-        wedge.unlink(missing_ok=True)
-        sender.join(60)
-    assert len(results) == len(payloads)
-    return results
-
-
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(
     daemon_factory: Callable[..., DaemonProcess], probe: Path, tmp_path: Path
 ) -> None:
@@ -135,7 +119,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(
     ).start()
     payloads = _payloads(48, lambda i: 1 + i % 3)  # 1, 2 or 3 rows each
     before = _requests(d, "probe")  # the daemon's own warm-up requests count too
-    results = _held(d, wedge, "probe", payloads)
+    results = while_held(d, wedge, "probe", len(payloads), lambda: asyncio.run(_fire(str(d.socket), "probe", payloads)))
 
     sizes: collections.Counter[int] = collections.Counter()
     for x, out in zip(payloads, results):
@@ -246,3 +230,52 @@ def _stats(d: DaemonProcess, model: str) -> dict[str, Any]:
 
 def _requests(d: DaemonProcess, model: str) -> int:
     return int(_status(d, model)["requests"])
+
+
+def test_the_batching_decision_shows_in_status_with_the_figures_it_rests_on(
+    daemon_factory: Callable[..., DaemonProcess], probe: Path, model_dir: Path
+) -> None:
+    """On a worker a batched model is measured at warm-up: its status says whether batches form,
+    of how many rows at most, and the runs' costs that decided it, which agree with the decision."""
+    d = daemon_factory(
+        {
+            "probe": {"path": str(probe), "backend": "onnxruntime", "max_batch": MAX_BATCH},
+            "tiny": {"path": str(model_dir / "tiny.onnx"), "backend": "onnxruntime"},
+        },
+        extra=ON_WORKER,
+    ).start()
+    fit = _status(d, "probe")["batching"]
+    assert set(fit) == {"on", "rows", "measured", "reason", "runs_us"} and fit["measured"], fit
+    runs = {int(n): us for n, us in fit["runs_us"].items()}
+    assert 1 in runs and max(runs) <= MAX_BATCH and fit["on"] == (fit["rows"] > 1), fit
+    gain = {n: n * runs[1] / us for n, us in runs.items() if n > 1}
+    if fit["on"]:  # the largest size that helped, by the margin
+        assert gain[fit["rows"]] >= MARGIN and all(g < MARGIN for n, g in gain.items() if n > fit["rows"]), fit
+    else:
+        assert fit["rows"] == 1 and all(g < MARGIN for g in gain.values()), fit
+    assert _status(d, "tiny")["batching"] == {
+        "on": False,
+        "rows": 1,
+        "measured": False,
+        "reason": "max_batch is 1",
+        "runs_us": {},
+    }
+
+
+def test_a_batched_model_cheap_enough_for_the_event_loop_runs_there_unbatched(
+    daemon_factory: Callable[..., DaemonProcess], probe: Path
+) -> None:
+    """Nothing queues behind a model that runs on the event loop, so it never batches: it is not
+    measured, and it answers at once, as the same model without max_batch would."""
+    d = daemon_factory(
+        {"probe": {"path": str(probe), "backend": "onnxruntime", "max_batch": MAX_BATCH, "max_queue_delay_us": 1000}}
+    ).start()
+    model = _status(d, "probe")
+    assert model["inline"] and not model["batching"]["on"] and not model["batching"]["measured"], model
+    assert "event loop" in model["batching"]["reason"]
+    with Client(str(d.socket)) as c:
+        out = c.infer("probe", {"x": np.ones((3, FEATURES), np.float32)})  # a request's own rows still run whole
+    assert out["rows"].ravel().tolist() == [3.0, 3.0, 3.0]
+    stats = _stats(d, "probe")
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(3, 1)]
+    assert stats["inference_count"] == 3 and stats["execution_count"] == 1

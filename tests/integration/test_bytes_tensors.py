@@ -17,7 +17,7 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from edged import errors
 from edged.client import AsyncClient
-from tests.helpers import DaemonProcess
+from tests.helpers import DaemonProcess, while_held
 from tests.integration.mosquitto import Peer, module_broker
 from tests.integration.test_mqtt import Edged
 
@@ -41,10 +41,12 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         "server": {"socket": str(d / "edged.sock")},
         "cache": {"dir": str(d / "cache")},
         "build": {"block_ready": True},
-        # Batched: the batcher waits generously for company, and the model reports its batch.
+        # Batched, and the model reports its batch; a batch forms behind a worker held by the
+        # test-only wedge (edged/lifecycle/faults.py), which hangs nothing while its file is absent.
         "models.strings": {"path": str(model), "max_batch": 8, "max_queue_delay_us": 50_000, "queue_depth": 64},
     }
-    proc = DaemonProcess(write_config(d / "edged.toml", tables), d / "edged.sock", d / "edged.log")
+    env = {"EDGED_TEST_WEDGE": str(d / "wedge")}
+    proc = DaemonProcess(write_config(d / "edged.toml", tables), d / "edged.sock", d / "edged.log", env=env)
     proc.start()
     yield proc
     assert proc.stop() == 0
@@ -195,7 +197,8 @@ def test_concurrent_bytes_requests_are_batched_each_with_its_own_answer(daemon: 
                 await c.close()
 
     biggest = 0
-    for text, out in zip(texts, asyncio.run(fire())):
+    wedge = daemon.socket.parent / "wedge"
+    for text, out in zip(texts, while_held(daemon, wedge, "strings", len(texts), lambda: asyncio.run(fire()))):
         assert not isinstance(out, BaseException), out
         assert out["shout"].tolist() == [t + b"!" for t in text]  # its own rows, in order
         biggest = max(biggest, int(out["rows"][0]))

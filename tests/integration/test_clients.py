@@ -155,11 +155,15 @@ def test_regions_are_released_at_interpreter_exit(tiny_daemon: DaemonProcess) ->
 
 
 def test_async_client_never_reads_a_cancelled_requests_answer(
-    daemon_factory: Callable[..., DaemonProcess], model_dir: Path
+    daemon_factory: Callable[..., DaemonProcess], model_dir: Path, tmp_path: Path
 ) -> None:
-    # A lone request waits max_queue_delay_us for company: the answer comes late, reliably.
+    # The answer comes late, reliably: the model's worker hangs on the request while the
+    # test-only wedge's file exists (edged/lifecycle/faults.py), and answers once it is gone.
+    wedge = tmp_path / "wedge"
     d = daemon_factory(
-        {"tiny": {"path": str(model_dir / "tiny.onnx"), "max_batch": 4, "max_queue_delay_us": 1_500_000}}
+        {"tiny": {"path": str(model_dir / "tiny.onnx")}},
+        extra={"server": {"inline_threshold_us": 0}},  # on its worker, which the wedge holds
+        env={"EDGED_TEST_WEDGE": str(wedge)},
     ).start()
     slow, fast = np.full((1, 16), -3, np.float32), np.full((1, 16), 3, np.float32)
 
@@ -167,8 +171,12 @@ def test_async_client_never_reads_a_cancelled_requests_answer(
         c = AsyncClient(str(d.socket))
         try:
             want = (await c.infer("tiny", {"x": fast}))["probs"]
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(c.infer("tiny", {"x": slow}), 0.5)
+            wedge.touch()
+            try:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.infer("tiny", {"x": slow}), 0.5)
+            finally:
+                wedge.unlink()
             got = (await c.infer("tiny", {"x": fast}))["probs"]
             return want, got
         finally:

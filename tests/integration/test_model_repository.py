@@ -22,7 +22,7 @@ import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
 from edged.tools.demo import make_tiny_mlp
-from tests.helpers import DaemonProcess, wait_for, write_config
+from tests.helpers import DaemonProcess, wait_for, while_held, write_config
 from tests.integration.mosquitto import free_port
 from tests.integration.test_llm import smollm2
 from tests.repository import (
@@ -46,8 +46,8 @@ version_policy: { all { } }
 instance_group [ { count: 2 kind: KIND_CPU } ]
 """
 )
-# One worker; a batch of 4 runs at once, anything else waits a minute for company (longer than
-# the requests' timeout_ms from edged.toml): only the preferred size answers in time.
+# One worker; a batch of 4 runs at once, a batch of 2 or 3 requests waits a minute for company
+# (longer than the requests' timeout_ms from edged.toml), and a lone request runs at once.
 BATCHED_PBTXT = (
     TINY_PBTXT
     + """
@@ -96,7 +96,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPro
     (repo / "flat" / "config.pbtxt").write_text(FLAT_PBTXT)
     (repo / "edged.toml").write_text(OVERRIDES)
     port = free_port()
-    d = DaemonProcess(config(tmp, repo, tcp=[f"127.0.0.1:{port}"]), tmp / "edged.sock", tmp / "edged.log")
+    # Every model on its worker, which the test-only wedge (edged/lifecycle/faults.py) can hold
+    # while tmp/wedge exists, so that requests queue behind it.
+    cfg = config(tmp, repo, tcp=[f"127.0.0.1:{port}"], inline_threshold_us=0)
+    env = {"EDGED_TEST_WEDGE": str(tmp / "wedge")}
+    d = DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log", env=env)
     d.start(timeout=120)
     yield d, port, repo
     assert d.stop() == 0, d.log()
@@ -161,7 +165,9 @@ def test_an_instance_group_and_edged_toml_shape_every_version(served: tuple[Daem
 
 
 def test_a_preferred_batch_runs_as_soon_as_it_forms(served: tuple[DaemonProcess, int, Path]) -> None:
-    d = served[0]
+    """Five requests at once behind a held worker: four of them make the preferred size and run
+    as one batch, and the one left over runs alone, neither waiting out the minute's delay."""
+    d, _, repo = served
     with d.client() as c:
         before = c.status()["models"]["batched"]
 
@@ -169,12 +175,15 @@ def test_a_preferred_batch_runs_as_soon_as_it_forms(served: tuple[DaemonProcess,
         with d.client() as c:
             return c.infer("batched", {"x": np.full((1, 16), i, np.float32)})["probs"]
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(one, range(4)))
-    assert [a.shape for a in answers] == [(1, 4)] * 4
+    def five() -> list[np.ndarray]:
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            return list(pool.map(one, range(5)))
+
+    answers = while_held(d, repo.parent / "wedge", "batched", 5, five)
+    assert [a.shape for a in answers] == [(1, 4)] * 5
     with d.client() as c:
         after = c.status()["models"]["batched"]
-    assert (after["batches"] - before["batches"], after["rows"] - before["rows"]) == (1, 4)
+    assert (after["batches"] - before["batches"], after["rows"] - before["rows"]) == (2, 5)
 
 
 def test_clients_send_and_receive_the_reshaped_dims(served: tuple[DaemonProcess, int, Path]) -> None:

@@ -77,7 +77,7 @@ def test_what_queued_while_the_instance_was_busy_runs_as_one_batch_without_waiti
     assert inst.batches == [1, 3]  # three is short of max_batch: it runs, it does not wait for more
 
 
-async def two_behind_one(q: ModelQueue, inst: FakeInstance, timeout: float) -> list[asyncio.Future[Any]]:
+async def two_behind_one(q: ModelQueue, inst: FakeInstance, timeout: float) -> Sequence[asyncio.Future[Any]]:
     """Two requests queued behind a held one, the held one run: the worker has taken the two."""
     q.start()
     first = await held(q, inst)
