@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 # batch saves is within what the shared machines' noise moves a run by, and the batch's copies
 # and a request's wait behind its company are not worth it.
 MARGIN = 1.15
-MIN_PAIRS = 3
+MIN_PAIRS = 5
 MAX_PAIRS = 12
 BUDGET_US = 300_000.0
-BUDGET_RUNS = 12.0  # single runs' worth of budget, where that is more than BUDGET_US
+BUDGET_RUNS = 20.0  # single runs' worth of budget, where that is more than BUDGET_US
 CAP_US = 2_000_000.0
 MAX_BATCH_BYTES = 64 << 20  # one batched run's joined inputs
 

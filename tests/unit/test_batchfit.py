@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import pytest
 
-from edged.serving.batchfit import BUDGET_US, MARGIN, decide, fit_batching, measure, not_batched, sizes
+from edged.serving.batchfit import BUDGET_RUNS, BUDGET_US, MARGIN, decide, fit_batching, measure, not_batched, sizes
 
 X = {"x": np.ones((1, 3, 8, 8), np.float32)}
 
@@ -76,11 +76,11 @@ def test_the_measurement_reads_each_size_from_alternated_runs() -> None:
 
 def test_a_slow_model_measures_only_the_sizes_its_budget_holds() -> None:
     clock = FakeClock()
-    single = 40_000.0  # 40 ms a row: the budget (12 single runs' worth) holds the batch of 2 only
+    single = 40_000.0  # 40 ms a row: the budget (20 single runs' worth) holds the batch of 2 only
     run, _ = fake_model(clock, lambda n: single * n)
     runs = measure(run, X, [2, 4, 8], single, clock)
     assert sorted(runs) == [1, 2]
-    assert clock.now * 1e6 <= 12 * single
+    assert clock.now * 1e6 <= BUDGET_RUNS * single
     assert decide(runs, 8).rows == 1  # 2 rows cost 2 single runs: no help
 
 
