@@ -5,12 +5,12 @@
 One daemon serves every model twice, under its own name: unbatched (the defaults) and batched
 (``max_batch = 16`` and a 1 ms queue delay for tiny and mlp2k, ``max_batch = 8`` and 2 ms for
 conv640, the peers benchmark's scheduler settings). Every (variant, concurrency) lane runs once per
-round, the rounds interleaved with a rotating start; each round gives a throughput and a p50 per
-lane, and the report is the median over the rounds of the batched lane's ratio to the unbatched one
-of the same round (they ran seconds apart). ``--base`` adds a daemon of another commit serving the
-same variants in the same rounds (the batcher before a change). The daemon's status for each
-variant (its batching decision and the runs it rests on, its batch counts) is kept beside the
-figures in ``bench-results/batching.json``.
+round, a model's two variants at one concurrency back to back (in turns first), the pairs in a
+rotating order; each round gives a throughput and a p50 per lane, and the report is the median
+over the rounds of the batched lane's ratio to the unbatched one of the same round. ``--base``
+adds a daemon of another commit serving the same variants in the same rounds (the batcher before
+a change). The daemon's status for each variant (its batching decision and the runs it rests on,
+its batch counts) is kept beside the figures in ``bench-results/batching.json``.
 """
 
 from __future__ import annotations
@@ -72,26 +72,32 @@ def variants(specs: dict[str, ModelSpec]) -> tuple[dict[str, ModelSpec], dict[st
 
 
 def rounds(servers: list[EdgedServer], concurrencies: list[int], n: int) -> dict[str, Any]:
-    """Per (server, variant, concurrency): each round's throughput and p50 (ms)."""
-    lanes = {}
+    """Per (server, variant, concurrency): each round's throughput and p50 (ms). A model's two
+    variants at one concurrency run back to back, in turns first, so that each round's ratio
+    compares lanes that met the same moment of a shared machine; the pairs rotate between rounds."""
+    lanes, pairs = {}, []
     for server in servers:
-        for name, spec in server.specs.items():
-            x = spec.sample()
-            check(server, spec, x, session(spec).run([spec.outputs[0]], {spec.input: x})[0])
-            for c in concurrencies:
-                lanes[(server.name, name, c)] = (server_runner(server, spec, x, c), BUDGETS[name.rsplit("_", 1)[0]])
-    keys = list(lanes)
+        for model, batched in BATCHED.items():
+            names = (f"{model}_b1", f"{model}_b{batched['max_batch']}")
+            for name in names:
+                spec = server.specs[name]
+                x = spec.sample()
+                check(server, spec, x, session(spec).run([spec.outputs[0]], {spec.input: x})[0])
+                for c in concurrencies:
+                    lanes[(server.name, name, c)] = (server_runner(server, spec, x, c), BUDGETS[model])
+            pairs += [tuple((server.name, name, c) for name in names) for c in concurrencies]
     for run, budget in lanes.values():  # warm every lane once, unrecorded
         run(max(1, budget.requests // 10), budget.seconds / 4)
     out: dict[str, Any] = {}
     for r in range(n):
         log(f"round {r + 1} of {n}")
-        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            run, budget = lanes[key]
-            lat, wall = run(budget.requests, budget.seconds)
-            lane = out.setdefault("/".join(map(str, key)), {"rps": [], "p50_ms": []})
-            lane["rps"].append(len(lat) / wall if wall > 0 else 0.0)
-            lane["p50_ms"].append(float(np.percentile(np.asarray(lat) * 1000, 50)) if lat else 0.0)
+        for pair in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
+            for key in pair if r % 2 == 0 else pair[::-1]:
+                run, budget = lanes[key]
+                lat, wall = run(budget.requests, budget.seconds)
+                lane = out.setdefault("/".join(map(str, key)), {"rps": [], "p50_ms": []})
+                lane["rps"].append(len(lat) / wall if wall > 0 else 0.0)
+                lane["p50_ms"].append(float(np.percentile(np.asarray(lat) * 1000, 50)) if lat else 0.0)
     return out
 
 

@@ -245,10 +245,11 @@ def test_the_batching_decision_shows_in_status_with_the_figures_it_rests_on(
         extra=ON_WORKER,
     ).start()
     fit = _status(d, "probe")["batching"]
-    assert set(fit) == {"on", "rows", "measured", "reason", "runs_us"} and fit["measured"], fit
+    assert set(fit) == {"on", "rows", "measured", "reason", "runs_us", "gains"} and fit["measured"], fit
     runs = {int(n): us for n, us in fit["runs_us"].items()}
-    assert 1 in runs and max(runs) <= MAX_BATCH and fit["on"] == (fit["rows"] > 1), fit
-    gain = {n: n * runs[1] / us for n, us in runs.items() if n > 1}
+    gain = {int(n): g for n, g in fit["gains"].items()}
+    assert 1 in runs and set(runs) - {1} == set(gain) and max(runs) <= MAX_BATCH, fit
+    assert fit["on"] == (fit["rows"] > 1), fit
     if fit["on"]:  # the largest size that helped, by the margin
         assert gain[fit["rows"]] >= MARGIN and all(g < MARGIN for n, g in gain.items() if n > fit["rows"]), fit
     else:
@@ -259,6 +260,7 @@ def test_the_batching_decision_shows_in_status_with_the_figures_it_rests_on(
         "measured": False,
         "reason": "max_batch is 1",
         "runs_us": {},
+        "gains": {},
     }
 
 

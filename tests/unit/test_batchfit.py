@@ -40,48 +40,64 @@ def test_the_sizes_measured_are_powers_of_two_the_preferred_ones_and_the_largest
     assert sizes(1) == []
 
 
+def steady(single: float, batched: dict[int, float], pairs: int = 5) -> dict[int, list[tuple[float, float]]]:
+    """Pairs of a quiet host: every run costs the same each time."""
+    return {n: [(single, us)] * pairs for n, us in batched.items()}
+
+
 def test_a_conv_whose_batch_costs_as_much_as_its_single_runs_runs_unbatched() -> None:
-    fit = decide({1: 2800.0, 2: 5600.0, 4: 11500.0, 8: 23000.0}, 8)
+    fit = decide(steady(2800.0, {2: 5600.0, 4: 11500.0, 8: 23000.0}), 8)
     assert (fit.rows, fit.measured) == (1, True)
     assert fit.reason.startswith("batching cannot help") and "a batch of 8" in fit.reason
-    assert fit.to_dict()["on"] is False and fit.to_dict()["runs_us"]["8"] == 23000.0
+    shown = fit.to_dict()
+    assert shown["on"] is False and shown["runs_us"] == {"1": 2800.0, "2": 5600.0, "4": 11500.0, "8": 23000.0}
+    assert shown["gains"]["8"] == pytest.approx(8 * 2800 / 23000, abs=1e-3)
 
 
 def test_a_saving_within_the_margin_is_not_worth_a_batch() -> None:
     single = 1000.0
-    assert decide({1: single, 8: 8 * single / (MARGIN * 0.99)}, 8).rows == 1
-    assert decide({1: single, 8: 8 * single / (MARGIN * 1.01)}, 8).rows == 8
+    assert decide(steady(single, {8: 8 * single / (MARGIN * 0.99)}), 8).rows == 1
+    assert decide(steady(single, {8: 8 * single / (MARGIN * 1.01)}), 8).rows == 8
 
 
 def test_a_batch_holds_at_most_the_largest_size_that_helps() -> None:
-    fit = decide({1: 1000.0, 2: 1200.0, 4: 2000.0, 8: 9000.0, 16: 20000.0}, 16)
+    fit = decide(steady(1000.0, {2: 1200.0, 4: 2000.0, 8: 9000.0, 16: 20000.0}), 16)
     assert fit.rows == 4 and fit.to_dict()["on"]
     assert "helps no more" in fit.reason
 
 
 def test_an_mlp_whose_batch_shares_its_weights_batches_up_to_max_batch() -> None:
-    fit = decide({1: 400.0, 2: 450.0, 4: 520.0, 8: 700.0, 16: 1100.0}, 16)
+    fit = decide(steady(400.0, {2: 450.0, 4: 520.0, 8: 700.0, 16: 1100.0}), 16)
     assert (fit.rows, fit.measured) == (16, True) and "x the speed per row" in fit.reason
 
 
-def test_the_measurement_reads_each_size_from_alternated_runs() -> None:
+def test_a_busy_moment_that_slows_both_runs_of_a_pair_does_not_decide() -> None:
+    # A conv net whose batch of 2 costs 2 single runs; in two pairs of five the host was busy
+    # (both runs 4x slower), and in one of those the batch came out faster than the single run.
+    pairs = {2: [(2800.0, 5600.0)] * 3 + [(11200.0, 22400.0), (16000.0, 12000.0)]}
+    fit = decide(pairs, 8)
+    assert fit.rows == 1 and fit.gains[2] == pytest.approx(1.0)
+
+
+def test_the_measurement_alternates_single_and_batched_runs() -> None:
     clock = FakeClock()
     run, seen = fake_model(clock, lambda n: 100.0 + 10.0 * n)  # a fixed cost per run: batching pays
-    runs = measure(run, X, [2, 4, 8], 110.0, clock)
-    assert runs == pytest.approx({1: 110.0, 2: 120.0, 4: 140.0, 8: 180.0})
-    assert seen[:3] == [2, 1, 2]  # a warming run of the batch, then single and batch in turn
-    fit = decide(runs, 8)
-    assert fit.rows == 8
+    pairs = measure(run, X, [2, 4, 8], 110.0, clock)
+    assert sorted(pairs) == [2, 4, 8] and all(len(p) >= 5 for p in pairs.values())
+    assert pairs[8][0] == pytest.approx((110.0, 180.0))
+    assert seen[:5] == [2, 1, 2, 1, 2]  # a warming run of the batch, then single and batch in turn
+    fit = decide(pairs, 8)
+    assert fit.rows == 8 and fit.runs_us == pytest.approx({1: 110.0, 2: 120.0, 4: 140.0, 8: 180.0})
 
 
 def test_a_slow_model_measures_only_the_sizes_its_budget_holds() -> None:
     clock = FakeClock()
     single = 40_000.0  # 40 ms a row: the budget (20 single runs' worth) holds the batch of 2 only
     run, _ = fake_model(clock, lambda n: single * n)
-    runs = measure(run, X, [2, 4, 8], single, clock)
-    assert sorted(runs) == [1, 2]
+    pairs = measure(run, X, [2, 4, 8], single, clock)
+    assert sorted(pairs) == [2]
     assert clock.now * 1e6 <= BUDGET_RUNS * single
-    assert decide(runs, 8).rows == 1  # 2 rows cost 2 single runs: no help
+    assert decide(pairs, 8).rows == 1  # 2 rows cost 2 single runs: no help
 
 
 def test_the_measurement_stops_at_the_time_budget() -> None:
