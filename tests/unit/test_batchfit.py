@@ -85,7 +85,7 @@ def test_the_measurement_alternates_single_and_batched_runs() -> None:
     pairs = measure(run, X, [2, 4, 8], 110.0, clock)
     assert sorted(pairs) == [2, 4, 8] and all(len(p) >= 5 for p in pairs.values())
     assert pairs[8][0] == pytest.approx((110.0, 180.0))
-    assert seen[:5] == [2, 1, 2, 1, 2]  # a warming run of the batch, then single and batch in turn
+    assert seen[:5] == [2, 1, 2, 2, 1]  # a warming run of the batch, then pairs, each side first in turn
     fit = decide(pairs, 8)
     assert fit.rows == 8 and fit.runs_us == pytest.approx({1: 110.0, 2: 120.0, 4: 140.0, 8: 180.0})
 
