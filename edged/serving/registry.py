@@ -422,7 +422,7 @@ class Registry:
         self, rt: ModelRuntime, state: ModelState = ModelState.UNLOADED, reason: str = "", notify: bool = True
     ) -> None:
         queue, backend = rt.queue, rt.backend
-        rt.queue, rt.backend = None, None
+        rt.queue, rt.backend, rt.batching = None, None, None
         self.set_state(rt, state, reason, notify)
         if queue is not None:
             queue.close()
