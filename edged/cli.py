@@ -207,6 +207,10 @@ def _models_table(st: dict[str, Any]) -> None:
         origin = m.get("repository") or {}
         if origin.get("note"):  # what a repository model serves otherwise than its config.pbtxt asks
             print(f"{n} (version {origin['version']} of {origin['model']}): {origin['note']}")
+        fit = m.get("batching") or {}
+        if fit.get("reason") and fit["reason"] != "max_batch is 1":  # a model configured to batch
+            what = f"batches of at most {fit['rows']} rows" if fit["on"] else "unbatched"
+            print(f"{n}: {what}: {fit['reason']}")
 
 
 def cmd_infer(args: argparse.Namespace) -> int:

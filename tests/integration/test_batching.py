@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -254,6 +256,12 @@ def test_the_batching_decision_shows_in_status_with_the_figures_it_rests_on(
         assert gain[fit["rows"]] >= MARGIN and all(g < MARGIN for n, g in gain.items() if n > fit["rows"]), fit
     else:
         assert fit["rows"] == 1 and all(g < MARGIN for g in gain.values()), fit
+    shown = subprocess.run(
+        [sys.executable, "-m", "edged", "status", "--socket", str(d.socket)], capture_output=True, text=True, check=True
+    ).stdout
+    what = f"batches of at most {fit['rows']} rows" if fit["on"] else "unbatched"
+    assert f"probe: {what}: {fit['reason']}" in shown.splitlines(), shown
+    assert "tiny: " not in shown  # a model that does not batch says nothing of it
     assert _status(d, "tiny")["batching"] == {
         "on": False,
         "rows": 1,
