@@ -41,7 +41,7 @@ import numpy as np
 
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
-from edged.serving.batching import preferred_cut
+from edged.serving.batching import add_compatible, preferred_cut
 from edged.serving.sinks import OutputShapes, OutputSink, run_into, signature
 from edged.thread_to_loop import to_loop
 from edged.wire.tensors import is_bytes
@@ -290,7 +290,7 @@ class ModelQueue:
         top = self.preferred[-1] if self.preferred else self.batch_rows
         waited = False
         while True:
-            rows, blocked = self._add_compatible(batch, rows)
+            rows, blocked = add_compatible(self._queue, batch, rows, self.batch_rows)
             if self.preferred:
                 cut = preferred_cut([w.rows for w in batch], self.preferred, top)
                 if cut:
@@ -308,23 +308,6 @@ class ModelQueue:
                 waited = True
                 state.waits += 1
             self._cond.wait(left_ns / 1e9)
-
-    def _add_compatible(self, batch: list[_Work], rows: int) -> tuple[int, bool]:
-        """Move queued requests of the batch's shapes into it, in arrival order, up to
-        ``batch_rows``; also whether a compatible request was left out because it did not fit."""
-        first, blocked = batch[0], False
-        for w in list(self._queue) if rows < self.batch_rows else ():
-            if w.signature != first.signature:
-                continue
-            if rows + w.rows > self.batch_rows:
-                blocked = True  # the next compatible request does not fit: run what we have
-                continue
-            self._queue.remove(w)
-            batch.append(w)
-            rows += w.rows
-            if rows >= self.batch_rows:
-                break
-        return rows, blocked
 
     def _worker(self, inst: Instance, state: WorkerState) -> None:
         while True:
