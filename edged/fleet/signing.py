@@ -109,6 +109,18 @@ def verify_signature(root: Path, trust: Trust, present: Sequence[str]) -> Verifi
     return Verified(signer, signed)
 
 
+def claimed_signer(root: Path) -> str | None:
+    """Who the signature says signed it, unverified (``edged bundle inspect``); None unsigned."""
+    if not (root / SIGNATURE).is_file():
+        return None
+    material = _read_signature(root / SIGNATURE).get("verificationMaterial") or {}
+    hint = (material.get("publicKey") or {}).get("hint")
+    chain = (material.get("x509CertificateChain") or {}).get("certificates")
+    if hint:
+        return f"sha256:{hint}"
+    return _subject(chain) if chain else None
+
+
 def _run(config: Any, root: Path, signer: str, statement: dict[str, Any], present: Sequence[str]) -> None:
     from cryptography.exceptions import InvalidSignature
     from OpenSSL.crypto import X509StoreContextError
