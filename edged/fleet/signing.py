@@ -25,7 +25,7 @@ from typing import Any
 
 from edged.fleet.bundle_base import MAX_SIGNATURE_BYTES, SIGNATURE, BundleRefused, read_bounded
 from edged.fleet.bundle_files import digest_files
-from edged.fleet.trust import Trust, certificate_subject
+from edged.fleet.trust import Trust, certificate_subject, check_private_key
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def sign_bundle(root: Path, private_key: Path, *, certificate: Path | None = Non
 
     if certificate is not None and not chain:
         raise ValueError("a certificate signature needs the chain of its issuers up to the root")
+    check_private_key(private_key)
 
     config = signing.Config().set_hashing_config(_hashing())
     if certificate is None:

@@ -107,3 +107,18 @@ def test_sign_refuses_a_broken_bundle_and_a_missing_key(tmp_path: Path) -> None:
     assert out.returncode == 1 and "config_invalid" in out.stderr and not (root / "bundle.sig").exists()
     out = cli("sign", root, "--key", tmp_path / "absent.pem")
     assert out.returncode == 2 and "absent.pem" in out.stderr
+
+
+def test_sign_refuses_a_key_that_is_not_ec_with_a_clear_message(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    rsa_key = tmp_path / "rsa.pem"
+    rsa_key.write_bytes(
+        rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    root = tiny_bundle(tmp_path)
+    out = cli("sign", root, "--key", rsa_key)
+    assert out.returncode == 2 and "not an EC private key" in out.stderr and "Traceback" not in out.stderr
