@@ -46,6 +46,12 @@ def _folder(path: Path) -> Iterator[tuple[Path, Path | None]]:
         yield path, None
 
 
+def _unchecked_on_purpose() -> None:
+    """``sign`` and ``inspect`` open a bundle without trust on purpose (a signature there is
+    replaced, or shown as claimed): the daemon's warning that it goes unchecked is noise here."""
+    logging.getLogger("edged.fleet.bundle").setLevel(logging.ERROR)
+
+
 def _refused(args: argparse.Namespace, err: BundleRefused) -> int:
     print(f"edged bundle {args.bundle_command}: refused ({err.code}): {err.reason}", file=sys.stderr)
     return 1
@@ -61,6 +67,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
     if not args.dir.is_dir():
         print(f"edged bundle sign: {args.dir} is not a bundle folder", file=sys.stderr)
         return 2
+    _unchecked_on_purpose()
     try:
         # The tables and files are checked first: a bundle no device would open is not signed.
         bundle = open_bundle(args.dir, [], require_signed=False)
@@ -90,9 +97,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from edged.fleet.bundle import open_bundle
     from edged.fleet.signing import claimed_signer
 
-    # Opened without trust on purpose: the note that the signature goes unchecked is this
-    # command's output ("claimed"), not a warning.
-    logging.getLogger("edged.fleet.bundle").setLevel(logging.ERROR)
+    _unchecked_on_purpose()
     with _folder(args.dir) as (path, extract_to):
         try:
             b = open_bundle(path, [], require_signed=False, extract_to=extract_to)

@@ -122,3 +122,24 @@ def test_sign_refuses_a_key_that_is_not_ec_with_a_clear_message(tmp_path: Path) 
     root = tiny_bundle(tmp_path)
     out = cli("sign", root, "--key", rsa_key)
     assert out.returncode == 2 and "not an EC private key" in out.stderr and "Traceback" not in out.stderr
+
+
+def model_signing_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "model_signing", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_bundles_interoperate_with_model_signings_own_command(tmp_path: Path) -> None:
+    key = make_key(tmp_path, "release")
+    theirs = tiny_bundle(tmp_path, version="1.0.0")
+    sig = theirs / "bundle.sig"
+    out = model_signing_cli("sign", "key", theirs, "--private_key", key.private, "--signature", sig)
+    assert out.returncode == 0, out.stderr
+    out = cli("verify", theirs, "--trust", key.public)
+    assert out.returncode == 0, out.stderr
+    ours = tiny_bundle(tmp_path, version="2.0.0")
+    out = cli("sign", ours, "--key", key.private)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    out = model_signing_cli("verify", "key", ours, "--public_key", key.public, "--signature", ours / "bundle.sig")
+    assert out.returncode == 0, out.stderr + out.stdout
