@@ -6,7 +6,6 @@ never what the model writes."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
