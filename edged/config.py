@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from edged.errors import ConfigError
+from edged.fleet.config import FleetConfig
 from edged.paths import DEFAULT_SOCKET
 
 if sys.version_info >= (3, 11):
@@ -342,6 +343,7 @@ class Config(_Table, frozen=True):
     lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
     mqtt: MqttConfig = msgspec.field(default_factory=MqttConfig)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
+    fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
     # Where the config came from; set by load(), never read from the file.
     source: str = ""
     # The models of [server] model_repository by the name edged serves them under (a served
@@ -474,6 +476,7 @@ def _check_sizes(cfg: Config, src: str) -> None:
         "memory.reserve": cfg.memory.reserve,
         "build.headroom": cfg.build.headroom,
         "cache.quarantine_max_bytes": cfg.cache.quarantine_max_bytes,
+        "fleet.max_bundle_size": cfg.fleet.max_bundle_size,
     }
     for name, model in cfg.models.items():
         sizes[f"models.{name}.tensorrt.workspace"] = model.tensorrt.workspace
@@ -589,6 +592,7 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
         cache=msgspec.structs.replace(cfg.cache, dir=_resolve(base, cfg.cache.dir)),
         mqtt=mqtt,
         models=models,
+        fleet=cfg.fleet.resolved(base),
         source=source,
     )
 
