@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from edged.config import Config, ModelConfig
+from edged.config import Config, ModelConfig, parse_size
 from edged.fleet import desired, ledger, protocol, rollback
 from edged.fleet.fingerprint import device_fingerprint
 from edged.fleet.heartbeat import Heartbeat
@@ -38,8 +38,7 @@ from edged.transports.mqtt.link import Link
 
 if TYPE_CHECKING:
     from edged.fleet.bundle import Bundle
-
-    from edged.fleet.attempt import Attempt
+    from edged.fleet.context import Cancellable
     from edged.lifecycle.reload import Reloader
     from edged.serving.background import BackgroundBuilds
     from edged.serving.registry import Registry
@@ -62,6 +61,7 @@ class FleetAgent:
         self.device = protocol.topic_part(cfg.mqtt.device_id or socket.gethostname(), "mqtt.device_id")
         self.prefix = cfg.mqtt.topic_prefix.strip("/")
         self.group = fleet.group
+        self.max_bundle_bytes = parse_size(fleet.max_bundle_size)  # checked when the config loaded
         self.fingerprint = fingerprint
         self.group_doc: desired.Desired | None = None
         self.device_doc: desired.Desired | None = None
@@ -82,7 +82,7 @@ class FleetAgent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._worker: asyncio.Task[None] | None = None
         self._saving = asyncio.Lock()
-        self.current: Attempt | None = None  # the attempt under way (one at a time)
+        self.current: Cancellable | None = None  # the attempt under way (one at a time)
         self.previous_windows: dict[str, rollback.Window] = {}  # the version before a swap, its traffic
         self._swap_counts: dict[str, tuple[int, int]] = {}  # requests and failures at the last swap
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -191,7 +191,7 @@ class FleetAgent:
     def _desired(self, topic: str, payload: bytes) -> None:
         f = self.fleet
         try:
-            doc = desired.parse(payload, f.max_desired_bytes, f.max_models, f.max_bundle_bytes)
+            doc = desired.parse(payload, f.max_desired_bytes, f.max_models, self.max_bundle_bytes)
         except desired.DesiredRefused as e:
             self.refused_message = f"{topic}: {e.reason} ({e.code})"
             log.warning("fleet: refused the desired state on %s: %s", topic, e.reason)

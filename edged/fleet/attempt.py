@@ -29,8 +29,7 @@ from edged.serving.states import ModelState
 
 if TYPE_CHECKING:
     from edged.fleet.bundle import Bundle
-
-    from edged.fleet.agent import FleetAgent
+    from edged.fleet.context import Agent
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ FATAL_DOWNLOADS = ("digest", "too_large", "archive", "not_found")
 
 
 class Attempt:
-    def __init__(self, agent: FleetAgent, name: str, target: Target) -> None:
+    def __init__(self, agent: Agent, name: str, target: Target) -> None:
         self.agent = agent
         self.name = name
         self.t = target
@@ -55,7 +54,7 @@ class Attempt:
         if why:
             return self.refuse(why)
         self.agent.set_phase(self.name, "downloading")
-        limits = download.Limits(self.agent.fleet.max_bundle_bytes, self.agent.fleet.download_timeout_s)
+        limits = download.Limits(self.agent.max_bundle_bytes, self.agent.fleet.download_timeout_s)
         try:
             archive = await asyncio.to_thread(download.fetch, t, self.agent.area, limits, self.cancel, self._progress)
         except download.Cancelled:
@@ -72,7 +71,7 @@ class Attempt:
         except Refusal as e:
             return self.refuse(str(e))
         installed = Installed(
-            t.version, t.sha256, str(bundle.root), msgspec.to_builtins(bundle.model_config), bundle.signer
+            t.version, t.sha256, str(bundle.root), msgspec.to_builtins(bundle.model_config), bundle.signer or ""
         )
         return await self._apply(installed, bundle.model_config)
 

@@ -54,9 +54,8 @@ def _address(args: argparse.Namespace) -> BrokerAddress:
 
 def _target(args: argparse.Namespace) -> tuple[str, desired.Target]:
     """The model name and the desired entry for the bundle (read here, before anything is sent)."""
-    from edged.fleet.bundle import open_bundle
-
     from edged.fleet import desired
+    from edged.fleet.bundle import open_bundle
 
     path = args.bundle.resolve()
     if not path.is_file():
@@ -75,9 +74,8 @@ def _target(args: argparse.Namespace) -> tuple[str, desired.Target]:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from edged.fleet.bundle import BundleRefused
-
     from edged.fleet import desired
+    from edged.fleet.bundle import BundleRefused
     from edged.fleet.controller import Plan, Rollout, parse_fraction, parse_stages
     from edged.fleet.view import FleetView
 

@@ -23,14 +23,14 @@ import msgspec
 from edged.fleet import protocol
 
 if TYPE_CHECKING:
-    from edged.fleet.agent import FleetAgent
+    from edged.fleet.context import Agent
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
 
 
 class Heartbeat:
-    def __init__(self, agent: FleetAgent) -> None:
+    def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.topic = protocol.heartbeat(agent.prefix, agent.group, agent.device)
 

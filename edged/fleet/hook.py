@@ -10,18 +10,16 @@ from typing import TYPE_CHECKING
 from edged.config import Config
 
 if TYPE_CHECKING:
-    from edged.fleet.bundle import Bundle
-
     from edged.fleet.agent import FleetAgent
+    from edged.fleet.bundle import Bundle
 
 
 async def fleet_agent(cfg: Config) -> FleetAgent | None:
     fleet = cfg.fleet
     if not fleet.follow:
         return None
-    from edged.fleet.bundle import open_bundle
-
     from edged.fleet.agent import FleetAgent
+    from edged.fleet.bundle import open_bundle
 
     trust = fleet.trust_paths
 

@@ -12,12 +12,12 @@ from prometheus_client import Counter, Gauge
 from edged.fleet.protocol import SETTLED
 
 if TYPE_CHECKING:
-    from edged.fleet.agent import FleetAgent
+    from edged.fleet.context import Agent
     from edged.serving.metrics import Metrics
 
 
 class VersionMetrics:
-    def __init__(self, metrics: Metrics, agent: FleetAgent) -> None:
+    def __init__(self, metrics: Metrics, agent: Agent) -> None:
         r = metrics.registry
         self.agent = agent
         self.info = Gauge(

@@ -13,12 +13,12 @@ from edged.fleet.attempt import Attempt
 from edged.fleet.desired import Target
 
 if TYPE_CHECKING:
-    from edged.fleet.agent import FleetAgent
+    from edged.fleet.context import Agent
 
 log = logging.getLogger(__name__)
 
 
-def needs_work(agent: FleetAgent, name: str, t: Target) -> bool:
+def needs_work(agent: Agent, name: str, t: Target) -> bool:
     rec = agent.book.models.get(name)
     if rec is None:
         return True
@@ -27,7 +27,7 @@ def needs_work(agent: FleetAgent, name: str, t: Target) -> bool:
     return t.key not in rec.blocked
 
 
-async def work(agent: FleetAgent) -> None:
+async def work(agent: Agent) -> None:
     retry: dict[str, tuple[str, float, float]] = {}  # model -> (desired key, when, delay)
     while True:
         agent.changed.clear()
