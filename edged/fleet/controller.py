@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from edged.fleet import desired, protocol
 from edged.fleet.view import FleetView
 
@@ -92,6 +94,21 @@ def settled(state: dict[str, Any] | None, model: str, t: desired.Target) -> str 
     return None
 
 
+def readable_models(doc: dict[str, Any] | None) -> dict[str, desired.Target]:
+    """The valid entries of a desired-state document already on the broker; an entry that
+    devices would refuse is left out (the controller publishes it no further)."""
+    out = {}
+    models = (doc or {}).get("models")
+    for name, m in models.items() if isinstance(models, dict) else ():
+        try:
+            t = msgspec.convert(m, desired.Target)
+            desired.check_target(name, t, t.size)
+        except (msgspec.ValidationError, desired.DesiredRefused):
+            continue
+        out[name] = t
+    return out
+
+
 class Rollout:
     def __init__(self, view: FleetView, plan: Plan, say: Callable[[str], None] = print) -> None:
         self.view = view
@@ -136,8 +153,8 @@ class Rollout:
     def _publish_stage(self, percent: float, devices: Sequence[str]) -> None:
         view, plan = self.view, self.plan
         if percent >= 100:
-            current = (view.group_desired or {}).get("models") or {}
-            models = {n: desired.Target(**m) for n, m in current.items() if isinstance(m, dict) and n != plan.model}
+            models = readable_models(view.group_desired)
+            models.pop(plan.model, None)
             models[plan.model] = plan.target
             payload = desired.encode(models, self._rollout_id(), time.time())
             view.publish(protocol.group_desired(view.prefix, view.group), payload).wait_for_publish(30)
@@ -153,14 +170,7 @@ class Rollout:
 
     def _override_models(self, device: str) -> dict[str, desired.Target]:
         with self.view.cond:
-            doc = self.view.overrides.get(device) or {}
-        out = {}
-        for name, m in (doc.get("models") or {}).items():
-            try:
-                out[name] = desired.Target(**m)
-            except TypeError:
-                continue  # an override this controller cannot read is replaced
-        return out
+            return readable_models(self.view.overrides.get(device))
 
     def _clear_overrides(self, devices: Sequence[str]) -> None:
         """The group's desired state now says it for everyone: the stage overrides go."""

@@ -104,6 +104,7 @@ class FleetView:
             client.subscribe(topic, qos=1)
         with self.cond:
             self.connects += 1
+            self.last_message = time.monotonic()  # the retained messages are on their way
             self.cond.notify_all()
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
