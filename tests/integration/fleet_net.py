@@ -67,17 +67,19 @@ def release(
     key: Path | None,
     *,
     hidden: int = 32,
+    in_dim: int = 16,
     model: dict[str, Any] | None = None,
     pad: int = 0,
     tamper: bool = False,
     name: str = "m",
 ) -> Release:
-    """A bundle of a tiny MLP (``hidden`` units: each width answers differently), signed with
+    """A bundle of a tiny MLP (``hidden`` units: each width answers differently; ``in_dim``
+    inputs: another number breaks every client of the model), signed with
     ``key`` and archived. ``pad``: bytes of filler (a download that takes a while); ``tamper``:
     one byte of the model changed after signing."""
     src = folder / f"src-{name}-{version}-{hidden}"
     (src / "calibration").mkdir(parents=True)
-    make_tiny_mlp(src / "model.onnx", hidden=hidden)
+    make_tiny_mlp(src / "model.onnx", in_dim=in_dim, hidden=hidden)
     rng = np.random.default_rng(3)
     for i in range(6):
         np.save(src / "calibration" / f"{i}.npy", rng.standard_normal((1, 16)).astype(np.float32))

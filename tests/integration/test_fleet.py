@@ -223,3 +223,29 @@ def test_a_device_restarted_mid_download_resumes_with_a_range_request(fleet: Fle
     assert resumed_at >= 300_000, ranges
     assert fleet.server.sent(rel.archive.name) < rel.size * 1.5  # the rest, not all of it again
     np.testing.assert_allclose(fleet.answers(name), reference(fleet.root, 24), rtol=1e-5)
+
+
+def test_a_version_whose_traffic_fails_is_rolled_back_within_its_watch(fleet: Fleet) -> None:
+    """5.0.0 takes 8 inputs where clients send 16: every request fails once it serves, and the
+    watch of its first seconds of traffic puts 3.0.0 back."""
+    name, d = "cam-4", fleet.devices["cam-4"]
+    d.stop(15)
+    text = d.config.read_text().replace("watch_s = 0", "watch_s = 20\nmin_requests = 20")
+    d.config.write_text(text)
+    d.start(timeout=120)
+    rel = release(fleet.root / "rel", "5.0.0", fleet.key.private, hidden=32, in_dim=8)
+    topic = protocol.device_desired("edged", name)
+    fleet.peer.client.publish(topic, desired.encode({"m": rel.target()}), qos=1, retain=True)
+    fleet.wait_all(lambda m: m.get("phase") == "watching", "5.0.0 under watch", [name])
+    failures = 0
+    with d.client() as c:
+        while fleet.model(name).get("phase") == "watching":
+            try:
+                c.infer("m", {"x": X})
+            except Exception:
+                failures += 1
+    m = fleet.model(name)
+    assert m["phase"] == "rolled back" and m["version"] == "3.0.0", m
+    assert m["reason"].startswith("error rate 100.0% over"), m
+    assert failures >= 20
+    np.testing.assert_allclose(fleet.answers(name), reference(fleet.root, 56), rtol=1e-5)
