@@ -197,8 +197,9 @@ class Attempt:
         rec.current, rec.previous = current, previous
         rec.block(self.t.key, why)
         done, error = await agent.reload_now()
-        if not done:
-            log.error("fleet: %s: the rollback's reload failed: %s", self.name, error, extra={"model": self.name})
+        if not done:  # the version before may not serve either: say so, never "rolled back"
+            agent.set_phase(self.name, "failed", f"{why}; going back failed too: {error}")
+            return "failed"
         agent.set_phase(self.name, "rolled back", why)
         return "rolled back"
 
