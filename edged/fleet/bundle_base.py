@@ -52,6 +52,10 @@ REFUSAL_CODES = (
     "file_modified",  # a file's digest differs from the signed one
     "file_added",  # a file the signature does not list
     "file_missing",  # a file the signature lists is absent
+    # The agent's, against the desired state: the bundle verified but is not the one asked for.
+    "digest_mismatch",  # the download's digest differs from the desired one
+    "version_mismatch",  # the signed version differs from the desired one
+    "version_replayed",  # the signed version is older than the one already serving
 )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from edged.fleet.bundle_base import MAX_SIGNATURE_BYTES, SIGNATURE, BundleRefused, read_bounded
 from edged.fleet.bundle_files import digest_files
-from edged.fleet.trust import Trust, certificate_subject
+from edged.fleet.trust import Trust, certificate_subject, check_private_key
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def sign_bundle(root: Path, private_key: Path, *, certificate: Path | None = Non
 
     if certificate is not None and not chain:
         raise ValueError("a certificate signature needs the chain of its issuers up to the root")
+    check_private_key(private_key)
 
     config = signing.Config().set_hashing_config(_hashing())
     if certificate is None:
@@ -107,6 +108,18 @@ def verify_signature(root: Path, trust: Trust, present: Sequence[str]) -> Verifi
     if extra:
         raise BundleRefused(f"{_names(extra)}: not covered by the signature", "file_added")
     return Verified(signer, signed)
+
+
+def claimed_signer(root: Path) -> str | None:
+    """Who the signature says signed it, unverified (``edged bundle inspect``); None unsigned."""
+    if not (root / SIGNATURE).is_file():
+        return None
+    material = _read_signature(root / SIGNATURE).get("verificationMaterial") or {}
+    hint = (material.get("publicKey") or {}).get("hint")
+    chain = (material.get("x509CertificateChain") or {}).get("certificates")
+    if hint:
+        return f"sha256:{hint}"
+    return _subject(chain) if chain else None
 
 
 def _run(config: Any, root: Path, signer: str, statement: dict[str, Any], present: Sequence[str]) -> None:

@@ -78,5 +78,18 @@ def load_trust(paths: Sequence[Path]) -> Trust:
     return Trust(tuple(keys), tuple(certs))
 
 
+def check_private_key(path: Path) -> None:
+    """ValueError naming ``path`` unless it is an unencrypted PEM EC private key on a curve
+    model-signing signs with (which would otherwise fail on an RSA key with an AttributeError)."""
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), None)
+    except TypeError:
+        raise ValueError(f"{path}: an encrypted private key; give an unencrypted PEM key") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: not a PEM private key: {e}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name not in CURVES:
+        raise ValueError(f"{path}: not an EC private key on P-256, P-384 or P-521")
+
+
 def certificate_subject(der: bytes) -> str:
     return x509.load_der_x509_certificate(der).subject.rfc4514_string()
