@@ -31,6 +31,7 @@ from edged.config import Config, ModelConfig, parse_size
 from edged.fleet import desired, ledger, protocol, rollback
 from edged.fleet.fingerprint import device_fingerprint
 from edged.fleet.heartbeat import Heartbeat
+from edged.fleet.refusals import Refusal, Refusals
 from edged.fleet.versions import VersionMetrics
 from edged.fleet.worker import work
 from edged.thread_to_loop import to_loop
@@ -78,6 +79,7 @@ class FleetAgent:
         self.background: BackgroundBuilds | None = None
         self.reload: Reload | None = None
         self.versions: VersionMetrics | None = None
+        self.refusals: Refusals | None = None
         self.link: Link | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._worker: asyncio.Task[None] | None = None
@@ -119,6 +121,8 @@ class FleetAgent:
             return done, reloader.last_error
 
         self.service, self.background, self.reload = service, background, reload
+        self.refusals = Refusals(service.metrics.registry, self._refusal_event)
+        service.sections["fleet"] = self.status_section
         self.versions = VersionMetrics(service.metrics, self)
         loop = self._loop = asyncio.get_running_loop()
         self.link = Link(self.cfg.mqtt, loop, f"edged-{self.device}-fleet-agent", False, self._connected, self._message)
@@ -238,6 +242,20 @@ class FleetAgent:
             "models": models,
             "refused": self.refused_message,
         }
+
+    def status_section(self) -> dict[str, Any]:
+        """The ``fleet`` section of ``/v2/edged/status`` (``edged status --json``)."""
+        doc = self.state_doc()
+        doc["bundle_refusals"] = self.refusals.status() if self.refusals is not None else {}
+        return doc
+
+    def _refusal_event(self, refusal: Refusal) -> None:
+        """From the worker thread that refused the bundle: published from the loop."""
+        self.from_thread(self._publish_event, msgspec.json.encode(refusal.event()))
+
+    def _publish_event(self, payload: bytes) -> None:
+        if self.link is not None and self.link.connected.is_set():
+            self.link.publish(protocol.device_events(self.prefix, self.device), payload, qos=1)
 
     def publish_state(self) -> None:
         if self.link is not None and self.link.connected.is_set():

@@ -23,19 +23,20 @@ from packaging.version import Version
 
 from edged.config import ModelConfig
 from edged.fleet import download, rollback
-from edged.fleet.desired import DesiredRefused, Target, version_of
+from edged.fleet.desired import Target
 from edged.fleet.ledger import Installed, ModelRecord
 from edged.serving.states import ModelState
 
 if TYPE_CHECKING:
-    from edged.fleet.bundle import Bundle
+    from edged.fleet.bundle import Bundle, BundleRefused
     from edged.fleet.context import Agent
 
 log = logging.getLogger(__name__)
 
 SETTLE_POLL_S = 0.2
 PROGRESS_EVERY_S = 1.0
-FATAL_DOWNLOADS = ("digest", "too_large", "archive", "not_found")
+# Download failures that no retry mends, and the refusal code each is counted under.
+FATAL_DOWNLOADS = {"digest": "digest_mismatch", "too_large": "too_large", "not_found": "not_found"}
 
 
 class Attempt:
@@ -48,11 +49,14 @@ class Attempt:
         self._last_progress = 0.0
 
     async def run(self) -> str:
+        from edged.fleet.bundle import BundleRefused
+
         rec, t = self.rec, self.t
         rec.target, rec.target_key, rec.gate, rec.build_s = t.version, t.key, None, None
-        why = self._too_old(t.version)
-        if why:
-            return self.refuse(why)
+        floor = rec.floor
+        if floor and Version(t.version) <= Version(floor):  # anti-rollback, before any download
+            why = f"version {t.version} is not newer than {floor}, the newest that served here (replayed older bundle)"
+            return self.refuse(BundleRefused(why, "version_replayed"))
         self.agent.set_phase(self.name, "downloading")
         limits = download.Limits(self.agent.max_bundle_bytes, self.agent.fleet.download_timeout_s)
         try:
@@ -61,15 +65,15 @@ class Attempt:
             return "superseded"
         except download.DownloadError as e:
             if e.code in FATAL_DOWNLOADS:
-                return self.refuse(f"download: {e.reason}")
+                return self.refuse(BundleRefused(f"download: {e.reason}", FATAL_DOWNLOADS[e.code]))
             # Not settled: the partial file stays and the worker resumes it later.
             self.agent.set_phase(self.name, "downloading", f"broke off: {e.reason}; trying again")
             return "retry"
         self.agent.set_phase(self.name, "verifying")
         try:
             bundle = await asyncio.to_thread(self._open, archive)
-        except Refusal as e:
-            return self.refuse(str(e))
+        except BundleRefused as e:
+            return self.refuse(e)
         installed = Installed(
             t.version, t.sha256, str(bundle.root), msgspec.to_builtins(bundle.model_config), bundle.signer or ""
         )
@@ -77,37 +81,23 @@ class Attempt:
 
     # --- checks ---------------------------------------------------------------------------------
 
-    def _too_old(self, version: str) -> str:
-        """Anti-rollback: a version not newer than the newest that served here is refused."""
-        floor = self.rec.floor
-        try:
-            if floor and version_of(version, "version") <= Version(floor):
-                return (
-                    f"version {version} is not newer than {floor}, the newest that served here (replayed older bundle)"
-                )
-        except DesiredRefused as e:
-            return e.reason
-        return ""
-
     def _open(self, archive: Path) -> Bundle:
-        """Blocking: unpack and verify; Refusal with the reason when the bundle is not usable."""
+        """Blocking: unpack and verify; BundleRefused when the bundle is not the one to use."""
         from edged.fleet.bundle import BundleRefused
 
         dest = download.bundle_dir(self.agent.area, self.name, self.t)
         shutil.rmtree(dest, ignore_errors=True)  # unpacked afresh: only what was just verified is used
         try:
             bundle = self.agent.verify(archive, dest)
-        except BundleRefused as e:
+            if bundle.version != self.t.version:
+                why = f"the bundle is signed as version {bundle.version}, the desired state says {self.t.version}"
+                raise BundleRefused(why, "version_mismatch")
+            if bundle.name != self.name:
+                why = f"the bundle is model {bundle.name!r}, the desired state names it {self.name!r}"
+                raise BundleRefused(why, "metadata_invalid")
+        except BundleRefused:
             self._discard(archive, dest)
-            raise Refusal(f"{e.reason} ({e.code})") from None
-        why = ""
-        if bundle.version != self.t.version:
-            why = f"the bundle is signed as version {bundle.version}, the desired state says {self.t.version}"
-        elif bundle.name != self.name:
-            why = f"the bundle is model {bundle.name!r}, the desired state names it {self.name!r}"
-        if why:
-            self._discard(archive, dest)
-            raise Refusal(why)
+            raise
         return bundle
 
     @staticmethod
@@ -182,7 +172,13 @@ class Attempt:
         self.agent.spawn(asyncio.to_thread(download.prune, self.agent.area, keep))
         self.agent.set_phase(self.name, "serving")
 
-    def refuse(self, why: str) -> str:
+    def refuse(self, err: BundleRefused) -> str:
+        """Counted, reported as an event and in the status, and blocked until the desired state
+        names another version."""
+        why = f"{err.reason} ({err.code})"
+        refusals = self.agent.refusals
+        if refusals is not None:
+            refusals.record(err, model=self.name, source=self.t.url, version=self.t.version)
         self.rec.block(self.t.key, why)
         self.agent.set_phase(self.name, "refused", why)
         return "refused"
@@ -202,10 +198,6 @@ class Attempt:
             return "failed"
         agent.set_phase(self.name, "rolled back", why)
         return "rolled back"
-
-
-class Refusal(Exception):
-    pass
 
 
 class Watch:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from edged.fleet import desired, ledger, rollback
     from edged.fleet.bundle import Bundle
     from edged.fleet.config import FleetConfig
+    from edged.fleet.refusals import Refusals
     from edged.serving.background import BackgroundBuilds
     from edged.serving.registry import Registry
     from edged.serving.service import Service
@@ -38,6 +39,7 @@ class Agent(Protocol):
     changed: asyncio.Event
     current: Cancellable | None
     previous_windows: dict[str, rollback.Window]
+    refusals: Refusals | None
     service: Service | None
     background: BackgroundBuilds | None
     link: Link | None

@@ -4,6 +4,7 @@ simulated devices of the benchmark); docs/fleet-rollout.md is the reference.
     {prefix}/fleet/{group}/desired          retained, the controller: what the group serves
     {prefix}/{device}/fleet/desired         retained, the controller: what overrides it on one device
     {prefix}/{device}/fleet/state           retained, the device: version and phase per model
+    {prefix}/{device}/fleet/events          QoS 1, the device: a bundle refused (edged/fleet/refusals.py)
     {prefix}/fleet/{group}/heartbeat/{device}  QoS 0, the device: versions, health, memory, latency
     {prefix}/fleet/{group}/rollout          retained, the controller: the rollout's progress or pause
 
@@ -44,6 +45,10 @@ def device_desired(prefix: str, device: str) -> str:
 
 def device_state(prefix: str, device: str) -> str:
     return f"{prefix}/{device}/fleet/state"
+
+
+def device_events(prefix: str, device: str) -> str:
+    return f"{prefix}/{device}/fleet/events"
 
 
 def heartbeat(prefix: str, group: str, device: str) -> str:

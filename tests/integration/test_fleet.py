@@ -142,23 +142,38 @@ def test_tampered_and_replayed_bundles_are_refused_everywhere_with_nothing_built
     builds = {n: metric(d, 'edged_builds_total{model="m",outcome="ok"}') for n, d in fleet.devices.items()}
     other = make_key(fleet.root, "stranger")
     cases = [
-        (release(fleet.root / "rel", "1.1.0", fleet.key.private, hidden=40, tamper=True), "digest"),
-        (release(fleet.root / "rel", "1.2.0", other.private, hidden=40), "untrusted"),
-        (release(fleet.root / "rel", "0.9.0", fleet.key.private, hidden=40), "not newer than 1.0.0"),
+        (release(fleet.root / "rel", "1.1.0", fleet.key.private, hidden=40, tamper=True), "file_modified"),
+        (release(fleet.root / "rel", "1.2.0", other.private, hidden=40), "untrusted_signer"),
+        (release(fleet.root / "rel", "0.9.0", fleet.key.private, hidden=40), "version_replayed"),
     ]
     topic = protocol.group_desired("edged", GROUP)
-    for rel, why in cases:
-        fleet.peer.client.publish(topic, desired.encode({"m": rel.target()}), qos=1, retain=True)
-        fleet.wait_all(
-            lambda m, v=rel.version: m.get("target") == v and m.get("phase") == "refused", f"{rel.version} refused"
-        )
-        for name in fleet.devices:
-            m = fleet.model(name)
-            assert m["version"] == "1.0.0" and why in m["reason"], (name, m)
+    events = Observer(fleet.central.port, [protocol.device_events("edged", "+")])
+    with events:
+        for rel, code in cases:
+            fleet.peer.client.publish(topic, desired.encode({"m": rel.target()}), qos=1, retain=True)
+            fleet.wait_all(
+                lambda m, v=rel.version: m.get("target") == v and m.get("phase") == "refused", f"{rel.version} refused"
+            )
+            for name in fleet.devices:
+                m = fleet.model(name)
+                assert m["version"] == "1.0.0" and m["reason"].endswith(f"({code})"), (name, m)
+        wait_for(lambda: len(events.received) == 3 * DEVICES, 30, 0.1, "a refusal event per device and bundle")
+    assert sorted({r.json()["code"] for r in events.received}) == [
+        "file_modified",
+        "untrusted_signer",
+        "version_replayed",
+    ]
+    assert "not newer than 1.0.0" in fleet.model("cam-0")["reason"]
     for name, d in fleet.devices.items():
         assert metric(d, 'edged_builds_total{model="m",outcome="ok"}') == builds[name]  # nothing built
+        for _, code in cases:
+            assert metric(d, f'edged_fleet_bundle_refusals_total{{reason="{code}"}}') == 1.0
         np.testing.assert_allclose(fleet.answers(name), reference(fleet.root, 48), rtol=1e-5)
-        assert not list((fleet.root / name / "cache" / "fleet" / "archives").glob("*.bundle"))[1:], "kept a refused one"
+        assert len(list((fleet.root / name / "cache" / "fleet" / "archives").glob("*.bundle"))) == 1  # 1.0.0's
+        with d.client() as c:
+            section = c.status()["fleet"]
+        assert section["bundle_refusals"]["m"]["code"] == "version_replayed", section
+        assert section["models"]["m"]["phase"] == "refused", section
     # A hostile desired-state message is refused with its reason, and changes nothing.
     fleet.peer.client.publish(topic, b'{"models": {"../../etc": {}}}', qos=1, retain=True)
     wait_for(lambda: all("bad_field" in fleet.state(n).get("refused", "") for n in fleet.devices), 30, 0.1, "refusal")
