@@ -59,8 +59,8 @@ class FleetAgent:
         self.verify = verify
         self.book = book
         self.area = Path(cfg.cache.dir) / "fleet"
-        self.device = protocol.topic_part(cfg.mqtt.device_id or socket.gethostname(), "mqtt.device_id")
-        self.prefix = cfg.mqtt.topic_prefix.strip("/")
+        self.device = protocol.check_device(cfg.mqtt.device_id or socket.gethostname())
+        self.prefix = protocol.check_prefix(cfg.mqtt.topic_prefix)
         self.group = fleet.group
         self.max_bundle_bytes = parse_size(fleet.max_bundle_size)  # checked when the config loaded
         self.fingerprint = fingerprint

@@ -35,6 +35,24 @@ def topic_part(value: str, what: str) -> str:
     return value
 
 
+def check_prefix(prefix: str) -> str:
+    """``mqtt.topic_prefix`` without its outer slashes, or ConfigError: every level must be a
+    plain name (no wildcard, no NUL, no leading ``$``, not empty)."""
+    value = prefix.strip("/")
+    for level in value.split("/"):
+        if not level or any(c in level for c in "+#\0") or level.startswith("$"):
+            raise ConfigError(f"mqtt.topic_prefix: {prefix!r} cannot begin a topic")
+    return value
+
+
+def check_device(device: str) -> str:
+    """A device id: a safe topic level, and not ``fleet`` (whose topics are the group's)."""
+    topic_part(device, "mqtt.device_id")
+    if device == "fleet":
+        raise ConfigError("mqtt.device_id: 'fleet' names the group topics, not a device")
+    return device
+
+
 def group_desired(prefix: str, group: str) -> str:
     return f"{prefix}/fleet/{group}/desired"
 

@@ -43,3 +43,16 @@ def test_state_topics_name_their_device_and_nothing_else() -> None:
     assert protocol.device_of_state("edged", "edged/fleet/g/desired") is None
     assert protocol.device_of_state("a/b", "a/b/cam/fleet/state") == "cam"
     assert protocol.device_of_state("edged", "edged/$bad/fleet/state") is None
+
+
+def test_a_prefix_or_device_that_could_reach_other_topics_is_refused() -> None:
+    from edged.errors import ConfigError
+
+    assert protocol.check_prefix("/plant/line1/edged/") == "plant/line1/edged"
+    for bad in ("edged/+", "a//b", "$SYS", "ed#ged", ""):
+        with pytest.raises(ConfigError):
+            protocol.check_prefix(bad)
+    assert protocol.check_device("cam-1") == "cam-1"
+    for bad in ("fleet", "a/b", "+", "x" * 65):
+        with pytest.raises(ConfigError):
+            protocol.check_device(bad)
