@@ -28,6 +28,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 
 from edged.config import Config, ModelConfig, parse_size
+from edged.errors import ConfigError
 from edged.fleet import desired, ledger, protocol, rollback
 from edged.fleet.fingerprint import device_fingerprint
 from edged.fleet.heartbeat import Heartbeat
@@ -62,6 +63,8 @@ class FleetAgent:
         self.device = protocol.check_device(cfg.mqtt.device_id or socket.gethostname())
         self.prefix = protocol.check_prefix(cfg.mqtt.topic_prefix)
         self.group = fleet.group
+        if self.group == "models":  # {prefix}/fleet/models/... are the shared request topics (docs/mqtt.md)
+            raise ConfigError("fleet.group: 'models' names the fleet's request topics, not a group")
         self.max_bundle_bytes = parse_size(fleet.max_bundle_size)  # checked when the config loaded
         self.fingerprint = fingerprint
         self.group_doc: desired.Desired | None = None
