@@ -136,6 +136,7 @@ def device(
             "require_signed": True,
             "watch_s": 0,
             "retry_s": 0.5,
+            "heartbeat_interval_s": 1.0,
             **(fleet or {}),
         },
         "models.m": {"path": str(model), "backend": "onnxruntime"},

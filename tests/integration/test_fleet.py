@@ -130,6 +130,31 @@ def test_a_signed_bundle_rolls_out_in_stages_to_every_device(fleet: Fleet) -> No
         np.testing.assert_allclose(fleet.answers(name), ref, rtol=1e-5)
         assert metric(d, 'edged_model_version_info{model="m",phase="serving",version="1.0.0"}') == 1.0
     assert fleet.state("cam-0")["fingerprint"]["onnxruntime"], fleet.state("cam-0")
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edged",
+            "fleet",
+            "status",
+            "--group",
+            GROUP,
+            "--broker",
+            f"127.0.0.1:{fleet.central.port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert status.returncode == 0 and "group line-1: 6 devices" in status.stdout, status
+    assert "phases: serving 6" in status.stdout and "rollout m 1.0.0: done" in status.stdout, status.stdout
+    with Peer(fleet.central.port) as p:  # heartbeats reach the central broker, one topic per device
+        p.subscribe(protocol.heartbeat("edged", GROUP, "+"), qos=0)
+        beat = p.first(protocol.heartbeat("edged", GROUP, "cam-3"), timeout=10)
+    doc = beat.json()
+    assert doc["d"] == "cam-3" and doc["ok"] == 1 and doc["m"]["m"][:2] == ["1.0.0", "serving"], doc
+    assert len(beat.payload) + len(beat.topic) + 4 <= 1024  # a minute's budget, at one a minute
     with Peer(fleet.central.port) as p:  # the stage overrides are cleared: the group's state says it
         p.subscribe(protocol.device_desired("edged", "+"))
         p.subscribe(protocol.rollout("edged", GROUP))
