@@ -42,7 +42,9 @@ class Window:
 def gate_failure(requested: str, served: str, gate: Mapping[str, Any] | None) -> str | None:
     """Why the built version failed its gate, None when it passed (or had none to pass)."""
     if gate is not None and gate.get("passed") is False:
-        figures = ", ".join(f"{k} {v}" for k, v in gate.items() if isinstance(v, (int, float)) and k != "passed")
+        figures = ", ".join(
+            f"{k} {v:.4g}" for k, v in gate.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        )
         return f"failed its accuracy gate ({figures or 'no figures'}); serving {served} instead of {requested}"
     if requested != served and requested not in ("auto", ""):
         return f"asked for {requested}, the build serves {served}"
