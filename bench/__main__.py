@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "bench.first_request",
         "first request after READY=1 against one after the same idle gap, per stage",
     ),
+    "fleet": ("bench.fleet", "a fleet on two bridged brokers: publish to all serving, heartbeat bytes, 200 simulated"),
     "bundle": ("bench.bundle", "checking a signed model bundle against hashing its bytes once"),
     "overhead": (
         "bench.overhead",
