@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "first request after READY=1 against one after the same idle gap, per stage",
     ),
     "batching": ("bench.batching", "dynamic batching against none: c=1 p50 and throughput, side by side"),
+    "fleet": ("bench.fleet", "a fleet on two bridged brokers: publish to all serving, heartbeat bytes, 200 simulated"),
+    "bundle": ("bench.bundle", "checking a signed model bundle against hashing its bytes once"),
     "overhead": (
         "bench.overhead",
         "where a request's time goes outside the model: edged against its twin, FastAPI and the limits",

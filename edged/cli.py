@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from edged import __version__
 from edged.config import Config, default_config_path, format_size, load
 from edged.errors import ConfigError, EdgedError
+from edged.fleet import commands as fleet_commands
+from edged.fleet.bundle_cli import add_bundle_command
 from edged.paths import DEFAULT_SOCKET, SocketPath, resolve_socket
 from edged.tools.table import print_table
 
@@ -317,6 +319,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     t.add_argument("--once", action="store_true", help="print one frame without colours or redraws, then exit")
     add("selftest", cmd_selftest, "Jetson acceptance test: versions, INT8 build, gate, cold start")
+    fleet_commands.add_parsers(sub)
+    add_bundle_command(sub)
     return p
 
 

@@ -28,6 +28,7 @@ from edged.cache.collect import collect
 from edged.cache.store import EngineCache
 from edged.config import Config, format_size, max_body_bytes, parse_size
 from edged.errors import ConfigError, EdgedError, SocketInUseError
+from edged.fleet.hook import fleet_agent
 from edged.host import malloc, systemd
 from edged.host.memory import MemoryInfo, budget_bytes, probe
 from edged.lifecycle import early_signals
@@ -117,6 +118,7 @@ class Daemon:
         self.loopwatch = LoopWatch(cfg.lifecycle.loop_probe_ms, cfg.lifecycle.loop_stall_ms, self._loop_sample)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._gc_lock = asyncio.Lock()
+        self.fleet: Any = None  # edged.fleet.agent.FleetAgent when [fleet] follow = true
 
     # --- start ---
 
@@ -176,8 +178,9 @@ class Daemon:
         self.metrics.budget.set(budget)
         await asyncio.to_thread(self.cache.prepare)
         runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
+        self.fleet = await fleet_agent(cfg)
         self.registry = Registry(
-            cfg,
+            self.fleet.overlay_config(cfg) if self.fleet is not None else cfg,
             self.cache,
             runner,
             self.metrics,
@@ -214,6 +217,8 @@ class Daemon:
         log.info("ready: %s", self.service.status_line)
         self.reloader = Reloader(self.registry, loop, self._summary, self._set_status, self.background)
         boot.start_later()
+        if self.fleet is not None:
+            await self.fleet.start(self.service, self.background, self.reloader)
         self._spawn(self._watchdog())
         self._spawn(self._collect())
         if cfg.lifecycle.watch_files:
@@ -372,6 +377,8 @@ class Daemon:
         systemd.stopping("draining requests")
         started = time.monotonic()
         self.loopwatch.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
         for task in list(self._tasks):
             task.cancel()
         if self.service is not None:

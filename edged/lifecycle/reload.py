@@ -95,6 +95,8 @@ class Reloader:
         self._lock = asyncio.Lock()
         self._stamps: dict[str, tuple[int, int]] = {}
         self.last_error = ""
+        # Laid over every config read from the file: the fleet agent's bundles (edged/fleet/agent.py).
+        self.overlay: Callable[[Config], Config] | None = None
 
     # --- triggering ---
 
@@ -166,6 +168,8 @@ class Reloader:
         if not path or not await asyncio.to_thread(os.path.exists, path):
             raise EdgedError(f"the config file {path!r} is gone")
         new_cfg = await asyncio.to_thread(load_config, path, reg.cfg.repository_arg)
+        if self.overlay is not None:
+            new_cfg = self.overlay(new_cfg)
         d = diff_configs(reg.cfg, new_cfg)
         if d.restart_needed:
             log.warning("changes to [%s] take effect at the next restart", ", ".join(d.restart_needed))

@@ -67,6 +67,12 @@ class Sampling:
     response_format: tuple[str, str] | None = None
     # Log probabilities: -1 for none, else the chosen token's and this many alternatives' (0-20).
     logprobs: int = -1
+    # OpenAI's penalties on tokens already generated (-2 to 2; 0 is none): presence subtracts
+    # once from a token that has appeared, frequency once per appearance.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias added to its logit, -100 to 100), sorted by id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -180,7 +186,31 @@ def sampling_from(body: Mapping[str, Any], llm: LlmConfig) -> Sampling:
         max_tokens_explicit=raw_max is not None,
         response_format=response_format_from(body.get("response_format")),
         logprobs=logprobs_from(body),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=logit_bias_from(body.get("logit_bias")),
     )
+
+
+MAX_LOGIT_BIAS = 1024  # entries: each is applied to every draw, so their number bounds its cost
+
+
+def logit_bias_from(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) to a bias in
+    [-100, 100]. Whether an id exists is the backend's to say: only it knows the vocabulary."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidInputError(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids to biases")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        text = str(key)
+        if not (text.isascii() and text.isdigit() and len(text) <= 9):
+            raise InvalidInputError(f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise InvalidInputError(f"'logit_bias' of token {text} must be a number in [-100, 100], got {bias!r}")
+        out[int(text)] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 MAX_SCHEMA_BYTES = 32 << 10  # a JSON schema becomes a grammar: its size bounds the grammar's

@@ -69,6 +69,8 @@ class Service:
         self.status_line = "starting"
         # Set by the daemon: '' when every boot model serves (or is degraded on purpose), else why not.
         self.unready: Callable[[], str] = lambda: ""
+        # More sections of the status document, set by the daemon's parts (the fleet agent's "fleet").
+        self.sections: dict[str, Callable[[], Any]] = {}
         self._plans: dict[str, ModelPlan] = {}
         self._versions: tuple[Config, Versions] | None = None
         # Triton's statistics extension: one record per configured model (edged/serving/stats.py).
@@ -376,6 +378,7 @@ class Service:
                 )
                 for name, rt in reg.models.items()
             },
+            **{key: section() for key, section in self.sections.items()},
         }
 
 

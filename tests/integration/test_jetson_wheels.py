@@ -45,10 +45,11 @@ TARGET: dict[str, str] = {
 
 
 def requirements() -> list[str]:
-    """Runtime dependencies and the Jetson extras, with markers evaluated for the Jetson."""
+    """Runtime dependencies, the Jetson extras and the fleet's (signed bundles on every device),
+    with markers evaluated for the Jetson."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    reqs = [Requirement(r) for r in [*project["dependencies"], *extras["jetson"], *extras["nvml"]]]
+    reqs = [Requirement(r) for r in [*project["dependencies"], *extras["jetson"], *extras["nvml"], *extras["fleet"]]]
     wanted = [r for r in reqs if r.name not in BUILT_ON_DEVICE and (r.marker is None or r.marker.evaluate(TARGET))]
     return sorted({f"{r.name}{r.specifier}" for r in wanted})
 

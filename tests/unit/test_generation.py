@@ -6,7 +6,7 @@ import pytest
 
 from edged.config import LlmConfig, ModelConfig
 from edged.errors import InvalidInputError
-from edged.llm.generation import StopMatcher, is_language_model, make_job, messages_from, sampling_from
+from edged.llm.generation import MAX_LOGIT_BIAS, StopMatcher, is_language_model, make_job, messages_from, sampling_from
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
@@ -43,6 +43,26 @@ def test_sampling_defaults_and_bounds() -> None:
             sampling_from(bad, llm)
     with pytest.raises(InvalidInputError, match="n = 1"):
         sampling_from({"n": 2}, llm)
+
+
+def test_logit_bias_and_penalties_are_read_and_bounded() -> None:
+    llm = LlmConfig()
+    s = sampling_from({"logit_bias": {"7": -100, "3": 2.5}, "presence_penalty": -1, "frequency_penalty": 0.5}, llm)
+    assert (s.logit_bias, s.presence_penalty, s.frequency_penalty) == (((3, 2.5), (7, -100.0)), -1.0, 0.5)
+    assert sampling_from({}, llm).logit_bias == ()
+    too_many = {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}
+    for bad in (
+        {"logit_bias": too_many},
+        {"logit_bias": {"-1": 1}},
+        {"logit_bias": {"1e3": 1}},
+        {"logit_bias": {"٣": 1}},  # a digit, but not an ASCII one
+        {"logit_bias": {"1": True}},
+        {"logit_bias": {"1": -100.5}},
+        {"presence_penalty": -2.01},
+        {"frequency_penalty": True},
+    ):
+        with pytest.raises(InvalidInputError):
+            sampling_from(bad, llm)
 
 
 def test_messages_are_checked() -> None:

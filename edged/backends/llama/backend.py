@@ -304,5 +304,11 @@ class LlamaSlot(Instance):
         grammar = grammar_of(s.response_format)
         seed = s.seed if s.seed is not None else random.randrange(2**32)
         constrain = grammar_sampler(self.engine.vocab, grammar)
-        seq = Sequence(job, tokens, sampler_chain(s, seed), constrain)
+        try:
+            chain = sampler_chain(s, seed, self.engine.n_vocab, job.context)
+        except BaseException:
+            if constrain is not None:
+                llama_cpp.llama_sampler_free(constrain)
+            raise
+        seq = Sequence(job, tokens, chain, constrain)
         self.engine.run(seq, lambda: self.owner.closing)

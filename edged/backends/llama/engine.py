@@ -32,7 +32,7 @@ from llama_cpp._internals import LlamaContext, LlamaModel
 
 from edged.backends.llama.gguf import cells_of, step_tokens
 from edged.backends.llama.keeper import PrefixKeeper
-from edged.backends.llama.sequence import Candidates, Sequence, logprob_entry
+from edged.backends.llama.sequence import Candidates, Sequence, logprob_entry, penalised
 from edged.config import LlmConfig
 from edged.errors import BackendError, DeadlineExceededError, EdgedError
 
@@ -219,13 +219,28 @@ class BatchEngine:
         for seq, idx in outputs:
             self._sample(seq, idx)
 
-    def _sample(self, seq: Sequence, idx: int) -> None:
-        job = seq.job
-        token = int(llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, idx))
-        if seq.grammar is not None:
+    def _draw_free(self, seq: Sequence, idx: int) -> int:
+        return int(llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, idx))  # accepts what it draws
+
+    def _draw(self, seq: Sequence, idx: int) -> int:
+        """A draw the response format's grammar allows; asked after the draw, and the whole
+        vocabulary filtered only when it refuses."""
+        if not penalised(seq.job.sampling):
+            token = self._draw_free(seq, idx)
             if not self._candidates.allows(seq.grammar, token):
                 token = self._candidates.redraw(seq.grammar, seq.sampler, self._logits(idx))
-            llama_cpp.llama_sampler_accept(seq.grammar, token)
+        else:  # a refused draw must not enter the penalties' history: accept only the kept one
+            logits = self._logits(idx)
+            token = self._candidates.draw(seq.sampler, logits)
+            if not self._candidates.allows(seq.grammar, token):
+                token = self._candidates.redraw(seq.grammar, seq.sampler, logits)
+            llama_cpp.llama_sampler_accept(seq.sampler, token)
+        llama_cpp.llama_sampler_accept(seq.grammar, token)
+        return token
+
+    def _sample(self, seq: Sequence, idx: int) -> None:
+        job = seq.job
+        token = self._draw(seq, idx) if seq.grammar is not None else self._draw_free(seq, idx)
         if job.first_token_s is None:
             job.first_token_s = time.monotonic() - seq.started
         if llama_cpp.llama_vocab_is_eog(self.vocab, token):

@@ -68,9 +68,28 @@ class TextOut:
             self.job.emit(piece)
 
 
-def sampler_chain(sampling: Sampling, seed: int) -> Any:
-    """A request's own chain: top-p, temperature and a seeded draw; greedy at temperature 0."""
+def sampler_chain(sampling: Sampling, seed: int, n_vocab: int, context: int) -> Any:
+    """A request's own chain, in llama-server's order: logit bias, penalties, then top-p,
+    temperature and a seeded draw; greedy at temperature 0."""
+    for token, _ in sampling.logit_bias:
+        if token >= n_vocab:
+            raise InvalidInputError(f"'logit_bias' names token {token}; this model's vocabulary has {n_vocab}")
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if sampling.logit_bias:
+        entries = [llama_cpp.llama_logit_bias(token, bias) for token, bias in sampling.logit_bias]
+        biases = (llama_cpp.llama_logit_bias * len(entries))(*entries)
+        # llama.cpp copies the array: it need not outlive this call.
+        llama_cpp.llama_sampler_chain_add(
+            chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(sampling.logit_bias), biases)
+        )
+    if penalised(sampling):
+        # Over the whole context: OpenAI's penalties count every token generated so far.
+        llama_cpp.llama_sampler_chain_add(
+            chain,
+            llama_cpp.llama_sampler_init_penalties(
+                n_vocab, context, 1.0, sampling.frequency_penalty, sampling.presence_penalty
+            ),
+        )
     if sampling.temperature <= 0.0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
     else:
@@ -79,6 +98,11 @@ def sampler_chain(sampling: Sampling, seed: int) -> Any:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(sampling.temperature))
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+def penalised(sampling: Sampling) -> bool:
+    """Whether the chain keeps a history of drawn tokens (so only kept tokens may be accepted)."""
+    return sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
 
 
 def grammar_sampler(vocab: Any, grammar: str) -> Any:
@@ -117,12 +141,21 @@ class Candidates:
         llama_cpp.llama_sampler_apply(grammar, ctypes.byref(self.single))
         return bool(np.isfinite(self.one["logit"][0]))
 
-    def redraw(self, grammar: Any, chain: Any, logits: np.ndarray) -> int:
-        """A token drawn by ``chain`` from what ``grammar`` allows of ``logits``."""
+    def draw(self, chain: Any, logits: np.ndarray) -> int:
+        """A token drawn by ``chain`` from ``logits``, not yet accepted into its history."""
+        self._fill(logits)
+        llama_cpp.llama_sampler_apply(chain, ctypes.byref(self.array))
+        return int(self.data["id"][self.array.selected])
+
+    def _fill(self, logits: np.ndarray) -> None:
         self.data["id"] = self.ids
         self.data["logit"] = logits
         self.data["p"] = 0.0
         self.array.size, self.array.selected, self.array.sorted = len(self.ids), -1, False
+
+    def redraw(self, grammar: Any, chain: Any, logits: np.ndarray) -> int:
+        """A token drawn by ``chain`` from what ``grammar`` allows of ``logits``."""
+        self._fill(logits)
         llama_cpp.llama_sampler_apply(grammar, ctypes.byref(self.array))
         llama_cpp.llama_sampler_apply(chain, ctypes.byref(self.array))
         return int(self.data["id"][self.array.selected])
