@@ -19,6 +19,9 @@ import msgspec
 log = logging.getLogger(__name__)
 
 MAX_BLOCKED = 16  # per model: the oldest blocked keys are forgotten first
+# Records in all: a desired state names at most max_models, but successive messages may name
+# new models each time; the records of models that never served are forgotten first, oldest first.
+MAX_RECORDS = 256
 
 
 class Installed(msgspec.Struct):
@@ -54,6 +57,10 @@ class Ledger(msgspec.Struct):
     models: dict[str, ModelRecord] = msgspec.field(default_factory=dict)
 
     def record(self, name: str) -> ModelRecord:
+        if name not in self.models and len(self.models) >= MAX_RECORDS:
+            idle = [(r.changed, n) for n, r in self.models.items() if r.current is None]
+            if idle:
+                del self.models[min(idle)[1]]
         return self.models.setdefault(name, ModelRecord())
 
 

@@ -25,3 +25,13 @@ def test_the_ledger_round_trips_and_an_unreadable_one_is_set_aside(tmp_path: Pat
     assert ledger.load(path) == ledger.Ledger()
     assert path.with_suffix(".unreadable").exists() and not path.exists()
     assert ledger.load(path) == ledger.Ledger()  # none yet: an empty ledger
+
+
+def test_records_of_models_that_never_served_are_bounded() -> None:
+    book = ledger.Ledger()
+    served = book.record("served")
+    served.current = ledger.Installed(version="1", sha256="0" * 64, bundle="/b", model={})
+    for i in range(ledger.MAX_RECORDS + 50):
+        book.record(f"m{i}").changed = float(i)
+    assert len(book.models) == ledger.MAX_RECORDS
+    assert "served" in book.models and f"m{ledger.MAX_RECORDS + 49}" in book.models and "m0" not in book.models
