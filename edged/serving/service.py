@@ -87,7 +87,7 @@ class Service:
     def model(self, name: str) -> ModelRuntime:
         rt = self.registry.models.get(name)
         if rt is None:
-            raise ModelNotFoundError(f"unknown model '{name}'")
+            raise ModelNotFoundError.named(name)
         return rt
 
     def versions(self) -> Versions:
@@ -210,7 +210,7 @@ class Service:
         stats = self.stats.counted(name)
         if rt is None:
             self.metrics.reject(name, transport, ModelNotFoundError.code, known=False)
-            raise ModelNotFoundError(f"unknown model '{name}'")
+            raise ModelNotFoundError.named(name)
         try:
             queue = self._serving_queue(rt)
             if queue is None:
