@@ -82,7 +82,7 @@ class Service:
         return self.ready.is_set() and not self.stopping and not self.unready()
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "edged", "version": __version__, "extensions": EXTENSIONS}
+        return {"name": self.registry.cfg.server.metadata_name, "version": __version__, "extensions": EXTENSIONS}
 
     def model(self, name: str) -> ModelRuntime:
         rt = self.registry.models.get(name)

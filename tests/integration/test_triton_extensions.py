@@ -305,3 +305,11 @@ def test_mqtt_requests_are_counted_like_socket_ones(module_broker: Broker, tmp_p
         assert st["compute_input"]["ns"] > 0 and st["compute_output"]["ns"] > 0
     finally:
         assert d.stop() == 0
+
+
+def test_server_metadata_names_what_the_config_says(triton: Callable[..., Started]) -> None:
+    # Triton's health-and-metadata examples exit 1 unless the server calls itself "triton".
+    _, client, _ = triton(metadata_name="triton")
+    meta = client.get_server_metadata()
+    assert meta["name"] == "triton"
+    assert "system_shared_memory" in meta["extensions"]
