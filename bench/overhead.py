@@ -193,9 +193,9 @@ def servers_for(
         # Configured as the first edged lane is (edged-worker's base runs on its worker too,
         # edged-auto's leaves the threads to the daemon too).
         like = next((s for s in servers if isinstance(s, EdgedServer)), None)
-        servers.append(
-            BaseEdged(work, one, base, like.server_options, like.options) if like else BaseEdged(work, one, base)
-        )
+        based = BaseEdged(work, one, base, like.server_options, like.options) if like else BaseEdged(work, one, base)
+        based.shm = like.shm if like else based.shm  # its frames through the same kind of region
+        servers.append(based)
     return servers
 
 
