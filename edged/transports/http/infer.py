@@ -231,10 +231,23 @@ def _header_length(headers: BodyHeaders) -> int | None:
     return header_len
 
 
+# A model's binary answers have the same header length, so the same response headers: made once.
+_binary_headers: dict[int, Headers] = {}
+_BINARY_HEADERS_KEPT = 256
+
+
 def _answer(body: Body, header_len: int | None) -> Answer:
     if header_len is None:
         return 200, body, JSON_HEADERS
-    return 200, body, [(b"content-type", _BINARY), (b"inference-header-content-length", str(header_len).encode())]
+    headers = _binary_headers.get(header_len)
+    if headers is None:
+        if len(_binary_headers) >= _BINARY_HEADERS_KEPT:
+            _binary_headers.clear()
+        headers = _binary_headers[header_len] = [
+            (b"content-type", _BINARY),
+            (b"inference-header-content-length", str(header_len).encode()),
+        ]
+    return 200, body, headers
 
 
 async def _fill(req: InferRequest, shm: _LazyShm) -> None:
