@@ -3,9 +3,7 @@ compressed requests and answers, system shared memory, and an unloaded model."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import tritonclient.http as tritonhttp
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from tests.bridge import Bridge
 from tests.helpers import DaemonProcess, write_config
 
 pytestmark = pytest.mark.integration
@@ -93,50 +92,6 @@ def test_compressed_infer(
     got = result.as_numpy("probs")
     assert got is not None and got.shape == (512, 4)
     np.testing.assert_allclose(got, reference(model_dir / "tiny.onnx", x), rtol=1e-5, atol=1e-6)
-
-
-class Bridge:
-    """A TCP port forwarded to the daemon's Unix socket by this process, as `socat
-    TCP-LISTEN:PORT,fork UNIX-CONNECT:SOCKET` does: tritonclient.http speaks only host:port, and
-    shared memory needs a peer with a user id and a process (SO_PEERCRED), which TCP has not."""
-
-    def __init__(self, unix_path: Path) -> None:
-        self.unix_path = unix_path
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.server.getsockname()[1])
-        self.sockets: list[socket.socket] = [self.server]
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                tcp, _ = self.server.accept()
-            except OSError:
-                return  # closed
-            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            unix.connect(str(self.unix_path))
-            self.sockets += [tcp, unix]
-            for src, dst in ((tcp, unix), (unix, tcp)):
-                t = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
-                t.start()
-                self.threads.append(t)
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        for s in self.sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        for t in self.threads:
-            t.join(10)
 
 
 def test_system_shared_memory(served: tuple[DaemonProcess, int], model_dir: Path) -> None:
