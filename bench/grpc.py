@@ -143,14 +143,17 @@ class Lanes:
     def add_tiny(self, floor: FloorServer) -> None:
         self.targets |= {"floor_uds": f"unix:{floor.addr}", "floor_tcp": f"127.0.0.1:{floor.port}"}
         for lane in ("floor_uds", "edged_uds", "floor_tcp", "edged_tcp"):
-            stub, req = self.stub(self.targets[lane]), self.request
-            self.calls[f"tiny/stub/{lane}"] = lambda stub=stub, req=req: stub.ModelInfer(req, timeout=30)
+            self.calls[f"tiny/stub/{lane}"] = self.stub_call(self.targets[lane])
         for lane in ("floor_uds", "edged_uds"):
             self.calls[f"tiny/tritonclient/{lane}"] = self.tritonclient_call(self.targets[lane])
         sock = connect(self.edged.addr)
         self.closers.append(sock.close)
         http = self.edged.request(self.specs["tiny"], self.x)
         self.calls["tiny/http/edged_uds"] = lambda: roundtrip(sock, http)
+
+    def stub_call(self, target: str) -> Call:
+        stub, req = self.stub(target), self.request
+        return lambda: stub.ModelInfer(req, timeout=30)
 
     def tritonclient_call(self, target: str) -> Call:
         import tritonclient.grpc as tc
