@@ -17,6 +17,9 @@ class EdgedError(Exception):
 
     code: ClassVar[str] = "internal"
     http_status: ClassVar[int] = 500
+    # The gRPC status name (grpc.StatusCode's member) where the HTTP status does not decide it
+    # (GRPC_BY_HTTP below); '' for the usual one.
+    grpc_status: ClassVar[str] = ""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -172,6 +175,21 @@ class CudaSharedMemoryNotSupportedError(EdgedError):
 
     code = "cuda_shm_not_supported"
     http_status = 400
+    grpc_status = "UNIMPLEMENTED"
+
+
+class StreamLimitError(EdgedError):
+    """gRPC only: a ModelStreamInfer stream past server.grpc_stream_requests requests (open a new one)."""
+
+    code = "stream_limit"
+    http_status = 429
+
+
+class StreamStalledError(EdgedError):
+    """gRPC only: the peer took no response of its stream within server.grpc_write_timeout_s."""
+
+    code = "stream_stalled"
+    http_status = 504
 
 
 # --- availability (retry later) ---------------------------------------------------------------
@@ -258,12 +276,40 @@ class BudgetError(EdgedError):
 # in the service, which both transports call.
 
 
+# gRPC's status for each HTTP status edged answers, as Triton's gRPC endpoint reports the same
+# faults: a request the client can fix is INVALID_ARGUMENT, a body over a limit is
+# RESOURCE_EXHAUSTED (what grpcio itself answers for a message over its maximum).
+GRPC_BY_HTTP = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    413: "RESOURCE_EXHAUSTED",
+    415: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+    507: "RESOURCE_EXHAUSTED",
+}
+
+
+def grpc_status_of(cls: type[EdgedError]) -> str:
+    """The gRPC status name of an error class (a member of grpc.StatusCode)."""
+    return cls.grpc_status or GRPC_BY_HTTP.get(cls.http_status, "UNKNOWN")
+
+
 @dataclass(frozen=True)
 class WireCode:
     code: str
     http_status: int
     meaning: str  # the first line of the class's docstring, or its name
     cls: type[EdgedError]
+
+    @property
+    def grpc_status(self) -> str:
+        return grpc_status_of(self.cls)
 
 
 def wire_codes() -> dict[str, WireCode]:

@@ -117,6 +117,9 @@ def _with_paths(cfg: Config, base: Path, source: str) -> Config:
         server=msgspec.structs.replace(
             cfg.server,
             socket=_resolve(base, cfg.server.socket),
+            grpc_socket=cfg.server.grpc_socket
+            if cfg.server.grpc_socket in ("", "none")
+            else _resolve(base, cfg.server.grpc_socket),
             tcp_token_file=_resolve(base, cfg.server.tcp_token_file),
             model_repository=_resolve(base, cfg.server.model_repository),
         ),

@@ -64,6 +64,17 @@ class ServerConfig(Table, frozen=True):
     tcp: list[str] = msgspec.field(default_factory=list)
     tcp_token_file: str = ""
     metrics: str = ""
+    # KServe v2 gRPC (Triton's GRPCInferenceService): on a Unix socket beside the HTTP one (""
+    # = the HTTP socket's path with ".grpc" appended, same mode and group; "none" = no gRPC
+    # socket) and on TCP addresses (the bearer token of tcp_token_file as for HTTP).
+    grpc_socket: str = ""
+    grpc_tcp: list[str] = msgspec.field(default_factory=list)
+    # RPCs in progress at once, over every gRPC connection (beyond: RESOURCE_EXHAUSTED).
+    grpc_max_streams: PositiveInt = 256
+    # Requests one ModelStreamInfer stream may carry; the client opens a new stream after.
+    grpc_stream_requests: PositiveInt = 100_000
+    # A stream's response that the peer does not take within this long cancels the stream.
+    grpc_write_timeout_s: PositiveFloat = 10.0
     # A Triton model repository served as it is (config.pbtxt, version folders); its models join
     # [models.*]. "" = none.
     model_repository: str = ""

@@ -34,6 +34,7 @@ from edged.host.memory import MemoryInfo, budget_bytes, probe
 from edged.lifecycle import early_signals
 from edged.lifecycle.boot import Boot
 from edged.lifecycle.faults import wedge_switch_from_env
+from edged.lifecycle.grpc_serving import GrpcListeners
 from edged.lifecycle.loopwatch import LoopWatch
 from edged.lifecycle.path_warmup import warm_request_path
 from edged.lifecycle.readiness import summary, unready
@@ -108,6 +109,7 @@ class Daemon:
         self.service: Service | None = None
         self.registry: Registry | None = None
         self.shm = SharedMemoryRegistry(ShmLimits.from_config(cfg.server))
+        self.grpc = GrpcListeners()
         self.fd_socket: FdSocket | None = None
         self._api_sockets: list[str] = []
         self.memory: MemoryInfo | None = None
@@ -188,7 +190,8 @@ class Daemon:
             self._on_state,
             wrap_instance=self._wedge.wrap if self._wedge else None,
         )
-        self.metrics.watch(self._queue_depths, ("http", "mqtt") if cfg.mqtt.enabled else ("http",))
+        grpc = ("grpc",) if cfg.server.grpc_socket != "none" or cfg.server.grpc_tcp else ()
+        self.metrics.watch(self._queue_depths, ("http", *grpc, *(("mqtt",) if cfg.mqtt.enabled else ())))
         self.background = BackgroundBuilds(self.registry, loop, self._refresh_status, self._after_swap)
         self.service = Service(self.registry, self.metrics, loop, self.memory, plan([], budget))
         self.service.unready = self._unready
@@ -298,6 +301,8 @@ class Daemon:
             self.fd_socket = FdSocket(memfd.sock, self.shm, s.max_connections, memfd.owned_path)
             self.fd_socket.start(asyncio.get_running_loop())
         self.server = await listener.start(app, self.cfg, [x for x in listeners if not x.memfd])
+        assert self.service is not None
+        await self.grpc.start(self.cfg, self.service, self.shm, app.admin_gid, bind_socket)
         # Unix sockets of the API, for the warm-up of the connection path (path_warmup.py).
         self._api_sockets = [
             str(x.sock.getsockname())
@@ -385,6 +390,7 @@ class Daemon:
             self.service.stopping = True
         if self.server is not None:
             self.app.accepting = False
+        self.grpc.stop_accepting()
         if self.fd_socket is not None:  # no new regions while draining
             self.fd_socket.close()
             self.fd_socket = None
@@ -399,6 +405,7 @@ class Daemon:
                 config.timeout_graceful_shutdown = self.cfg.lifecycle.drain_timeout_s
             self.server.should_exit = True
             await self.server.shutdown()
+        await self.grpc.stop(self.cfg.lifecycle.drain_timeout_s)
         if self.mqtt is not None:
             await self.mqtt.stop()
         if self.registry is not None:

@@ -1,4 +1,5 @@
-"""Who is on the other end of a Unix socket connection: SO_PEERCRED, a pidfd, group membership.
+"""Who is on the other end of a connection: SO_PEERCRED, a pidfd, group membership on a Unix
+socket; a TCP listener's address, whether it is loopback, and the bearer token that guards it.
 
 The credentials are the ones the kernel recorded at connect() time; nothing the client sends can
 change them. The pidfd pins the peer process itself (a pid alone can be reused after the process
@@ -10,12 +11,20 @@ from __future__ import annotations
 import contextlib
 import grp
 import hmac
+import ipaddress
+import logging
 import os
 import pwd
 import socket
+import stat
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from edged.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+; older kernels answer ENOPROTOOPT
 _CRED = struct.Struct("3i")
@@ -96,3 +105,36 @@ def in_group(peer: Peer, gid: int) -> bool:
     except KeyError:
         return False
     return user.pw_gid == gid or user.pw_name in group.gr_mem
+
+
+# --- listener addresses and their token (HTTP's and gRPC's TCP listeners) ---
+
+
+def parse_address(text: str, key: str) -> tuple[str, int]:
+    """ "127.0.0.1:8000", "[::1]:8000", "localhost:8000" -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        raise ConfigError(f"server.{key}: expected host:port such as '127.0.0.1:8000', got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name that resolves elsewhere: treat as exposed
+
+
+def read_token(path: str) -> bytes:
+    try:
+        st = os.stat(path)
+        token = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"server.tcp_token_file: cannot read {path}: {e.strerror}") from None
+    if len(token) < 16:
+        raise ConfigError(f"server.tcp_token_file: {path} must hold a token of at least 16 characters")
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("server.tcp_token_file %s is readable by others than its owner; chmod 600 it", path)
+    return token

@@ -479,6 +479,46 @@ def _finish(parsed: ParsedBody, plan: _RequestPlan, req: InferRequest, shm: ShmR
     return req
 
 
+def decode_document(
+    doc: Mapping[str, Any], parts: Sequence[bytes], shm: ShmResolver | None, limits: Limits = DEFAULT_LIMITS
+) -> InferRequest:
+    """A request whose document is parsed already (gRPC's ModelInferRequest, edged/wire/kserve.py)
+    and whose binary inputs each come in a buffer of their own (raw_input_contents), in the order
+    of the inputs that declare ``binary_data_size``: the same plan, rules and errors as a body."""
+    plan = plan_document(doc, limits)
+    req = InferRequest(plan.id, {}, None, plan.binary_all, dict(plan.parameters))
+    used = 0
+    for p in plan.inputs:
+        if p.kind == "json":
+            req.inputs[p.name] = _typed(p)
+            continue
+        buf = memoryview(b"")
+        if p.kind == "binary":
+            if used == len(parts):
+                raise BadRequestError(f"input '{p.name}': no raw contents are left for it")
+            buf, used = memoryview(parts[used]), used + 1
+        arr, _ = _materialize(p, buf, 0, shm, req)
+        if arr is not None:
+            req.inputs[p.name] = arr
+    if used != len(parts):
+        raise BadRequestError(f"{len(parts) - used} raw input contents belong to no input")
+    return _finish(ParsedBody(plan, None, memoryview(b""), {}), plan, req, shm)
+
+
+def _typed(p: _InputPlan) -> np.ndarray:
+    """An input given as values: an array of them already (gRPC's typed contents), or JSON data."""
+    where = f"input '{p.name}'"
+    if not isinstance(p.data, np.ndarray):
+        return from_json_data(p.data, p.dtype, p.shape, where)
+    count = math.prod(p.shape)
+    if p.data.size != count:
+        raise BadRequestError(f"{where}: shape {list(p.shape)} needs {count} values, the contents have {p.data.size}")
+    try:
+        return p.data.astype(p.dtype, copy=False).reshape(p.shape)
+    except (ValueError, OverflowError) as e:
+        raise BadRequestError(f"{where}: the contents do not hold {v2_datatype(p.dtype.name)} values: {e}") from None
+
+
 def decode_infer(
     body: bytes | memoryview,
     header_length: int | None = None,

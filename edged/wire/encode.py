@@ -68,7 +68,7 @@ def _json_values(flat: np.ndarray) -> list[Part]:
     return parts
 
 
-def _to_shm(out: OutputRequest, arr: np.ndarray, shm: OutputResolver) -> dict[str, Any]:
+def to_shm(out: OutputRequest, arr: np.ndarray, shm: OutputResolver) -> dict[str, Any]:
     """A BYTES output goes in its serialised form: the size reported is what was written."""
     assert out.shm_region is not None
     # A fixed-size output's bytes are made only to be copied (none when the worker wrote them).
@@ -147,7 +147,7 @@ def _encode_small(
         arr = _output(model, out, results)
         entry: dict[str, Any] = {"name": out.name, "datatype": datatype_of(arr.dtype), "shape": list(arr.shape)}
         if out.shm_region is not None and shm is not None:
-            entry["parameters"] = _to_shm(out, arr, shm)
+            entry["parameters"] = to_shm(out, arr, shm)
         elif out.binary:
             chunks.append(tensor_bytes_copy(arr))
             entry["parameters"] = {"binary_data_size": len(chunks[-1])}
@@ -199,7 +199,7 @@ def encode_infer_parts(
         entry: dict[str, Any] = {"name": out.name, "datatype": datatype_of(arr.dtype), "shape": list(arr.shape)}
         values: list[Part] = []
         if out.shm_region is not None and shm is not None:
-            entry["parameters"] = _to_shm(out, arr, shm)
+            entry["parameters"] = to_shm(out, arr, shm)
         elif out.binary:
             raw = memoryview(tensor_bytes(arr))
             chunks.append(raw)
@@ -321,7 +321,7 @@ def _resolved_on_the_loop(
     for out in wanted:
         assert out.shm_region is not None
         arr = _output(model, out, results)
-        _check_fits(out, arr.nbytes)  # as _to_shm checks it, before the region is touched
+        _check_fits(out, arr.nbytes)  # as to_shm checks it, before the region is touched
         bufs.append(shm(out.shm_region, out.shm_offset, arr.nbytes))
     taken = iter(bufs)
     return lambda region, offset, size: next(taken)

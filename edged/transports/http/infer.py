@@ -22,11 +22,11 @@ from edged.errors import EdgedError, ShuttingDownError
 from edged.serving.registry import ModelRuntime
 from edged.serving.service import Service, decode_now
 from edged.transports.http.body import BodyBudget, BodyHeaders, body_headers, read_body
-from edged.transports.peer import PEER_KEY, Peer
-from edged.transports.shm.copies import ShmRequest
+from edged.transports.peer import PEER_KEY
+from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.transports.shm.worker_reads import WorkerReads
-from edged.wire.decode import InferRequest, Part, parse_header_length, resolve_pending_async
+from edged.wire.decode import InferRequest, Part, parse_header_length
 from edged.wire.encode import OFFLOAD_BYTES, encode_large_async, encode_now
 
 Scope = dict[str, Any]
@@ -68,7 +68,7 @@ class InferRoute:
 
     async def __call__(self, name: str, scope: Scope, receive: Receive) -> Answer:
         svc = self.service
-        shm = _LazyShm(self.regions, scope.get(PEER_KEY))
+        shm = LazyShm(self.regions, scope.get(PEER_KEY))
         try:
             try:
                 if not (self.accepting or scope.get(ADMITTED)):
@@ -92,7 +92,7 @@ class InferRoute:
                 # A frame for an idle worker is copied by that worker, right before its run.
                 late = None if req.pending or shm.held is None or not _idle(rt) else shm.held.read_on_worker()
                 if shm.held is not None or req.pending:
-                    await _fill(req, shm)
+                    await fill_inputs(req, shm)
             except EdgedError as e:  # never reached the model: counted here (the service counts the rest)
                 svc.metrics.reject(name, "http", e.code, known=name in svc.registry.models)
                 raise
@@ -109,7 +109,7 @@ class InferRoute:
         self,
         name: str,
         req: InferRequest,
-        shm: _LazyShm,
+        shm: LazyShm,
         received: int,
         tried_now: bool,
         source: WorkerReads | None = None,
@@ -151,7 +151,7 @@ class InferRoute:
         if headers.encodings:
             return None
         received = time.perf_counter_ns()
-        shm = _LazyShm(self.regions, scope.get(PEER_KEY))
+        shm = LazyShm(self.regions, scope.get(PEER_KEY))
         try:
             try:
                 plan = svc.plan_for(rt)
@@ -168,7 +168,7 @@ class InferRoute:
         finally:
             shm.release()  # it holds nothing here: the rest of an answer never needs it
 
-    def _encode(self, name: str, req: InferRequest, outputs: Tensors, shm: _LazyShm, received: int) -> Answer | Rest:
+    def _encode(self, name: str, req: InferRequest, outputs: Tensors, shm: LazyShm, received: int) -> Answer | Rest:
         """The answer, at once when it is small and nothing is to be written to shared memory;
         else the rest of its encoding, to call and await (it releases ``shm``: the caller's
         release is then a no-op)."""
@@ -189,7 +189,7 @@ class InferRoute:
         name: str,
         req: InferRequest,
         outputs: Tensors,
-        shm: _LazyShm,
+        shm: LazyShm,
         received: int,
         ran: int,
         encoded: tuple[Body, int | None] | None,
@@ -250,15 +250,8 @@ def _answer(body: Body, header_len: int | None) -> Answer:
     return 200, body, headers
 
 
-async def _fill(req: InferRequest, shm: _LazyShm) -> None:
-    if shm.held is not None and shm.held.reads:
-        await shm.held.fill()  # inputs are copied out of client memory before the model sees them
-    if req.pending:  # BYTES inputs are read once their bytes are copied (or, mapped, at once)
-        await resolve_pending_async(req)
-
-
 async def _encode_large(
-    served: tuple[str, str], req: InferRequest, outputs: Tensors, shm: _LazyShm
+    served: tuple[str, str], req: InferRequest, outputs: Tensors, shm: LazyShm
 ) -> tuple[Body, int | None]:
     early = None if shm.held is None else shm.held.early
     written = early is not None and early.complete
@@ -266,39 +259,3 @@ async def _encode_large(
     parts, header_len = await encode_large_async(model, req, outputs, shm.output, written, version)
     first = parts[0]
     return (first if len(parts) == 1 and isinstance(first, bytes) else parts), header_len
-
-
-class _LazyShm:
-    """The request's ShmRequest, made only when the request names a region (few do)."""
-
-    __slots__ = ("held", "peer", "regions")
-    held: ShmRequest | None
-
-    def __init__(self, regions: SharedMemoryRegistry, peer: Peer | None) -> None:
-        self.regions, self.peer, self.held = regions, peer, None
-
-    def request(self) -> ShmRequest:
-        if self.held is None:
-            self.held = ShmRequest(self.regions.region_for(self.peer), self.peer)
-        return self.held
-
-    def input(self, name: str, offset: int, size: int) -> memoryview:
-        return self.request().input(name, offset, size)
-
-    def output(self, name: str, offset: int, size: int) -> memoryview | None:
-        return self.request().output(name, offset, size)
-
-    def written_ns(self) -> int:
-        """How long the model's worker took writing outputs into shared memory (EarlyWrites)."""
-        early = None if self.held is None else self.held.early
-        return 0 if early is None else early.written_ns
-
-    def take(self) -> _LazyShm:
-        """A holder of this request's ShmRequest, for the rest of the answer; this one then holds none."""
-        taken = _LazyShm(self.regions, self.peer)
-        taken.held, self.held = self.held, None
-        return taken
-
-    def release(self) -> None:
-        if self.held is not None:
-            self.held.release()

@@ -16,14 +16,11 @@ slots (slots.py); each connection gets the bounds of connection.py.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import socket
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -34,7 +31,8 @@ from edged.host import systemd
 from edged.paths import fd_socket_for
 from edged.transports.http.connection import EdgedProtocol, check_uvicorn
 from edged.transports.http.slots import ConnectionLimits, ConnectionSlots
-from edged.transports.peer import ListenerAccess
+from edged.transports.peer import ListenerAccess, parse_address, read_token
+from edged.transports.peer import is_loopback as is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -50,36 +48,6 @@ class Listener:
     access: ListenerAccess
     owned_path: str | None = None
     memfd: bool = False  # the descriptor socket (memfd_socket.py), not served by uvicorn
-
-
-def parse_address(text: str, key: str) -> tuple[str, int]:
-    """ "127.0.0.1:8000", "[::1]:8000", "localhost:8000" -> (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
-        raise ConfigError(f"server.{key}: expected host:port such as '127.0.0.1:8000', got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name that resolves elsewhere: treat as exposed
-
-
-def read_token(path: str) -> bytes:
-    try:
-        st = os.stat(path)
-        token = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ConfigError(f"server.tcp_token_file: cannot read {path}: {e.strerror}") from None
-    if len(token) < 16:
-        raise ConfigError(f"server.tcp_token_file: {path} must hold a token of at least 16 characters")
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("server.tcp_token_file %s is readable by others than its owner; chmod 600 it", path)
-    return token
 
 
 def _tcp(text: str, key: str, token: bytes | None, metrics_only: bool) -> Listener:

@@ -1,1 +1,1 @@
-"""Triton's model configuration message and the Python modules generated from it (README.md here)."""
+"""Triton's protocol buffers and the Python modules generated from them (README.md here)."""

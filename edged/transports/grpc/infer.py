@@ -1,0 +1,193 @@
+"""ModelInfer and ModelStreamInfer: one request, from its message to its answer.
+
+The same steps as HTTP's infer route (transports/http/infer.py): the model resolved first, the
+message decoded by the shared decoder (wire/kserve.py into wire/decode.py), shared memory
+through the same holder (transports/shm/lazy.py), ``Service.infer`` for the run, statistics and
+metrics under the transport "grpc". A stream carries at most ``server.grpc_stream_requests``
+requests; a language model's request streams one response per piece of text, then a final one
+with ``triton_final_response`` (decoupled, as Triton's vLLM and TensorRT-LLM backends answer);
+any other model answers each request once. A response the peer does not take within
+``server.grpc_write_timeout_s`` ends the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from edged.errors import BadRequestError, EdgedError, ShuttingDownError, StreamLimitError, StreamStalledError
+from edged.llm import generation as gen
+from edged.serving.modelplan import outputs_checked
+from edged.serving.service import Service
+from edged.transports.grpc.access import Access
+from edged.transports.grpc.status import abort
+from edged.transports.peer import Peer
+from edged.transports.shm.lazy import LazyShm, fill_inputs
+from edged.transports.shm.regions import SharedMemoryRegistry
+from edged.wire.decode import decode_document
+from edged.wire.kserve import encode_response, request_document, set_parameter
+from edged.wire.proto import grpc_service_pb2 as pb
+from edged.wire.tensors import InferRequest, serialize_bytes
+
+Ctx = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
+# Typed values beyond this many are converted on a worker thread (raw contents are views).
+_TYPED_ON_LOOP = 16 * 1024
+_TRANSPORT = "grpc"
+
+
+class Inference:
+    def __init__(
+        self, service: Service, regions: SharedMemoryRegistry, access: Access, stream_requests: int, write_s: float
+    ) -> None:
+        self.service, self.regions, self.access = service, regions, access
+        self.stream_requests, self.write_s = stream_requests, write_s
+        self.accepting = True
+
+    async def ModelInfer(self, msg: pb.ModelInferRequest, ctx: Ctx) -> pb.ModelInferResponse:
+        peer = self.access.check(ctx)
+        return await self.one(msg, peer)
+
+    async def one(self, msg: pb.ModelInferRequest, peer: Peer | None) -> pb.ModelInferResponse:
+        svc = self.service
+        shm = LazyShm(self.regions, peer)
+        name = msg.model_name
+        try:
+            req, received = await self._decode(msg, shm)
+            name = svc.resolve(msg.model_name, msg.model_version)
+            outputs = await svc.infer(name, req.inputs, req.id, _TRANSPORT, received)
+            ran = time.perf_counter_ns()
+            model, version = svc.versions().served(name)
+            try:
+                resp = encode_response(model, version, req, outputs, shm.output)
+                if shm.held is not None and shm.held.writes:
+                    await shm.held.flush()
+            except BaseException:
+                svc.stats.encode_failed(name, received, ran)
+                raise
+            svc.stats.encoded(name, ran)
+            return resp
+        finally:
+            shm.release()
+
+    async def _decode(self, msg: pb.ModelInferRequest, shm: LazyShm) -> tuple[InferRequest, int]:
+        """The request's inputs, ready for the model, and when it was taken (perf_counter_ns)."""
+        svc = self.service
+        name = msg.model_name
+        try:
+            if not self.accepting:
+                raise ShuttingDownError("edged is shutting down")
+            name = svc.resolve(msg.model_name, msg.model_version)
+            received = time.perf_counter_ns()
+            plan = svc.plan_for(svc.model(name))
+            doc, raws, typed = request_document(msg)
+            if typed > _TYPED_ON_LOOP:
+                req = await asyncio.to_thread(decode_document, doc, raws, shm.input, plan.limits)
+            else:
+                req = decode_document(doc, raws, shm.input, plan.limits)
+            outputs_checked(plan, req)
+            if shm.held is not None or req.pending:
+                await fill_inputs(req, shm)
+        except EdgedError as e:  # never reached the model: counted here (the service counts the rest)
+            svc.metrics.reject(name, _TRANSPORT, e.code, known=name in svc.registry.models)
+            raise
+        return req, received
+
+    # --- streams ---
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest], ctx: Ctx) -> None:
+        """Written with ``context.write`` (not yielded) so that each write has its time-out."""
+        peer = self.access.check(ctx)
+        count = 0
+        async for msg in requests:
+            count += 1
+            if count > self.stream_requests:
+                raise StreamLimitError(
+                    f"a stream carries at most {self.stream_requests} requests "
+                    "(server.grpc_stream_requests): open a new stream"
+                )
+            try:
+                if self._generates(msg):
+                    await self._generate(msg, ctx)
+                else:
+                    await self._write(ctx, pb.ModelStreamInferResponse(infer_response=await self.one(msg, peer)))
+            except StreamStalledError:
+                raise
+            except EdgedError as e:  # one request's error: the stream goes on, as Triton's does
+                await self._write(ctx, pb.ModelStreamInferResponse(error_message=e.message))
+
+    async def _write(self, ctx: Ctx, resp: pb.ModelStreamInferResponse) -> None:
+        try:
+            await asyncio.wait_for(ctx.write(resp), self.write_s)
+        except asyncio.TimeoutError:
+            raise StreamStalledError(
+                f"the peer took no response within {self.write_s} s (server.grpc_write_timeout_s): stream cancelled"
+            ) from None
+
+    def _generates(self, msg: pb.ModelInferRequest) -> bool:
+        rt = self.service.registry.models.get(msg.model_name)
+        return rt is not None and gen.is_language_model(rt.cfg)
+
+    async def _generate(self, msg: pb.ModelInferRequest, ctx: Ctx) -> None:
+        name = self.service.resolve(msg.model_name, msg.model_version)
+        prompt, body = _generation_request(msg)
+        job = gen.make_job(self.service.model(name).cfg, body, gen.request_timeout(self.service, name), prompt=prompt)
+        model, version = self.service.versions().served(name)
+        async for piece in gen.stream(self.service, name, job, msg.id, _TRANSPORT):
+            await self._write(ctx, _text_response(model, version, msg.id, piece, final=False))
+        await self._write(ctx, _text_response(model, version, msg.id, None, final=True))
+
+
+def _generation_request(msg: pb.ModelInferRequest) -> tuple[str, dict[str, Any]]:
+    """(the prompt, the sampling parameters) of a request in the form Triton's vLLM backend
+    takes: a BYTES input ``text_input``, optional ``sampling_parameters`` (a JSON object as a
+    BYTES input or a request parameter), and any request parameters (max_tokens, temperature)."""
+    import orjson
+
+    doc, raws, _ = request_document(msg)
+    req = decode_document(doc, raws, None)
+    text = req.inputs.get("text_input")
+    if text is None or text.size != 1:
+        raise BadRequestError("a language model's request needs one BYTES input 'text_input'")
+    body: dict[str, Any] = {k: v for k, v in req.parameters.items() if k != "sampling_parameters"}
+    raw = req.inputs.get("sampling_parameters")
+    sampling = raw.reshape(-1)[0] if raw is not None and raw.size == 1 else req.parameters.get("sampling_parameters")
+    if sampling:
+        try:
+            extra = orjson.loads(sampling)
+        except orjson.JSONDecodeError as e:
+            raise BadRequestError(f"'sampling_parameters' is not JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise BadRequestError("'sampling_parameters' must be a JSON object")
+        body.update(extra)
+    body.pop("stream", None)
+    try:
+        prompt = bytes(text.reshape(-1)[0]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequestError("'text_input' is not UTF-8 text") from None
+    return prompt, body
+
+
+def _text_response(model: str, version: str, rid: str, piece: str | None, final: bool) -> pb.ModelStreamInferResponse:
+    resp = pb.ModelInferResponse(model_name=model, model_version=version, id=rid)
+    if piece is not None:
+        resp.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+        resp.raw_output_contents.append(serialize_bytes(np.array([piece.encode()], dtype=object)))
+    set_parameter(resp.parameters, "triton_final_response", final)
+    return pb.ModelStreamInferResponse(infer_response=resp)
+
+
+async def guarded(work: Any, ctx: Ctx, rpc: str) -> Any:
+    """``work``'s answer, or the RPC ended with its error's status (every exception caught)."""
+    try:
+        return await work
+    except asyncio.CancelledError:
+        raise
+    except grpc.aio.AbortError:
+        raise
+    except BaseException as e:
+        await abort(ctx, e, rpc)

@@ -1,0 +1,155 @@
+"""Who is on the other end of a gRPC call on the Unix socket.
+
+grpcio exposes no peer credentials and takes no accepted descriptor, so edged accepts on the
+public Unix socket itself, reads the client's SO_PEERCRED (transports/peer.py) and relays the
+connection's bytes to grpcio's own socket in a private directory (mode 0700). Each relayed
+connection is bound to a path of its own there before it connects: grpcio reports that path as
+the call's peer (``context.peer()`` = ``unix:<path>``), which names the client's credentials
+here. A path is unlinked once connected (the name stays the socket's) and forgotten when the
+connection closes, so a call's identity is the kernel's record of its client, as on HTTP.
+The relay applies back-pressure both ways (a side whose buffer fills pauses reading the other).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+from edged.ratelog import RateLimitedLog
+from edged.transports.peer import Peer, close_peer, peer_of
+
+log = logging.getLogger(__name__)
+_noisy = RateLimitedLog(log)
+
+
+class _Pipe(asyncio.Protocol):
+    """One direction's reader; it writes into the other side's transport."""
+
+    def __init__(self) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses: typed by what is used.
+        self.transport: Any = None
+        self.other: _Pipe | None = None
+        self.early: list[bytes] = []  # bytes read before the other side was connected
+        self.on_close: list[object] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        other = self.other.transport if self.other is not None else None
+        if other is None:
+            self.early.append(data)
+        else:
+            other.write(data)
+
+    def pause_writing(self) -> None:  # our writes pile up: stop reading what feeds them
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.close()
+        for done in self.on_close:
+            done()  # type: ignore[operator]
+        self.on_close.clear()
+
+    def flush_to(self, other: Any) -> None:
+        for data in self.early:
+            other.write(data)
+        self.early.clear()
+
+
+class UnixRelay:
+    """The public gRPC Unix socket: accepts, records the peer, relays to grpcio's socket."""
+
+    def __init__(self, sock: socket.socket, max_connections: int) -> None:
+        self.sock = sock
+        self.max_connections = max_connections
+        self.dir = tempfile.mkdtemp(prefix="edged-grpc-")  # mode 0700: only this user reaches grpcio
+        self.inner = os.path.join(self.dir, "s")
+        self.peers: dict[str, Peer] = {}
+        self._names = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+        self._open: set[Any] = set()
+
+    def peer(self, name: str) -> Peer | None:
+        """The client of a call whose ``context.peer()`` is ``name``."""
+        if not name.startswith("unix:"):
+            return None
+        return self.peers.get(name[5:])
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._task = loop.create_task(self._accept(loop))
+
+    async def _accept(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            try:
+                client, _ = await loop.sock_accept(self.sock)
+            except OSError as e:  # EMFILE and the like: pause a little rather than spin
+                _noisy.note(logging.WARNING, "accept", "gRPC socket accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self.peers) >= self.max_connections:
+                _noisy.note(logging.WARNING, "full", "gRPC socket: %d connections, refusing more", len(self.peers))
+                client.close()
+                continue
+            loop.create_task(self._relay(loop, client))
+
+    async def _relay(self, loop: asyncio.AbstractEventLoop, client: socket.socket) -> None:
+        peer = None
+        path = os.path.join(self.dir, f"c{next(self._names)}")
+        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            peer = peer_of(client)
+            inner.setblocking(False)
+            inner.bind(path)
+            await loop.sock_connect(inner, self.inner)
+            os.unlink(path)
+            assert peer is not None
+            self.peers[path] = peer
+            a, b = _Pipe(), _Pipe()
+            a.other, b.other = b, a
+            await loop.create_unix_connection(lambda: b, sock=inner)
+            await loop.connect_accepted_socket(lambda: a, client)
+        except Exception as e:
+            _noisy.note(logging.WARNING, "relay", "gRPC socket: cannot relay a connection: %s", e)
+            self._forget(path, peer)
+            inner.close()
+            client.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return
+        assert a.transport is not None and b.transport is not None
+        b.flush_to(a.transport)
+        a.flush_to(b.transport)
+        self._open.add(a.transport)
+        a.on_close.append(lambda: self._closed(path, peer, a))
+
+    def _closed(self, path: str, peer: Peer | None, pipe: _Pipe) -> None:
+        if pipe.transport is not None:
+            self._open.discard(pipe.transport)
+        self._forget(path, peer)
+
+    def _forget(self, path: str, peer: Peer | None) -> None:
+        if self.peers.get(path) is peer:
+            self.peers.pop(path, None)
+        close_peer(peer)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.sock.close()
+        for transport in list(self._open):
+            transport.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,171 @@
+"""KServe v2 gRPC messages (Triton's grpc_service.proto) to and from edged's tensors.
+
+A ``ModelInferRequest`` becomes the same request document an HTTP body is planned from, with
+each raw input's bytes as a buffer of its own, so ``decode.decode_document`` checks it with the
+same rules and the same messages as every other transport. Raw contents are read in place
+(``numpy.frombuffer`` on the message's bytes); typed contents become one array per input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import Message
+
+from edged.errors import BadRequestError
+from edged.wire.encode import to_shm
+from edged.wire.proto import grpc_service_pb2 as pb
+from edged.wire.tensors import (
+    InferRequest,
+    OutputRequest,
+    OutputResolver,
+    datatype_of,
+    tensor_bytes,
+)
+
+# The typed field of InferTensorContents that holds each datatype's values (FP16 and BF16 have
+# none: they travel as raw contents only).
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def parameter_value(p: pb.InferParameter) -> Any:
+    """An InferParameter's value (bool, int, str or float), as JSON would have given it."""
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
+
+
+def parameters_of(params: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
+    return {k: parameter_value(v) for k, v in params.items()}
+
+
+def set_parameter(params: Any, key: str, value: Any) -> None:
+    """``params[key] = value`` in a protobuf map of InferParameter."""
+    p = params[key]
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = str(value)
+
+
+def typed_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> np.ndarray | None:
+    """The input's typed contents as one array; None when it has none (raw or shared memory)."""
+    if not tensor.HasField("contents"):
+        return None
+    field = CONTENTS_FIELD.get(tensor.datatype)
+    if field is None:
+        for name in set(CONTENTS_FIELD.values()):
+            if len(getattr(tensor.contents, name)):
+                raise BadRequestError(
+                    f"input '{tensor.name}': {tensor.datatype} has no typed contents; send raw contents"
+                )
+        return None
+    for name in set(CONTENTS_FIELD.values()) - {field}:
+        if len(getattr(tensor.contents, name)):
+            raise BadRequestError(f"input '{tensor.name}': {tensor.datatype} values belong in '{field}', not '{name}'")
+    values = getattr(tensor.contents, field)
+    if field == "bytes_contents":
+        out = np.empty(len(values), dtype=object)
+        out[:] = list(values)
+        return out
+    return np.asarray(values)
+
+
+def request_document(msg: pb.ModelInferRequest) -> tuple[dict[str, Any], list[bytes], int]:
+    """(the request as an infer document, the raw input contents in order, the number of
+    typed values): what ``decode.decode_document`` plans and decodes."""
+    raws = msg.raw_input_contents
+    inputs: list[dict[str, Any]] = []
+    typed = 0
+    nraw = 0
+    for tensor in msg.inputs:
+        params = parameters_of(tensor.parameters)
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        values = typed_contents(tensor)
+        if values is not None:
+            if raws:
+                raise BadRequestError(f"input '{tensor.name}': give typed contents or raw contents, not both")
+            entry["data"] = values
+            typed += values.size
+        elif "shared_memory_region" not in params and "binary_data_size" not in params:
+            if nraw < len(raws):
+                params["binary_data_size"] = len(raws[nraw])
+            nraw += 1
+        elif "binary_data_size" in params:
+            raise BadRequestError(f"input '{tensor.name}': 'binary_data_size' is not a gRPC parameter")
+        if params:
+            entry["parameters"] = params
+        inputs.append(entry)
+    if raws and nraw != len(raws):
+        raise BadRequestError(f"{len(msg.inputs)} inputs need {nraw} raw input contents, the request has {len(raws)}")
+    doc: dict[str, Any] = {"inputs": inputs}
+    if msg.id:
+        doc["id"] = msg.id
+    if msg.parameters:
+        doc["parameters"] = parameters_of(msg.parameters)
+    if msg.outputs:
+        doc["outputs"] = [_output_doc(o) for o in msg.outputs]
+    return doc, list(raws), typed
+
+
+def _output_doc(o: pb.ModelInferRequest.InferRequestedOutputTensor) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": o.name}
+    if o.parameters:
+        params = parameters_of(o.parameters)
+        params.pop("binary_data", None)  # every gRPC answer is raw: the HTTP switch means nothing here
+        entry["parameters"] = params
+    return entry
+
+
+def encode_response(
+    model: str,
+    version: str,
+    req: InferRequest,
+    results: Mapping[str, np.ndarray],
+    shm: OutputResolver | None = None,
+) -> pb.ModelInferResponse:
+    """The answer: every output's bytes as raw contents (tritonclient indexes them by output),
+    or, for one bound for shared memory, its region and size with empty raw contents."""
+    resp = pb.ModelInferResponse(model_name=model, model_version=version, id=req.id)
+    wanted = req.outputs if req.outputs is not None else [OutputRequest(n) for n in results]
+    raws: list[bytes] = []
+    for out in wanted:
+        arr = results.get(out.name)
+        if arr is None:
+            raise BadRequestError(f"requested output '{out.name}' is not an output of '{model}'")
+        tensor = resp.outputs.add(name=out.name, datatype=datatype_of(arr.dtype), shape=arr.shape)
+        if out.shm_region is not None and shm is not None:
+            raws.append(b"")
+            for key, value in to_shm(out, arr, shm).items():
+                set_parameter(tensor.parameters, key, value)
+        else:
+            raws.append(bytes(tensor_bytes(arr)))
+    if any(raws):
+        resp.raw_output_contents.extend(raws)
+    return resp
+
+
+def to_message(doc: Mapping[str, Any], cls: type[Message]) -> Message:
+    """A Triton JSON document (model configuration, statistics) as its protobuf message: the
+    field names are the proto's, so protobuf's JSON mapping reads it."""
+    from google.protobuf import json_format
+
+    return json_format.ParseDict(doc, cls(), ignore_unknown_fields=True)
