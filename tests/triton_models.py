@@ -7,17 +7,17 @@ own ``simple`` family does:
   * ``simple``: INT32 INPUT0, INPUT1 → OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1;
   * ``simple_int8``, ``simple_fp32``, ``simple_int64``: the same in INT8, FP32 and INT64;
   * ``simple_string``: the same on BYTES tensors holding decimal integers, answered as decimal
-    strings (ONNX ``Cast`` parses and prints them); warmed with a file of numbers (Triton's
-    ``model_warmup``), since edged's default warm-up text is no number;
+    strings (ONNX ``Cast`` parses and prints them);
   * ``simple_identity``: BYTES INPUT0 → OUTPUT0 unchanged;
-  * ``simple_flat``: INT32 ``[-1]`` INPUT0, INPUT1 → sum and difference, unbatched.
+  * ``simple_flat``: INT32 ``[-1]`` INPUT0, INPUT1 → sum and difference, unbatched;
+  * ``simple_fp64`` (``eighth=True`` only): the arithmetic in FP64.
 
-Seven models: ``simple_*_model_control`` checks that the repository index holds exactly seven.
+The model-control examples count the repository index: ``simple_http_model_control`` expects
+seven models, ``simple_grpc_model_control`` eight.
 """
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 from edged.tools.demo import save_graph
@@ -76,34 +76,23 @@ def _identity(path: Path) -> Path:
     return save_graph(graph, path)
 
 
-# simple_string's warm-up: a sample of sixteen "1"s per input, BYTES as Triton's raw files hold
-# them (each element a 4-byte little-endian length, then its bytes).
-STRING_WARMUP = """model_warmup [ {
-  name: "numbers" batch_size: 1
-  inputs { key: "INPUT0" value: { data_type: TYPE_STRING dims: [ 16 ] input_data_file: "numbers" } }
-  inputs { key: "INPUT1" value: { data_type: TYPE_STRING dims: [ 16 ] input_data_file: "numbers" } }
-} ]
-"""
-
-
 def _folder(root: Path, name: str, pbtxt: str) -> Path:
     (root / name / "1").mkdir(parents=True, exist_ok=True)
     (root / name / "config.pbtxt").write_text(pbtxt)
     return root / name / "1" / "model.onnx"
 
 
-def example_repository(root: Path) -> Path:
-    """``root`` as a Triton model repository of the seven models above."""
+def example_repository(root: Path, eighth: bool = False) -> Path:
+    """``root`` as a Triton model repository of the seven models above (eight with ``eighth``)."""
     pair, sums = ["INPUT0", "INPUT1"], ["OUTPUT0", "OUTPUT1"]
-    for name, (elem, dtype) in ARITHMETIC.items():
+    arithmetic = ARITHMETIC | ({"simple_fp64": ("DOUBLE", "TYPE_FP64")} if eighth else {})
+    for name, (elem, dtype) in arithmetic.items():
         # ONNX Runtime's CPU Add and Sub have no INT8 kernel: the arithmetic runs in INT32 and
         # wraps back to INT8 as Triton's INT8 model's does.
         through = "INT32" if elem == "INT8" else None
         _sum_and_difference(_folder(root, name, _pbtxt(dtype, pair, sums)), elem, ["N", 16], through)
-    strings = _folder(root, "simple_string", _pbtxt("TYPE_STRING", pair, sums) + STRING_WARMUP)
+    strings = _folder(root, "simple_string", _pbtxt("TYPE_STRING", pair, sums))
     _sum_and_difference(strings, "STRING", ["N", 16], "INT32")
-    (root / "simple_string" / "warmup").mkdir(exist_ok=True)
-    (root / "simple_string" / "warmup" / "numbers").write_bytes((struct.pack("<I", 1) + b"1") * 16)
     _identity(_folder(root, "simple_identity", _pbtxt("TYPE_STRING", ["INPUT0"], ["OUTPUT0"])))
     _sum_and_difference(_folder(root, "simple_flat", _pbtxt("TYPE_INT32", pair, sums, batched=False)), "INT32", ["L"])
     return root
