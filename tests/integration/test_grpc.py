@@ -3,6 +3,7 @@ beside the HTTP one, and a TCP listener guarded by the bearer token."""
 
 from __future__ import annotations
 
+import queue
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tritongrpc
+import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from tests.helpers import DaemonProcess, write_config
@@ -50,6 +52,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
             "cache": {"dir": str(tmp / "cache")},
             "build": {"block_ready": True},
             "models.tiny": {"path": str(model_dir / "tiny.onnx")},
+            "models.strings": {"path": str(model_dir / "strings.onnx")},
         },
     )
     d = DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
@@ -93,3 +96,112 @@ def test_an_unknown_model_is_not_found_with_the_http_message(unix: tritongrpc.In
         unix.infer("nope", [inp])
     assert e.value.status() == "StatusCode.NOT_FOUND"
     assert "unknown model 'nope'" in e.value.message()
+
+
+@pytest.fixture
+def tcp(served: tuple[DaemonProcess, Path, int]) -> Iterator[tritongrpc.InferenceServerClient]:
+    c = tritongrpc.InferenceServerClient(url=f"127.0.0.1:{served[2]}")
+    yield c
+    c.close()
+
+
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def test_tcp_needs_the_token(tcp: tritongrpc.InferenceServerClient, model_dir: Path) -> None:
+    with pytest.raises(InferenceServerException) as e:
+        tcp.is_server_live()
+    assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException):
+        tcp.is_server_live(headers={"authorization": "Bearer wrong-token-0123456789"})
+    assert tcp.is_server_live(headers=AUTH) and tcp.is_model_ready("tiny", headers=AUTH)
+    x = np.ones((1, 16), np.float32)
+    np.testing.assert_allclose(_infer(tcp, x, headers=AUTH), reference(model_dir / "tiny.onnx", x), rtol=1e-5)
+    # Shared memory is for local clients on the Unix socket only, as on HTTP.
+    with pytest.raises(InferenceServerException) as e:
+        tcp.register_system_shared_memory("r", "/edged_grpc_tcp", 64, headers=AUTH)
+    assert "only available to local clients" in e.value.message()
+    assert tcp.get_system_shared_memory_status(headers=AUTH).regions == {}
+
+
+def test_control_rpcs_answer_as_http_does(unix: tritongrpc.InferenceServerClient) -> None:
+    cfg = unix.get_model_config("tiny").config
+    assert cfg.name == "tiny" and cfg.platform == "onnxruntime_onnx" and cfg.input[0].name == "x"
+    _infer(unix, np.zeros((1, 16), np.float32))
+    stats = unix.get_inference_statistics("tiny").model_stats[0]
+    assert stats.name == "tiny" and stats.inference_stats.success.count >= 1
+    index = {m.name: m.state for m in unix.get_model_repository_index().models}
+    assert index["tiny"] == "READY"
+    unix.unload_model("strings")
+    assert not unix.is_model_ready("strings")
+    unix.load_model("strings")
+    assert unix.is_model_ready("strings")
+    with pytest.raises(InferenceServerException) as e:
+        unix.load_model("strings", config='{"backend": "onnxruntime"}')
+    assert "is not supported" in e.value.message()
+    settings = unix.get_log_settings(as_json=True)["settings"]
+    assert settings["log_info"]["bool_param"] is True
+    with pytest.raises(InferenceServerException) as e:
+        unix.update_log_settings({"log_format": "ISO8601"})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    trace = unix.get_trace_settings(as_json=True)["settings"]
+    assert trace["trace_level"]["value"] == ["OFF"]
+    with pytest.raises(InferenceServerException):
+        unix.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
+    assert unix.get_cuda_shared_memory_status().regions == {}
+    unix.unregister_cuda_shared_memory()
+    with pytest.raises(InferenceServerException) as e:
+        unix.register_cuda_shared_memory("c", b"aGFuZGxl", 0, 64)
+    assert e.value.status() == "StatusCode.UNIMPLEMENTED" and "not supported" in e.value.message()
+
+
+def test_bytes_tensors(unix: tritongrpc.InferenceServerClient) -> None:
+    text = tritongrpc.InferInput("text", [2], "BYTES")
+    text.set_data_from_numpy(np.array([b"hi", b"edged"], dtype=object))
+    x = tritongrpc.InferInput("x", [2, 2], "FP32")
+    x.set_data_from_numpy(np.ones((2, 2), np.float32))
+    out = unix.infer("strings", [text, x])
+    shout = out.as_numpy("shout")
+    assert shout is not None and list(shout) == [b"hi!", b"edged!"]
+
+
+def test_system_shared_memory_over_the_unix_socket(unix: tritongrpc.InferenceServerClient, model_dir: Path) -> None:
+    x = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
+    in_handle = shm.create_shared_memory_region("in", "/edged_grpc_in", x.nbytes)
+    out_handle = shm.create_shared_memory_region("out", "/edged_grpc_out", 16)
+    try:
+        shm.set_shared_memory_region(in_handle, [x])
+        unix.register_system_shared_memory("in", "/edged_grpc_in", x.nbytes)
+        unix.register_system_shared_memory("out", "/edged_grpc_out", 16)
+        assert set(unix.get_system_shared_memory_status().regions) == {"in", "out"}
+        inp = tritongrpc.InferInput("x", [1, 16], "FP32")
+        inp.set_shared_memory("in", x.nbytes)
+        want = tritongrpc.InferRequestedOutput("probs")
+        want.set_shared_memory("out", 16)
+        unix.infer("tiny", [inp], outputs=[want])
+        got = shm.get_contents_as_numpy(out_handle, np.float32, [1, 4])
+        np.testing.assert_allclose(got, reference(model_dir / "tiny.onnx", x), rtol=1e-5)
+        unix.unregister_system_shared_memory("in")
+        assert set(unix.get_system_shared_memory_status().regions) == {"out"}
+    finally:
+        unix.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(in_handle)
+        shm.destroy_shared_memory_region(out_handle)
+    assert unix.get_system_shared_memory_status().regions == {}
+
+
+def test_a_stream_answers_each_request_of_a_plain_model(unix: tritongrpc.InferenceServerClient) -> None:
+    got: queue.Queue[tuple[object, object]] = queue.Queue()
+    unix.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        for i, shape in enumerate([(1, 16), (1, 3), (2, 16)]):
+            inp = tritongrpc.InferInput("x", list(shape), "FP32")
+            inp.set_data_from_numpy(np.zeros(shape, np.float32))
+            unix.async_stream_infer("tiny", [inp], request_id=str(i))
+        answers = [got.get(timeout=30) for _ in range(3)]
+    finally:
+        unix.stop_stream()
+    first, second, third = answers
+    assert first[1] is None and first[0].as_numpy("probs").shape == (1, 4)  # type: ignore[attr-defined]
+    assert second[0] is None and "expected shape [-1, 16], got [1, 3]" in str(second[1])
+    assert third[1] is None and third[0].as_numpy("probs").shape == (2, 4)  # type: ignore[attr-defined]
