@@ -28,3 +28,19 @@ def precision_text(precision: str | None, gate: Mapping[str, Any] | None) -> str
     if precision == "int8" and search.get("passed") and search.get("excluded"):
         return "int8 (mixed)"
     return precision or "-"
+
+
+def auto_text(auto: Mapping[str, Any] | None) -> str:
+    """One line for ``edged plan``/``status``: each candidate of ``precision = "auto"`` with its
+    median and gate, then the choice and why."""
+    if not auto or not auto.get("choice"):
+        return "-"
+    parts = []
+    for c in auto.get("candidates", []):
+        ms = c.get("median_ms")
+        timed = f"{ms:.3g} ms" if isinstance(ms, (int, float)) else "not timed"
+        verdict = c.get("gate") or ("reference" if c.get("precision") == "fp32" else "")
+        if not c.get("passed"):
+            verdict = c.get("note", "not eligible")
+        parts.append(f"{c.get('label', c.get('precision'))} {timed}" + (f" [{verdict}]" if verdict else ""))
+    return f"candidates {', '.join(parts)}; chose {auto['choice']['why']}"
