@@ -60,10 +60,12 @@ import numpy as np
 from bench.first_request import StagedEdged
 from bench.measure import (
     FLOOR,
+    FLOOR_COPIES,
     Budget,
     Lane,
     Runner,
     Series,
+    copies_floor_runner,
     floor_runner,
     interleave,
     merge,
@@ -87,7 +89,7 @@ from bench.stages import hops
 from bench.wire import closed_loop, connect, roundtrip
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "twin", "inline", "worker", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
+LANES = ("edged", "posix", "twin", "inline", "worker", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
 
 
 def _first_on_path(folder: Path) -> str:
@@ -171,6 +173,8 @@ def servers_for(
     one = {spec.name: spec, **(beside or {})}
     make: dict[str, Callable[[], Server]] = {
         "edged": lambda: EdgedServer(work, one, label="edged") if stages is None else StagedEdged(work, one, stages),
+        # Frames through a POSIX object (copied with preadv/pwrite, as Triton's clients register).
+        "posix": lambda: EdgedServer(work, one, label="edged-posix", shm="posix"),
         "inline": lambda: EdgedServer(work, one, label="edged-inline", server={"inline_threshold_us": 10_000_000}),
         "worker": lambda: EdgedServer(work, one, label="edged-worker", server={"inline_threshold_us": 0}),
         # The models' intra-op threads left to the daemon (threads = 0): the rule's count, or
@@ -189,9 +193,9 @@ def servers_for(
         # Configured as the first edged lane is (edged-worker's base runs on its worker too,
         # edged-auto's leaves the threads to the daemon too).
         like = next((s for s in servers if isinstance(s, EdgedServer)), None)
-        servers.append(
-            BaseEdged(work, one, base, like.server_options, like.options) if like else BaseEdged(work, one, base)
-        )
+        based = BaseEdged(work, one, base, like.server_options, like.options) if like else BaseEdged(work, one, base)
+        based.shm = like.shm if like else based.shm  # its frames through the same kind of region
+        servers.append(based)
     return servers
 
 
@@ -265,6 +269,7 @@ def report(
     (``run``: the rounds and the starts they were shared among)."""
     lanes: dict[str, dict[str, Any]] = {}
     floors = {c: series.summary() for c, series in results.get(FLOOR, {}).items()}
+    copied = {c: series.summary() for c, series in results.get(FLOOR_COPIES, {}).items()}
     for name, by_conc in results.items():
         for c, series in by_conc.items():
             d = series.summary()
@@ -273,6 +278,10 @@ def report(
                 d["p50_over_floor"] = d["p50_ms"] / floor["p50_ms"]
             lanes.setdefault(name, {})[str(c)] = d
             ratio = f"  {d['p50_over_floor']:6.3f}x floor" if "p50_over_floor" in d else ""
+            copies = copied.get(c)
+            if copies is not None and copies["p50_ms"] > 0 and name != FLOOR_COPIES:
+                d["p50_over_copies"] = d["p50_ms"] / copies["p50_ms"]
+                ratio += f"  {d['p50_over_copies']:6.3f}x floor+copies"
             print(
                 f"{spec.name} {name:23} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
                 f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s{ratio}",
@@ -400,6 +409,8 @@ def _segment(
     sess = session(spec)
     want = sess.run([spec.outputs[0]], {spec.input: x})[0]
     runs = {(FLOOR, c): Lane(floor_runner(sess, spec, x, c), budget) for c in concs}
+    if spec.frame and 1 in concs:
+        runs[(FLOOR_COPIES, 1)] = Lane(copies_floor_runner(sess, spec, x), budget)
     for s in servers:
         if s.answers:  # the echo and the limit lanes answer nothing the model computed
             check(s, spec, x, want)

@@ -77,6 +77,11 @@ class ModelNotFoundError(NotFoundError):
 
     code = "model_not_found"
 
+    @classmethod
+    def named(cls, name: str) -> ModelNotFoundError:
+        """Triton's own words: its example clients and tests match the message's start."""
+        return cls(f"Request for unknown model: '{name}' is not found")
+
 
 class ModelVersionNotFoundError(NotFoundError):
     """A version the model does not serve ("1" for a model of the config, a repository model's served versions)."""

@@ -39,8 +39,10 @@ def random_tensor(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Gener
         return rng.random(shape, dtype=np.float32).astype(dtype, copy=False)
     if dtype.kind in "iu":
         return rng.integers(0, 2, size=shape).astype(dtype)
-    if dtype.kind == "O":  # BYTES: text every string model can read
-        return np.full(shape, b"edged", dtype=object)
+    if dtype.kind == "O":
+        # BYTES: text every string model reads, and a number for those that parse one (Triton's
+        # string examples do, and a repository without model_warmup must still come up warm).
+        return np.full(shape, b"0", dtype=object)
     return np.zeros(shape, dtype=dtype)
 
 

@@ -33,6 +33,9 @@ class ServerConfig(Table, frozen=True):
     # worker thread costs 40-95 us on a small board, more than the work itself.
     inline_threshold_us: NonNegInt = 60
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # The name server metadata reports. Triton's example clients and some of its users' scripts
+    # check for "triton": set it so for them (docs/triton-migration.md).
+    metadata_name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")] = "edged"
     # Limits that keep one hostile or broken client from starving the others (see configs/edged.toml).
     max_header_size: str = "16KiB"
     max_headers: PositiveInt = 100

@@ -10,7 +10,8 @@ frame's activations, not eight), and the batch adds the copy that joins the requ
 So at warm-up, on a worker thread, single runs are alternated with batched runs of a few sizes
 (2, 4, 8 ... up to ``max_batch``, and the preferred sizes), each batched run timed with the
 ``np.concatenate`` that joins its rows, as the scheduler does. A size helps when a row runs at
-least MARGIN times faster in it than alone (the median over its pairs); a batch may hold at most
+least MARGIN times faster in it than alone, read both as the median over its pairs and as the
+ratio of the two sides' lower quartiles; a batch may hold at most
 the largest size that helps, and a model that no size helps runs unbatched. The status says
 which, with the figures.
 
@@ -91,17 +92,26 @@ def sizes(max_batch: int, preferred: Sequence[int] = ()) -> list[int]:
 
 
 def decide(pairs: Pairs, max_batch: int, margin: float = MARGIN) -> BatchFit:
-    """The batch limit from measured pairs. A size's gain is the median over its pairs of
-    ``n * single / batched``: a pair's two runs are adjacent, so a busy moment of a shared host
-    falls on both, where separate percentiles of each side read different moments (on the
-    2-core machine under a load of 5-7, single runs of 0.4 ms read 1.5-3.8 ms). Pure: the unit
-    tests feed it figures."""
+    """The batch limit from measured pairs. A size's gain is the lower of two readings: the median
+    over its pairs of ``n * single / batched`` (a pair's two runs are adjacent, so a busy moment of
+    a shared host falls on both: on the 2-core machine under a load of 5-7, single runs of 0.4 ms
+    read 1.5-3.8 ms) and ``n`` times the ratio of the two sides' lower quartiles (each side's own
+    cost, which the pairs' median can overstate when the single runs of a few pairs were slow).
+    Pure: the unit tests feed it figures."""
     measured = {n: p for n, p in pairs.items() if n > 1 and p}
     if not measured:
         return BatchFit(max_batch, "not measured: no batch fitted the warm-up's time budget")
     runs = {n: run_cost_us([b for _, b in p]) for n, p in measured.items()}
     runs[1] = run_cost_us([s for p in measured.values() for s, _ in p])
-    gains = {n: float(np.median([n * s / max(b, 1e-9) for s, b in p])) for n, p in measured.items()}
+    # Both readings must agree that a size helps: the median of the pairs' ratios (a busy moment
+    # falls on both runs of a pair) and the ratio of the two sides' lower quartiles (each side's own
+    # cost). On the 16-core host a conv's batch of 2 read 1.18x by the first and 0.87x by the second
+    # (3312 us against 1447 us), and batching it cost 13% of its throughput at c=4: a decision that
+    # must never cost takes the lower one.
+    gains = {
+        n: min(float(np.median([n * s / max(b, 1e-9) for s, b in p])), n * runs[1] / max(runs[n], 1e-9))
+        for n, p in measured.items()
+    }
     helping = [n for n, g in gains.items() if g >= margin]
     largest = max(measured)
     if not helping:

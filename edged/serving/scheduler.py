@@ -42,7 +42,7 @@ import numpy as np
 from edged.backends.base import Instance
 from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
 from edged.serving.batching import add_compatible, preferred_cut
-from edged.serving.sinks import OutputShapes, OutputSink, run_into, signature
+from edged.serving.sinks import InputSource, OutputShapes, OutputSink, run_into, signature
 from edged.thread_to_loop import to_loop
 from edged.wire.tensors import is_bytes
 
@@ -74,6 +74,7 @@ class _Work:
     queue_ns: int = 0
     infer_ns: int = 0
     sink: OutputSink | None = None
+    source: InputSource | None = None
 
 
 # A finished request: its work item, and its result or its error.
@@ -164,6 +165,11 @@ class ModelQueue:
             t.join(max(0.0, deadline - time.monotonic()))
 
     @property
+    def idle(self) -> bool:
+        """An instance is free: a request submitted now is the next its worker runs."""
+        return self._backlog < len(self._instances) and not self._closed
+
+    @property
     def backlog(self) -> int:
         """Requests this model holds, queued or running (what ``queue_depth`` bounds)."""
         return self._backlog
@@ -208,9 +214,12 @@ class ModelQueue:
         request_id: str = "",
         stats: ModelStatistics | None = None,
         sink: OutputSink | None = None,
+        source: InputSource | None = None,
     ) -> dict[str, np.ndarray]:
-        """``sink``: where the worker puts the outputs (not used by a run made here, on the loop)."""
-        out = self.run_now(inputs, stats)
+        """``sink``: where the worker puts the outputs (not used by a run made here, on the loop);
+        ``source``: where the worker copies the inputs' bytes from first (such a request never
+        runs on the loop: its copy is the worker's)."""
+        out = self.run_now(inputs, stats) if source is None else None
         if out is not None:
             return out
         if self._closed:
@@ -219,7 +228,14 @@ class ModelQueue:
             raise BusyError(f"model '{self.model}' queue is full ({self.depth} requests)")
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
         work = _Work(
-            inputs, time.monotonic() + timeout, fut, request_id, stats=stats, enqueued_ns=perf_counter_ns(), sink=sink
+            inputs,
+            time.monotonic() + timeout,
+            fut,
+            request_id,
+            stats=stats,
+            enqueued_ns=perf_counter_ns(),
+            sink=sink,
+            source=source,
         )
         if self.max_batch > 1:  # the first dimension is a batch: its rows are what the statistics count
             work.rows = _rows(inputs)
@@ -328,7 +344,7 @@ class ModelQueue:
         for w in batch:
             if now > w.deadline:
                 self._resolve(w, None, DeadlineExceededError(f"model '{self.model}': deadline passed while queued"))
-            else:
+            elif w.source is None or self._filled(w):
                 live.append(w)
         if not live:
             return
@@ -342,6 +358,23 @@ class ModelQueue:
             state.rows += sum(w.rows for w in live)
         # Answered only once the worker is idle again: whoever sees the answer sees it idle.
         self._resolve_all(done, timing)
+
+    def _filled(self, w: _Work) -> bool:
+        """The request's inputs copied in by this worker (``_Work.source``); False, with the
+        request answered by the copy's error, when it fails."""
+        assert w.source is not None
+        try:
+            w.source.fill()
+        except EdgedError as e:
+            self._resolve(w, None, e)
+            return False
+        except Exception as e:  # never let one request kill a worker
+            log.exception("copying a request's inputs failed", extra={"model": self.model})
+            self._resolve(w, None, e)
+            return False
+        finally:
+            w.source = None  # nothing of the client's regions kept by the work item
+        return True
 
     def _run(self, inst: Instance, batch: list[_Work]) -> tuple[list[_Done], _Timing | None]:
         """The batch's results, and the time spent joining its inputs, running the backend and

@@ -28,7 +28,7 @@ from edged.serving.metrics import Metrics, counted
 from edged.serving.modelplan import ModelPlan, decode_now, make_plan, outputs_checked, shown
 from edged.serving.registry import ModelRuntime, Registry
 from edged.serving.scheduler import ModelQueue
-from edged.serving.sinks import OutputSink
+from edged.serving.sinks import InputSource, OutputSink
 from edged.serving.states import READY, ModelState
 from edged.serving.stats import ModelStatistics, Statistics
 from edged.serving.versions import Versions, origin_doc
@@ -82,12 +82,12 @@ class Service:
         return self.ready.is_set() and not self.stopping and not self.unready()
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "edged", "version": __version__, "extensions": EXTENSIONS}
+        return {"name": self.registry.cfg.server.metadata_name, "version": __version__, "extensions": EXTENSIONS}
 
     def model(self, name: str) -> ModelRuntime:
         rt = self.registry.models.get(name)
         if rt is None:
-            raise ModelNotFoundError(f"unknown model '{name}'")
+            raise ModelNotFoundError.named(name)
         return rt
 
     def versions(self) -> Versions:
@@ -196,13 +196,16 @@ class Service:
         received_ns: int = 0,
         tried_now: bool = False,
         sink: OutputSink | None = None,
+        source: InputSource | None = None,
     ) -> dict[str, np.ndarray]:
         """``received_ns``: when the transport took the request (perf_counter_ns), so its
         decoding counts in the statistics; 0 when there was nothing to decode. ``tried_now``:
         the caller has just had None from ``infer_now`` for it (not tried again). ``sink``: where
-        the model's worker puts the outputs (ModelQueue.submit)."""
+        the model's worker puts the outputs, ``source``: where it copies the inputs' bytes from
+        before the run (ModelQueue.submit); the inputs are checked here by their shapes and types
+        alone, so they may be filled later."""
         rt = self.registry.models.get(name)
-        if rt is not None and not tried_now and rt.queue is not None and rt.queue.inline:
+        if rt is not None and not tried_now and source is None and rt.queue is not None and rt.queue.inline:
             now = self.infer_now(rt, self.plan_for(rt), inputs, request_id, transport, received_ns)
             if now is not None:
                 return now
@@ -210,7 +213,7 @@ class Service:
         stats = self.stats.counted(name)
         if rt is None:
             self.metrics.reject(name, transport, ModelNotFoundError.code, known=False)
-            raise ModelNotFoundError(f"unknown model '{name}'")
+            raise ModelNotFoundError.named(name)
         try:
             queue = self._serving_queue(rt)
             if queue is None:
@@ -220,7 +223,7 @@ class Service:
             inputs = plan.to_model(inputs)
             plan.rules.check(inputs)  # the one check of this request's tensors
             rt.last_used = time.monotonic()
-            out = await queue.submit(inputs, plan.timeout_s, request_id, stats, sink)
+            out = await queue.submit(inputs, plan.timeout_s, request_id, stats, sink, source)
         except Exception as e:
             self._failed(name, transport, e, stats, received_ns or entered, entered, request_id)
             raise

@@ -1,6 +1,8 @@
-"""Where a request's outputs go from the model's worker thread, and the runs that put them there.
+"""Where a request's inputs come from and its outputs go on the model's worker thread, and the
+runs that put them there.
 
-A request may come with an ``OutputSink`` (transports/shm/worker_writes.py: outputs bound for shared
+A request may come with an ``InputSource`` (its inputs' bytes, copied by the worker right before
+the run) and an ``OutputSink`` (transports/shm/worker_writes.py: outputs bound for shared
 memory). Before the run the worker asks it for arrays to run outputs straight into, in the shapes
 the last run of the same input shapes gave (``OutputShapes``); after the run it hands it the
 results. ``run_into`` makes such a run, and gives the guess up for good when the model's output
@@ -38,6 +40,16 @@ class OutputSink(Protocol):
 
     def run(self, results: Mapping[str, np.ndarray]) -> None:
         """After the run, on the worker, whenever ``bind`` was called (results empty if it failed)."""
+        ...
+
+
+class InputSource(Protocol):
+    """Where a request's input bytes come from, copied by the model's worker right before its
+    run (transports/shm/worker_reads.py: inputs in POSIX shared memory)."""
+
+    def fill(self) -> None:
+        """On the worker: the inputs' bytes into the arrays the request holds. Raises the error
+        the request fails with (an EdgedError for the client's fault)."""
         ...
 
 

@@ -38,7 +38,7 @@ class Versions:
         model = name
         if served is None:
             if name not in registered:
-                raise ModelNotFoundError(f"unknown model '{name}'")
+                raise ModelNotFoundError.named(name)
             model, own = self.served(name)
             served = {own: name}
         if version == "":
@@ -56,7 +56,7 @@ class Versions:
         if served is not None:
             return list(served.values())
         if name not in registered:
-            raise ModelNotFoundError(f"unknown model '{name}'")
+            raise ModelNotFoundError.named(name)
         return [name]
 
     def listed(self, name: str, ready: Callable[[str], bool]) -> list[str]:

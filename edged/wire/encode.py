@@ -108,13 +108,42 @@ def _output(model: str, out: OutputRequest, results: Mapping[str, np.ndarray]) -
     return arr
 
 
+# The JSON headers of answers whose outputs are all binary, of fixed-size types, with no id:
+# the same bytes for every answer of a model's outputs of the same shapes, so they are written
+# once. Past this many, all are forgotten.
+_HEADERS_KEPT = 256
+_headers: dict[tuple[Any, ...], bytes] = {}
+
+
+def _header_key(
+    model: str, version: str, req: InferRequest, wanted: list[OutputRequest], results: Mapping[str, np.ndarray]
+) -> tuple[Any, ...] | None:
+    """What an all-binary answer's header is known by (its model, version and each output's
+    name, type and shape); None for any other answer, whose header depends on more."""
+    if req.id:
+        return None
+    key: list[Any] = [model, version]
+    for out in wanted:
+        arr = results.get(out.name)
+        if arr is None or not out.binary or out.shm_region is not None or is_bytes(arr.dtype):
+            return None
+        key += (out.name, arr.dtype.str, arr.shape)
+    return tuple(key)
+
+
 def _encode_small(
     model: str, req: InferRequest, results: Mapping[str, np.ndarray], shm: OutputResolver | None, version: str = "1"
 ) -> tuple[bytes, int | None]:
-    """The hot path: one orjson call for the whole JSON document."""
+    """The hot path: one orjson call for the whole JSON document, none for a header written
+    before (``_headers``)."""
+    wanted = _wanted(req, results)
+    key = _header_key(model, version, req, wanted, results)
+    known = None if key is None else _headers.get(key)
+    if known is not None:
+        return b"".join([known, *(results[out.name].tobytes() for out in wanted)]), len(known)
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
-    for out in _wanted(req, results):
+    for out in wanted:
         arr = _output(model, out, results)
         entry: dict[str, Any] = {"name": out.name, "datatype": datatype_of(arr.dtype), "shape": list(arr.shape)}
         if out.shm_region is not None and shm is not None:
@@ -137,6 +166,10 @@ def _encode_small(
         header = orjson.dumps(doc, option=_JSON_OPTS)
     if not chunks:
         return header, None
+    if key is not None:
+        if len(_headers) >= _HEADERS_KEPT:
+            _headers.clear()
+        _headers[key] = header
     return b"".join([header, *chunks]), len(header)
 
 

@@ -132,11 +132,11 @@ def test_shrunk_input_object_is_a_400_not_sigbus(tiny: DaemonProcess, shm_keys: 
         assert c.infer("tiny", {"x": X})["probs"].shape == (1, 4)
 
 
-def test_shrunk_large_input_copied_on_a_thread_is_a_400_not_sigbus(
+def test_shrunk_large_input_copied_off_the_loop_is_a_400_not_sigbus(
     daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, shm_keys: list[str]
 ) -> None:
-    """An input past the loop's copy limit is copied on a copier thread: a shrunk object fails
-    there, that request alone."""
+    """An input past the loop's copy limit is copied off the loop (by the model's worker when it
+    is idle, else a copier thread): a shrunk object fails there, that request alone."""
     from edged.tools.demo import make_tiny_mlp
     from edged.transports.shm.copies import INLINE_COPY_BYTES
 

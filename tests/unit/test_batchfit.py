@@ -79,6 +79,15 @@ def test_a_busy_moment_that_slows_both_runs_of_a_pair_does_not_decide() -> None:
     assert fit.rows == 1 and fit.gains[2] == pytest.approx(1.0)
 
 
+def test_pairs_that_favour_a_batch_do_not_decide_against_the_runs_own_costs() -> None:
+    # The 16-core host's conv640: three pairs caught single runs slow, so the pairs' median says a
+    # batch of 2 helps (1.21x) while the single runs' own cost says it costs (2 * 1447 / 3312).
+    pairs = {2: [(2000.0, 3312.0)] * 3 + [(1447.0, 3400.0)] * 2}
+    fit = decide(pairs, 8)
+    assert fit.rows == 1 and fit.reason.startswith("batching cannot help")
+    assert fit.gains[2] == pytest.approx(2 * 1447 / 3312, abs=1e-3)
+
+
 def test_the_measurement_alternates_single_and_batched_runs() -> None:
     clock = FakeClock()
     run, seen = fake_model(clock, lambda n: 100.0 + 10.0 * n)  # a fixed cost per run: batching pays

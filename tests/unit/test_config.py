@@ -18,6 +18,7 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
     (tmp_path / "edged.toml").write_text('[cache]\ndir = "c"\n[models.det]\npath = "m/det.onnx"\n')
     cfg = load(tmp_path / "edged.toml")
     assert cfg.server.socket == "/run/edged/edged.sock"
+    assert cfg.server.metadata_name == "edged"
     assert cfg.cache.dir == str(tmp_path / "c")
     assert cfg.models["det"].path == str(tmp_path / "m" / "det.onnx")
     assert cfg.models["det"].precision == "fp32" and cfg.models["det"].preload == "boot"
@@ -45,6 +46,8 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
         ),
         ({"models": {"bad name": {"path": "x"}}}, "models.bad name: a model name"),
         ({"mqtt": {"port": 0}}, "mqtt.port: Expected `int` >= 1"),
+        ({"server": {"metadata_name": "tri ton"}}, "server.metadata_name: Expected `str` matching regex"),
+        ({"server": {"metadata_name": ""}}, "server.metadata_name: Expected `str` of length >= 1"),
     ],
 )
 def test_errors_name_file_and_key_path(raw: dict[str, object], message: str) -> None:

@@ -19,11 +19,13 @@ from typing import Any
 import numpy as np
 
 from edged.errors import EdgedError, ShuttingDownError
+from edged.serving.registry import ModelRuntime
 from edged.serving.service import Service, decode_now
 from edged.transports.http.body import BodyBudget, BodyHeaders, body_headers, read_body
 from edged.transports.peer import PEER_KEY, Peer
 from edged.transports.shm.copies import ShmRequest
 from edged.transports.shm.regions import SharedMemoryRegistry
+from edged.transports.shm.worker_reads import WorkerReads
 from edged.wire.decode import InferRequest, Part, parse_header_length, resolve_pending_async
 from edged.wire.encode import OFFLOAD_BYTES, encode_large_async, encode_now
 
@@ -87,6 +89,8 @@ class InferRoute:
                 # Anything awaited since the lookup (a decode off the loop, copies, BYTES to read)
                 # may have let a reload replace the model: such a request goes by name.
                 waited = len(body) > OFFLOAD_BYTES or shm.held is not None or bool(req.pending)
+                # A frame for an idle worker is copied by that worker, right before its run.
+                late = None if req.pending or shm.held is None or not _idle(rt) else shm.held.read_on_worker()
                 if shm.held is not None or req.pending:
                     await _fill(req, shm)
             except EdgedError as e:  # never reached the model: counted here (the service counts the rest)
@@ -95,21 +99,28 @@ class InferRoute:
             # At once where it can (an inline model, the runtime and plan of this very moment).
             outputs = None if waited else svc.infer_now(rt, plan, req.inputs, req.id, "http", received, req.shapes)
             if outputs is None:
-                outputs = await self._infer(name, req, shm, received, tried_now=not waited)
+                outputs = await self._infer(name, req, shm, received, tried_now=not waited, source=late)
             answer = self._encode(name, req, outputs, shm, received)
             return answer if isinstance(answer, tuple) else await answer()
         finally:
             shm.release()
 
     async def _infer(
-        self, name: str, req: InferRequest, shm: _LazyShm, received: int, tried_now: bool
+        self,
+        name: str,
+        req: InferRequest,
+        shm: _LazyShm,
+        received: int,
+        tried_now: bool,
+        source: WorkerReads | None = None,
     ) -> dict[str, np.ndarray]:
         """``Service.infer``, with the outputs bound for shared memory written by the model's
-        worker right after its run (or by the run itself: transports/shm/worker_writes.py)."""
+        worker right after its run (or by the run itself: transports/shm/worker_writes.py), and
+        the inputs of ``source`` copied by it right before."""
         early = shm.request().write_early(req.outputs) if req.outputs and _to_shm(req, OFFLOAD_BYTES) else None
         try:
             return await self.service.infer(
-                name, req.inputs, req.id, received_ns=received, tried_now=tried_now, sink=early
+                name, req.inputs, req.id, received_ns=received, tried_now=tried_now, sink=early, source=source
             )
         except EdgedError:
             settled = None if early is None else early.settled()
@@ -207,6 +218,12 @@ def _to_shm(req: InferRequest, above: int = -1) -> bool:
     return req.outputs is not None and any(o.shm_region is not None and o.shm_size > above for o in req.outputs)
 
 
+def _idle(rt: ModelRuntime) -> bool:
+    """Whether the model has a worker free to copy a request's inputs itself: a busy one leaves
+    them to a copier thread, whose copy then overlaps the run ahead of it."""
+    return rt.queue is not None and rt.queue.idle
+
+
 def _header_length(headers: BodyHeaders) -> int | None:
     header_len = None
     for value in headers.header_lengths:  # each one checked, the last one used
@@ -214,10 +231,23 @@ def _header_length(headers: BodyHeaders) -> int | None:
     return header_len
 
 
+# A model's binary answers have the same header length, so the same response headers: made once.
+_binary_headers: dict[int, Headers] = {}
+_BINARY_HEADERS_KEPT = 256
+
+
 def _answer(body: Body, header_len: int | None) -> Answer:
     if header_len is None:
         return 200, body, JSON_HEADERS
-    return 200, body, [(b"content-type", _BINARY), (b"inference-header-content-length", str(header_len).encode())]
+    headers = _binary_headers.get(header_len)
+    if headers is None:
+        if len(_binary_headers) >= _BINARY_HEADERS_KEPT:
+            _binary_headers.clear()
+        headers = _binary_headers[header_len] = [
+            (b"content-type", _BINARY),
+            (b"inference-header-content-length", str(header_len).encode()),
+        ]
+    return 200, body, headers
 
 
 async def _fill(req: InferRequest, shm: _LazyShm) -> None:

@@ -183,7 +183,7 @@ class Requests:
         extra = {"model": model, "request_id": ""}
         refuse: EdgedError | None = None
         if model not in self.service.registry.models:  # a 404 whatever the body holds, as on the socket
-            refuse = ModelNotFoundError(f"unknown model '{model}'")
+            refuse = ModelNotFoundError.named(model)
         elif self.closing:
             refuse = ShuttingDownError("edged is shutting down")
         received = time.perf_counter_ns()  # the statistics' compute_input starts here (edged/serving/stats.py)

@@ -22,6 +22,7 @@ from edged.errors import EdgedError, SharedMemoryError, SharedMemoryTruncatedErr
 from edged.transports.peer import Peer
 from edged.transports.shm.memfd import submit_populate
 from edged.transports.shm.regions import Region
+from edged.transports.shm.worker_reads import WorkerReads
 from edged.transports.shm.worker_writes import EarlyWrites, Target
 from edged.wire.tensors import OutputRequest
 
@@ -53,6 +54,7 @@ class ShmRequest:
         self._held: list[Region] = []
         self._busy: asyncio.Future[None] | None = None  # a thread still copying
         self.early: EarlyWrites | None = None  # outputs the model's worker writes (``write_early``)
+        self.late: WorkerReads | None = None  # inputs the model's worker copies (``read_on_worker``)
         self._mapped_inputs: list[tuple[Region, int, int]] = []  # (region, position, bytes) read in place
 
     def _take(self, name: str, offset: int, size: int) -> Region:
@@ -130,6 +132,17 @@ class ShmRequest:
         self.early = EarlyWrites(asyncio.get_running_loop(), targets, _write_all)
         return self.early
 
+    def read_on_worker(self) -> WorkerReads | None:
+        """The copies of the inputs ``fill`` would make, handed to the model's worker to make
+        right before its run (worker_reads.py), when they are large enough to leave the loop;
+        None (``fill`` copies them) for small ones, which the loop copies for less than a
+        hand-off costs. ``fill`` then has nothing left to copy."""
+        if not self.reads or sum(buf.nbytes for _, _, buf in self.reads) <= INLINE_COPY_BYTES:
+            return None
+        self.late = WorkerReads(asyncio.get_running_loop(), self.reads, _read_all)
+        self.reads = []
+        return self.late
+
     async def fill(self) -> None:
         await self._run(self.reads, _read_all)
 
@@ -156,6 +169,10 @@ class ShmRequest:
         if self._busy is not None and not self._busy.done():
             self._busy.add_done_callback(self._release_later)
             return
+        if self.late is not None:
+            if not self.late.drop(self.release):  # the worker is copying: released when it is done
+                return
+            self.late = None
         if self.early is not None:
             if not self.early.drop(self.release):  # the worker is writing: released when it is done
                 return
