@@ -1,14 +1,17 @@
 """Which precision ``precision = "auto"`` serves: the fastest of the candidates that passed the
 accuracy gate, where a less precise one has to be faster by a margin.
 
-A pure function of the figures (no numpy, no backend): the build child calls it with the
-candidates it built, judged and timed, and the unit tests call it with figures of their own.
+A pure function of the figures (no numpy, no backend, nothing of edged but the renderings): the
+build child calls it with the candidates it built, judged and timed, and the unit tests call it
+with figures of their own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from edged.quantize.figures import ms_text
 
 # Most precise first: a candidate replaces the one chosen so far only when it is less precise
 # and faster by MARGIN.
@@ -44,10 +47,6 @@ class Choice:
     why: str
 
 
-def _ms(value: float) -> str:
-    return f"{value:.3g} ms"
-
-
 def _rank(c: Candidate) -> int:
     return ORDER.index(c.precision) if c.precision in ORDER else len(ORDER)
 
@@ -64,7 +63,7 @@ def choose(candidates: Sequence[Candidate], margin: float = MARGIN) -> Choice | 
             best = c
     assert best.median_ms is not None
     reasons = [_against(best, c, margin) for c in sorted(candidates, key=_rank) if c is not best]
-    why = f"{best.label} {_ms(best.median_ms)}" + (": " + "; ".join(reasons) if reasons else "")
+    why = f"{best.label} {ms_text(best.median_ms)}" + (": " + "; ".join(reasons) if reasons else "")
     return Choice(best.precision, best.label, why)
 
 
@@ -75,8 +74,8 @@ def _against(best: Candidate, other: Candidate, margin: float) -> str:
     assert best.median_ms is not None and other.median_ms is not None
     gain = 1.0 - best.median_ms / other.median_ms
     if _rank(other) < _rank(best):  # more precise: best beat it by the margin
-        return f"{gain:.1%} faster than {other.label} ({_ms(other.median_ms)})"
+        return f"{gain:.1%} faster than {other.label} ({ms_text(other.median_ms)})"
     if other.median_ms < best.median_ms:  # less precise and faster, within the margin
         lead = 1.0 - other.median_ms / best.median_ms
-        return f"{other.label} {_ms(other.median_ms)} is {lead:.1%} faster, under the {margin:.0%} margin"
-    return f"{other.label} is slower ({_ms(other.median_ms)})"
+        return f"{other.label} {ms_text(other.median_ms)} is {lead:.1%} faster, under the {margin:.0%} margin"
+    return f"{other.label} is slower ({ms_text(other.median_ms)})"

@@ -85,6 +85,8 @@ def test_the_status_line_shows_every_candidate_and_the_choice() -> None:
     assert text.startswith("candidates fp32 61.2 ms [reference], int8 not timed [failed the accuracy gate (x)]")
     assert text.endswith("chose fp32 61.2 ms: int8 failed the accuracy gate (x)")
     assert auto_text(None) == "-"
+    slow = choose([fp32(1105.15), int8(1291.13)])  # a loaded machine's figures
+    assert slow is not None and slow.why == "fp32 1105 ms: int8 is slower (1291 ms)"
 
 
 # --- the timing ----------------------------------------------------------------------------------
