@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError
+from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, NotFoundError
 from edged.serving import triton_docs
 from edged.serving.service import Service
 from edged.serving.states import ModelState
@@ -32,7 +32,12 @@ class Control:
         return pb.ServerReadyResponse(ready=self.service.is_ready())
 
     async def ModelReady(self, req: pb.ModelReadyRequest, ctx: Ctx) -> pb.ModelReadyResponse:
-        rt = self.service.model(self.service.resolve(req.name, req.version))
+        # Triton answers a model or version it does not serve as not ready, with an OK status:
+        # its clients' is_model_ready() reads False rather than raising.
+        try:
+            rt = self.service.model(self.service.resolve(req.name, req.version))
+        except NotFoundError:
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=rt.state == ModelState.READY and not self.service.stopping)
 
     async def ServerMetadata(self, req: pb.ServerMetadataRequest, ctx: Ctx) -> pb.ServerMetadataResponse:
