@@ -58,6 +58,7 @@ from bench.first_request import StagedEdged
 from bench.measure import (
     FLOOR,
     FLOOR_COPIES,
+    FLOOR_PARKED,
     Budget,
     Lane,
     Runner,
@@ -83,9 +84,13 @@ from bench.servers import (
     get_status,
 )
 from bench.wire import closed_loop, connect, roundtrip
+from edged.backends.onnxruntime import SERVING_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "posix", "twin", "inline", "worker", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
+LANES = (
+    *("edged", "posix", "posix-spin", "posix-t1", "twin", "inline", "worker", "auto"),
+    *("fastapi", "echo", "limit", "limitworker", "limitv2"),
+)
 
 
 def _no_copy(server: EdgedServer, spec: ModelSpec, x: np.ndarray, conc: int) -> Runner:
@@ -112,6 +117,12 @@ def servers_for(
         "edged": lambda: EdgedServer(work, one, label="edged") if stages is None else StagedEdged(work, one, stages),
         # Frames through a POSIX object (copied with preadv/pwrite, as Triton's clients register).
         "posix": lambda: EdgedServer(work, one, label="edged-posix", shm="posix"),
+        # The same with ONNX Runtime's pool left spinning after each run (its default), and with
+        # one intra-op thread (no pool to wake): the two other ways around a parked pool's wake-up.
+        "posix-spin": lambda: StagedEdged(work, one, None, shm="posix", spinning=True, label="edged-posix-spin"),
+        "posix-t1": lambda: EdgedServer(
+            work, one, {m: {"threads": 1} for m in one}, label="edged-posix-t1", shm="posix"
+        ),
         "inline": lambda: EdgedServer(work, one, label="edged-inline", server={"inline_threshold_us": 10_000_000}),
         "worker": lambda: EdgedServer(work, one, label="edged-worker", server={"inline_threshold_us": 0}),
         # The models' intra-op threads left to the daemon (threads = 0): the rule's count, or
@@ -300,6 +311,8 @@ def _segment(
     runs = {(FLOOR, c): Lane(floor_runner(sess, spec, x, c), budget) for c in concs}
     if spec.frame and 1 in concs:
         runs[(FLOOR_COPIES, 1)] = Lane(copies_floor_runner(sess, spec, x), budget)
+        parked = session(spec, SERVING_CONFIG)
+        runs[(FLOOR_PARKED, 1)] = Lane(copies_floor_runner(parked, spec, x), budget)
     for s in servers:
         if s.answers:  # the echo and the limit lanes answer nothing the model computed
             check(s, spec, x, want)

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.measure import FLOOR, FLOOR_COPIES, Series
+from bench.measure import FLOOR, FLOOR_COPIES, FLOOR_PARKED, Series
 from bench.models import ModelSpec
 from bench.peers import machine
 from bench.stages import hops
@@ -29,6 +29,7 @@ def report(
     lanes: dict[str, dict[str, Any]] = {}
     floors = {c: series.summary() for c, series in results.get(FLOOR, {}).items()}
     copied = {c: series.summary() for c, series in results.get(FLOOR_COPIES, {}).items()}
+    parked = {c: series.summary() for c, series in results.get(FLOOR_PARKED, {}).items()}
     for name, by_conc in results.items():
         for c, series in by_conc.items():
             d = series.summary()
@@ -41,6 +42,10 @@ def report(
             if copies is not None and copies["p50_ms"] > 0 and name != FLOOR_COPIES:
                 d["p50_over_copies"] = d["p50_ms"] / copies["p50_ms"]
                 ratio += f"  {d['p50_over_copies']:6.3f}x floor+copies"
+            pool = parked.get(c)
+            if pool is not None and pool["p50_ms"] > 0 and name not in (FLOOR_COPIES, FLOOR_PARKED):
+                d["p50_over_parked"] = d["p50_ms"] / pool["p50_ms"]
+                ratio += f"  {d['p50_over_parked']:6.3f}x parked"
             print(
                 f"{spec.name} {name:23} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
                 f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s{ratio}",
