@@ -37,7 +37,8 @@ the socket; the answer is checked against ONNX Runtime's once per connection, un
 
     scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--restarts 4] [--lanes edged,twin,worker]
                               [--base HEAD~1|FOLDER]
-                              [--stages]   (the edged lane's daemon times its stages: medians per lane)
+                              [--stages]   (the edged lane's daemon times its stages, or the posix lane's
+                                            without it: medians per lane)
 """
 
 from __future__ import annotations
@@ -116,7 +117,12 @@ def servers_for(
     make: dict[str, Callable[[], Server]] = {
         "edged": lambda: EdgedServer(work, one, label="edged") if stages is None else StagedEdged(work, one, stages),
         # Frames through a POSIX object (copied with preadv/pwrite, as Triton's clients register).
-        "posix": lambda: EdgedServer(work, one, label="edged-posix", shm="posix"),
+        # Timed instead of the edged lane when that lane is not run (a file of stages per run).
+        "posix": lambda: (
+            EdgedServer(work, one, label="edged-posix", shm="posix")
+            if stages is None or "edged" in lanes
+            else StagedEdged(work, one, stages, shm="posix", label="edged-posix")
+        ),
         # The same with ONNX Runtime's pool left spinning after each run (its default), and with
         # one intra-op thread (no pool to wake): the two other ways around a parked pool's wake-up.
         "posix-spin": lambda: StagedEdged(work, one, None, shm="posix", spinning=True, label="edged-posix-spin"),
@@ -234,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--stages",
         action="store_true",
-        help="the edged lane's daemon with stage timers (bench.stages): per lane, the median of each stage",
+        help="the edged lane's daemon (the posix lane's without it) with stage timers (bench.stages): "
+        "per lane, the median of each stage",
     )
     args = ap.parse_args(argv)
     lanes = [n for n in args.lanes.split(",") if n]
