@@ -4,10 +4,11 @@ timing on a fake clock, the cache key that holds the choice, and the config rule
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
+from edged.backends.base import Backend
 from edged.backends.onnxruntime import OnnxRuntimeBackend
 from edged.config import ConfigError, from_mapping
 from edged.quantize.choice import MARGIN, Candidate, choose
@@ -192,9 +193,15 @@ def test_auto_needs_calibration_data() -> None:
         from_mapping({"models": {"det": {"path": "x", "precision": "auto"}}})
 
 
-def test_backends_without_a_choice_run_fp32() -> None:
-    from edged.backends.llama import LlamaBackend
+class FakeOnePrecision(Backend):
+    """A backend with a single precision (as llama.cpp's, whose module needs llama_cpp, which the
+    unit tests' Python 3.10 venv does not install): pure logic of the base class's rule."""
 
+    name = "fake"
+    precisions: ClassVar[tuple[str, ...]] = ("fp32",)
+
+
+def test_backends_without_a_choice_run_fp32() -> None:
     assert OnnxRuntimeBackend.effective_precision("auto") == ("auto", "")
-    precision, why = LlamaBackend.effective_precision("auto")
+    precision, why = FakeOnePrecision.effective_precision("auto")
     assert precision == "fp32" and "auto" in why
