@@ -91,7 +91,8 @@ async def infer():
         inp.data = [1.5, "NaN", "Infinity", "-Infinity"]  # the SDK's own JSON cannot hold bare NaN
         response = await client.infer("http://edged", InferRequest("p", [inp]), model_name="p")
         got = response.outputs[0].as_numpy()
-        print(json.dumps({"dtype": str(got.dtype), "shape": list(got.shape), "values": [repr(float(v)) for v in got.ravel()]}))
+        values = [repr(float(v)) for v in got.ravel()]
+        print(json.dumps({"dtype": str(got.dtype), "shape": list(got.shape), "values": values}))
     finally:
         await client.close()
 
