@@ -512,7 +512,7 @@ def _typed(p: _InputPlan) -> np.ndarray:
         return from_json_data(p.data, p.dtype, p.shape, where)
     count = math.prod(p.shape)
     if p.data.size != count:
-        raise BadRequestError(f"{where}: shape {list(p.shape)} needs {count} values, the contents have {p.data.size}")
+        raise BadRequestError(f"{where}: shape {list(p.shape)} needs {count} values, {p.data.size} were given")
     try:
         return p.data.astype(p.dtype, copy=False).reshape(p.shape)
     except (ValueError, OverflowError) as e:

@@ -22,6 +22,7 @@ from edged.wire.tensors import (
     OutputRequest,
     OutputResolver,
     datatype_of,
+    parse_dtype,
     tensor_bytes,
 )
 
@@ -72,6 +73,7 @@ def typed_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> np.ndarray 
         return None
     field = CONTENTS_FIELD.get(tensor.datatype)
     if field is None:
+        parse_dtype(tensor.datatype, f"input '{tensor.name}'")  # an unknown one: the decoder's words
         for name in set(CONTENTS_FIELD.values()):
             if len(getattr(tensor.contents, name)):
                 raise BadRequestError(
