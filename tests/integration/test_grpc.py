@@ -95,7 +95,7 @@ def test_an_unknown_model_is_not_found_with_the_http_message(unix: tritongrpc.In
     with pytest.raises(InferenceServerException) as e:
         unix.infer("nope", [inp])
     assert e.value.status() == "StatusCode.NOT_FOUND"
-    assert "unknown model: 'nope' is not found" in e.value.message()
+    assert "Request for unknown model: 'nope' is not found" in e.value.message()
 
 
 @pytest.fixture
