@@ -36,7 +36,7 @@ from edged.transports.peer import Peer
 from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.decode import decode_document
-from edged.wire.kserve import encode_response, request_document, set_parameter
+from edged.wire.kserve import encode_response, planned_request, request_document, set_parameter
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, serialize_bytes
 
@@ -83,7 +83,15 @@ class Inference:
         try:
             req, received = await self._decode(msg, shm)
             name = svc.resolve(msg.model_name, msg.model_version)
-            outputs = await svc.infer(name, req.inputs, req.id, _TRANSPORT, received)
+            # At once where nothing was awaited since the lookup (as HTTP's route does): the
+            # decoder's plan (req.shapes) then spares the model's check of the same shapes.
+            waited = shm.held is not None or bool(req.pending)
+            outputs = None
+            if not waited:
+                rt = svc.model(name)
+                outputs = svc.infer_now(rt, svc.plan_for(rt), req.inputs, req.id, _TRANSPORT, received, req.shapes)
+            if outputs is None:
+                outputs = await svc.infer(name, req.inputs, req.id, _TRANSPORT, received, tried_now=not waited)
             ran = time.perf_counter_ns()
             model, version = svc.versions().served(name)
             try:
@@ -109,11 +117,15 @@ class Inference:
             received = time.perf_counter_ns()
             plan = svc.plan_for(svc.model(name))
             self._check_size(msg, plan.limits.json_bytes)
-            doc, raws, typed = request_document(msg)
-            if typed > _TYPED_ON_LOOP:
-                req = await asyncio.to_thread(decode_document, doc, raws, shm.input, plan.limits)
+            planned = planned_request(msg, shm.input, plan.limits)
+            if planned is not None:
+                req = planned
             else:
-                req = decode_document(doc, raws, shm.input, plan.limits)
+                doc, raws, typed = request_document(msg)
+                if typed > _TYPED_ON_LOOP:
+                    req = await asyncio.to_thread(decode_document, doc, raws, shm.input, plan.limits)
+                else:
+                    req = decode_document(doc, raws, shm.input, plan.limits)
             outputs_checked(plan, req)
             if shm.held is not None or req.pending:
                 await fill_inputs(req, shm)
