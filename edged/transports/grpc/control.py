@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError
+from edged.errors import (
+    BadRequestError,
+    CudaSharedMemoryNotSupportedError,
+    ModelNotFoundError,
+    ModelVersionNotFoundError,
+)
 from edged.serving import triton_docs
 from edged.serving.service import Service
 from edged.serving.states import ModelState
@@ -32,7 +37,12 @@ class Control:
         return pb.ServerReadyResponse(ready=self.service.is_ready())
 
     async def ModelReady(self, req: pb.ModelReadyRequest, ctx: Ctx) -> pb.ModelReadyResponse:
-        rt = self.service.model(self.service.resolve(req.name, req.version))
+        """Not ready, rather than an error, for a model or version not served: what Triton's
+        ModelReady answers, and what tritonclient's is_model_ready gets over HTTP (False)."""
+        try:
+            rt = self.service.model(self.service.resolve(req.name, req.version))
+        except (ModelNotFoundError, ModelVersionNotFoundError):
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=rt.state == ModelState.READY and not self.service.stopping)
 
     async def ServerMetadata(self, req: pb.ServerMetadataRequest, ctx: Ctx) -> pb.ServerMetadataResponse:
