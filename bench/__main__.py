@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "peers": ("bench.peers", "edged against PyTriton, FastAPI and in-process ONNX Runtime (JSON, Markdown, PNG)"),
     "mqtt": ("bench.mqtt", "MQTT round trips against a plain paho echo through the same broker"),
     "int8": ("bench.int8", "INT8 (mixed) against FP32 on real models: task metric, latency, search"),
+    "auto": ("bench.auto", 'precision = "auto" against an explicit int8 build of the demo detector: time, choice'),
     "fuzz": ("bench.fuzz", "mutated requests and hostile peers against a live daemon: crashes, stalls, 5xx, RSS"),
     "soak": ("bench.soak", "mixed socket, shm and MQTT clients with a reload and a broker restart"),
     "llm": ("bench.llm", "language model: TTFT, tokens/s, restarts against llama-server and llama_cpp.server"),

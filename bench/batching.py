@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from bench.base_tree import BaseEdged
 from bench.measure import Budget, server_runner
 from bench.models import ModelSpec, batchable, make_conv640, session
-from bench.overhead import BaseEdged
 from bench.peers import REPO, log, machine, running
 from bench.servers import EdgedServer, check, get_status
 

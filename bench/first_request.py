@@ -56,8 +56,9 @@ class StagedEdged(EdgedServer):
         options: dict[str, dict[str, Any]] | None = None,
         spinning: bool = False,
         shm: str = "memfd",
+        label: str = "edged",
     ) -> None:
-        super().__init__(work, specs, options=options, shm=shm)
+        super().__init__(work, specs, options=options, shm=shm, label=label)
         self.stages_file = stages_file
         self.spinning = spinning
 

@@ -30,6 +30,9 @@ FLOOR = "in-process"
 # of it (preadv into the buffer the run reads), the run, and the answer's copy out (pwrite into
 # the object), all in this process: what a server that copies as edged does cannot beat.
 FLOOR_COPIES = "in-process+copies"
+# The same, on a session with edged's serving options (its pool parked after every run, as a
+# daemon's is): the floor of a server that may not leave a pool spinning between requests.
+FLOOR_PARKED = "in-process+copies, pool parked"
 
 
 @dataclass(frozen=True)

@@ -150,11 +150,14 @@ def read_specs(path: Path) -> dict[str, ModelSpec]:
     return {d["name"]: ModelSpec.from_json(d) for d in json.loads(path.read_text())}
 
 
-def session(spec: ModelSpec) -> Any:
-    """An ONNX Runtime session as every server builds it (the spec's threads, default optimisation)."""
+def session(spec: ModelSpec, config: dict[str, str] | None = None) -> Any:
+    """An ONNX Runtime session as every server builds it (the spec's threads, default optimisation);
+    ``config``: session config entries on top (edged's serving ones, for a like-for-like floor)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
     so.log_severity_level = 3
     so.intra_op_num_threads = spec.threads
     so.inter_op_num_threads = 1

@@ -37,18 +37,15 @@ the socket; the answer is checked against ONNX Runtime's once per connection, un
 
     scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--restarts 4] [--lanes edged,twin,worker]
                               [--base HEAD~1|FOLDER]
-                              [--stages]   (the edged lane's daemon times its stages: medians per lane)
+                              [--stages]   (the edged lane's daemon times its stages, or the posix lane's
+                                            without it: medians per lane)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import statistics
-import subprocess
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -57,10 +54,12 @@ from typing import Any
 
 import numpy as np
 
+from bench.base_tree import BaseEdged
 from bench.first_request import StagedEdged
 from bench.measure import (
     FLOOR,
     FLOOR_COPIES,
+    FLOOR_PARKED,
     Budget,
     Lane,
     Runner,
@@ -73,7 +72,7 @@ from bench.measure import (
     server_runner,
 )
 from bench.models import ModelSpec, prepare, session, write_specs
-from bench.peers import machine
+from bench.overhead_report import lane_stages, report
 from bench.servers import (
     EchoServer,
     EdgedServer,
@@ -85,70 +84,14 @@ from bench.servers import (
     check,
     get_status,
 )
-from bench.stages import hops
 from bench.wire import closed_loop, connect, roundtrip
+from edged.backends.onnxruntime import SERVING_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
-LANES = ("edged", "posix", "twin", "inline", "worker", "auto", "fastapi", "echo", "limit", "limitworker", "limitv2")
-
-
-def _first_on_path(folder: Path) -> str:
-    """``folder`` first on the daemon's path, then this checkout and the caller's own path
-    (scripts/bench_offline.sh puts its private site-packages there)."""
-    return os.pathsep.join(p for p in (str(folder), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-
-
-class BaseEdged(EdgedServer):
-    """edged's package from another commit, found before this tree's on the daemon's path."""
-
-    def __init__(
-        self,
-        work: Path,
-        specs: dict[str, ModelSpec],
-        commit: str,
-        server: dict[str, Any] | None = None,
-        options: dict[str, dict[str, Any]] | None = None,
-    ) -> None:
-        self.tree = work / "base-tree"
-        export(commit, self.tree)
-        super().__init__(work, specs, options, label="edged-base", server=server)
-        self.cwd = self.tree  # its children too (the build worker is `python -m edged.quantize.worker`)
-
-    def extra_env(self) -> dict[str, str]:
-        return dict(super().extra_env(), PYTHONPATH=_first_on_path(self.tree))
-
-    def command(self) -> list[str]:
-        # Not ``python -m edged``: -m puts the working directory (this checkout) first on
-        # sys.path, ahead of PYTHONPATH, so the daemon would run this tree's edged, not the base's.
-        # The tree goes first explicitly, and the daemon refuses to start if edged comes from
-        # anywhere else.
-        boot = tree_boot("sys.argv[0] = 'edged'; runpy.run_module('edged', run_name='__main__', alter_sys=True)")
-        return [self.python, "-c", boot, str(self.tree), *super().command()[3:]]
-
-
-def tree_boot(then: str) -> str:
-    """A ``python -c`` program that puts its first argument (a folder holding edged/) first on
-    sys.path, imports edged from there (refusing to go on if it came from anywhere else), drops
-    that argument and runs ``then`` (Python, with runpy and sys imported)."""
-    return (
-        "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); import edged; "
-        "assert edged.__file__.startswith(sys.path[0] + '/'), ('the tree measured runs', edged.__file__); " + then
-    )
-
-
-def export(commit: str, dest: Path) -> None:
-    """edged/ as of ``commit`` into ``dest`` (the benchmark and its helpers stay this tree's).
-    ``commit`` may also be a folder holding an edged/ package (a machine without the git
-    history: export it here with ``git archive COMMIT edged | tar -x -C data/base``)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    if (Path(commit) / "edged" / "__init__.py").is_file():
-        shutil.copytree(Path(commit) / "edged", dest / "edged", ignore=shutil.ignore_patterns("__pycache__"))
-        return
-    archive = dest / "edged.tar"
-    subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), commit, "edged"], check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
-    archive.unlink()
+LANES = (
+    *("edged", "posix", "posix-spin", "posix-t1", "twin", "inline", "worker", "auto"),
+    *("fastapi", "echo", "limit", "limitworker", "limitv2"),
+)
 
 
 def _no_copy(server: EdgedServer, spec: ModelSpec, x: np.ndarray, conc: int) -> Runner:
@@ -174,7 +117,18 @@ def servers_for(
     make: dict[str, Callable[[], Server]] = {
         "edged": lambda: EdgedServer(work, one, label="edged") if stages is None else StagedEdged(work, one, stages),
         # Frames through a POSIX object (copied with preadv/pwrite, as Triton's clients register).
-        "posix": lambda: EdgedServer(work, one, label="edged-posix", shm="posix"),
+        # Timed instead of the edged lane when that lane is not run (a file of stages per run).
+        "posix": lambda: (
+            EdgedServer(work, one, label="edged-posix", shm="posix")
+            if stages is None or "edged" in lanes
+            else StagedEdged(work, one, stages, shm="posix", label="edged-posix")
+        ),
+        # The same with ONNX Runtime's pool left spinning after each run (its default), and with
+        # one intra-op thread (no pool to wake): the two other ways around a parked pool's wake-up.
+        "posix-spin": lambda: StagedEdged(work, one, None, shm="posix", spinning=True, label="edged-posix-spin"),
+        "posix-t1": lambda: EdgedServer(
+            work, one, {m: {"threads": 1} for m in one}, label="edged-posix-t1", shm="posix"
+        ),
         "inline": lambda: EdgedServer(work, one, label="edged-inline", server={"inline_threshold_us": 10_000_000}),
         "worker": lambda: EdgedServer(work, one, label="edged-worker", server={"inline_threshold_us": 0}),
         # The models' intra-op threads left to the daemon (threads = 0): the rule's count, or
@@ -257,54 +211,6 @@ def _in_place(server: EdgedServer, spec: ModelSpec, x: np.ndarray, want: np.ndar
     return run
 
 
-def report(
-    spec: ModelSpec,
-    results: dict[str, dict[int, Series]],
-    placements: list[str],
-    out: Path | None,
-    stages: dict[str, dict[str, float]] | None = None,
-    run: dict[str, int] | None = None,
-) -> None:
-    """Each lane's figures, as ratios to the floor's in the same rounds too, printed and written
-    (``run``: the rounds and the starts they were shared among)."""
-    lanes: dict[str, dict[str, Any]] = {}
-    floors = {c: series.summary() for c, series in results.get(FLOOR, {}).items()}
-    copied = {c: series.summary() for c, series in results.get(FLOOR_COPIES, {}).items()}
-    for name, by_conc in results.items():
-        for c, series in by_conc.items():
-            d = series.summary()
-            floor = floors.get(c)
-            if floor is not None and floor["p50_ms"] > 0:
-                d["p50_over_floor"] = d["p50_ms"] / floor["p50_ms"]
-            lanes.setdefault(name, {})[str(c)] = d
-            ratio = f"  {d['p50_over_floor']:6.3f}x floor" if "p50_over_floor" in d else ""
-            copies = copied.get(c)
-            if copies is not None and copies["p50_ms"] > 0 and name != FLOOR_COPIES:
-                d["p50_over_copies"] = d["p50_ms"] / copies["p50_ms"]
-                ratio += f"  {d['p50_over_copies']:6.3f}x floor+copies"
-            print(
-                f"{spec.name} {name:23} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
-                f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s{ratio}",
-                flush=True,
-            )
-    for line in placements:
-        print(line, flush=True)
-    for lane, med in (stages or {}).items():
-        print(f"{spec.name} {lane:27} stages, medians (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
-    out = out or REPO / "bench-results" / f"overhead_{spec.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "model": spec.name,
-        "machine": machine(),
-        **(run or {}),
-        "lanes": lanes,
-        "placement": placements,
-        "stages": stages,
-    }
-    out.write_text(json.dumps(doc, indent=2))
-    print(f"written to {out}", flush=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=8)
@@ -334,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--stages",
         action="store_true",
-        help="the edged lane's daemon with stage timers (bench.stages): per lane, the median of each stage",
+        help="the edged lane's daemon (the posix lane's without it) with stage timers (bench.stages): "
+        "per lane, the median of each stage",
     )
     args = ap.parse_args(argv)
     lanes = [n for n in args.lanes.split(",") if n]
@@ -411,6 +318,8 @@ def _segment(
     runs = {(FLOOR, c): Lane(floor_runner(sess, spec, x, c), budget) for c in concs}
     if spec.frame and 1 in concs:
         runs[(FLOOR_COPIES, 1)] = Lane(copies_floor_runner(sess, spec, x), budget)
+        parked = session(spec, SERVING_CONFIG)
+        runs[(FLOOR_PARKED, 1)] = Lane(copies_floor_runner(parked, spec, x), budget)
     for s in servers:
         if s.answers:  # the echo and the limit lanes answer nothing the model computed
             check(s, spec, x, want)
@@ -441,27 +350,6 @@ def _windowed(name: str, run: Runner, windows: list[tuple[str, float, float]]) -
             windows.append((name, t0, time.time()))
 
     return timed
-
-
-def lane_stages(path: Path, windows: list[tuple[str, float, float]], model: str) -> dict[str, dict[str, float]]:
-    """Per lane, the median of each stage the daemon timed (ms), and of the two hand-offs to the
-    model's worker and back (from the stages' start and end times)."""
-    per: dict[str, dict[str, list[float]]] = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        if rec["path"] != f"/v2/models/{model}/infer":
-            continue
-        lane = next((name for name, t0, t1 in windows if t0 <= rec["at"] <= t1), None)
-        if lane is None:  # the warm-up's, the checks', the unrecorded first bursts' requests
-            continue
-        mine = per.setdefault(lane, {})
-        for stage, ms in rec["ms"].items():
-            mine.setdefault(stage, []).append(ms)
-        worker = hops(rec["at_ms"]).get("to worker")
-        if worker is not None:
-            mine.setdefault("to worker", []).append(worker[0])
-            mine.setdefault("back", []).append(worker[1])
-    return {lane: {k: statistics.median(v) for k, v in stages.items()} for lane, stages in per.items()}
 
 
 if __name__ == "__main__":

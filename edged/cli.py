@@ -160,7 +160,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for m in report["models"]
     ]
     print_table(("model", "plan", "backend", "precision", "prio", "footprint", "engine", "reason"), rows)
+    _auto_lines(report["models"])
     return 0
+
+
+def _auto_lines(models: list[dict[str, Any]]) -> None:
+    """precision = "auto": each candidate's median and gate, and the choice, under the table."""
+    from edged.quantize.figures import auto_text
+
+    for m in models:
+        if m.get("auto"):
+            print(f"{m['name']}: auto: {auto_text(m['auto'])}")
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -205,6 +215,7 @@ def _models_table(st: dict[str, Any]) -> None:
         for n, m in st["models"].items()
     ]
     print_table(("model", "state", "backend", "precision", "requests", "p50 ms", "reason"), rows)
+    _auto_lines([dict(m, name=n) for n, m in st["models"].items()])
     for n, m in st["models"].items():
         origin = m.get("repository") or {}
         if origin.get("note"):  # what a repository model serves otherwise than its config.pbtxt asks

@@ -6,7 +6,7 @@
 #   scripts/bench.sh peers [--quick] [--publish docs/img]   # edged vs FastAPI vs PyTriton vs in-process
 #   scripts/bench.sh first-request [--starts 7] [--stages] [--variants default,spinning]
 #                                                # first request after READY=1 / after the same idle gap
-#   scripts/bench.sh mqtt | int8 | fuzz | soak | llm | overhead | batching | grpc
+#   scripts/bench.sh mqtt | int8 | auto | fuzz | soak | llm | overhead | batching | grpc
 #
 # Output goes under bench-results/. PyTriton (peers only) pins numpy<2, which the project's venv
 # cannot take (it has numpy 2), so its server runs from its own venv, bench/.venv, built on the same

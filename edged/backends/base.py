@@ -180,7 +180,10 @@ class Backend(abc.ABC):
 
     @classmethod
     def effective_precision(cls, wanted: str) -> tuple[str, str]:
-        """(precision this backend will run, reason when it differs from ``wanted``)."""
+        """(precision this backend will run, reason when it differs from ``wanted``). ``auto``
+        stays ``auto`` (the build chooses among ``precisions``) where there is a choice to make."""
+        if wanted == "auto" and len(cls.precisions) > 1:
+            return "auto", ""
         if wanted in cls.precisions:
             return wanted, ""
         return "fp32", f"{cls.name} has no {wanted} path; running fp32"

@@ -1,8 +1,9 @@
 """Collecting the engine cache: old generations, the quarantine and the digest index.
 
 A generation is one build of a model for one device and library version: the entries that share
-every key field except the precision, the calibration and the gate (an int8 record the gate
-rejected and the fp32 engine it fell back to are one generation). Per model the newest
+every key field except the precision, the calibration, the gate and auto's settings (an int8
+record the gate rejected and the fp32 engine it fell back to are one generation, and so are a
+``precision = "auto"`` choice and its candidates). Per model the newest
 ``keep_generations`` stay, and so does every entry in use; older ones go with their Q/DQ models.
 The quarantine is bounded by count and bytes, oldest first. Everything here reads and deletes
 files: call it from a worker thread, never on the event loop.
@@ -23,8 +24,9 @@ from edged.cache.store import EngineCache
 
 log = logging.getLogger(__name__)
 
-# Key fields that differ between the precisions of one generation.
-_PER_PRECISION = ("precision", "calibration", "gate")
+# Key fields that differ between the precisions of one generation (``auto``: a choice among them
+# belongs to the generation of the candidates it chose from).
+_PER_PRECISION = ("precision", "calibration", "gate", "auto")
 
 
 @dataclass

@@ -11,7 +11,8 @@ DEFAULT_CONFIG = "/etc/edged/edged.toml"
 DEFAULT_CACHE = "/var/cache/edged/engines"
 
 Backend = Literal["auto", "onnxruntime", "tensorrt", "llama"]
-Precision = Literal["fp32", "fp16", "int8"]
+# "auto": every precision the backend can build that passes the gate is timed; the fastest serves.
+Precision = Literal["auto", "fp32", "fp16", "int8"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]

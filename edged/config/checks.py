@@ -51,9 +51,10 @@ def check_model(name: str, model: ModelConfig, src: str) -> None:
     where = f"{src}: models.{name}"
     if not NAME_RE.match(name):
         raise ConfigError(f"{where}: a model name is 1-64 of [A-Za-z0-9_.-], starting alnum")
-    if model.precision == "int8" and model.calibration is None:
+    if model.precision in ("int8", "auto") and model.calibration is None:
+        # auto's candidates include int8, and every reduced candidate is judged on held-out samples.
         raise ConfigError(
-            f"{where}.precision: int8 needs calibration data; add a table "
+            f"{where}.precision: {model.precision} needs calibration data; add a table "
             f'[models.{name}.calibration] with data = "folder of .npy/.npz samples or images"'
         )
     for inp, prof in model.profiles.items():

@@ -18,6 +18,10 @@ from edged.errors import InvalidInputError
 MAX_REPEAT = 1000
 MAX_SCHEMA_DEPTH = 64
 _REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
+# Keywords llama-cpp-python's schema converter (llama_grammar.json_schema_to_gbnf, 0.3.36) drops
+# without a word: a schema asking `"maximum": 150` got an age of 10851. Refused by name rather
+# than served unenforced.
+_UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
@@ -45,6 +49,8 @@ def costly_schema(schema: dict[str, Any]) -> str:
 
 def _costly_keyword(key: Any, value: Any) -> str:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key in _UNENFORCED and number:
+        return "is not enforced by the grammar (numeric bounds are not served): leave it out and check the value"
     if key in _REPEAT_KEYS and number and value > MAX_REPEAT:
         return f"is {value}; bounds above {MAX_REPEAT} are not served"
     if key == "pattern" and isinstance(value, str):

@@ -28,3 +28,26 @@ def precision_text(precision: str | None, gate: Mapping[str, Any] | None) -> str
     if precision == "int8" and search.get("passed") and search.get("excluded"):
         return "int8 (mixed)"
     return precision or "-"
+
+
+def ms_text(value: float) -> str:
+    """A median in milliseconds with three significant digits, never in exponent form."""
+    if value >= 100:
+        return f"{value:.0f} ms"
+    return f"{value:.3g} ms"
+
+
+def auto_text(auto: Mapping[str, Any] | None) -> str:
+    """One line for ``edged plan``/``status``: each candidate of ``precision = "auto"`` with its
+    median and gate, then the choice and why."""
+    if not auto or not auto.get("choice"):
+        return "-"
+    parts = []
+    for c in auto.get("candidates", []):
+        ms = c.get("median_ms")
+        timed = ms_text(ms) if isinstance(ms, (int, float)) else "not timed"
+        verdict = c.get("gate") or ("reference" if c.get("precision") == "fp32" else "")
+        if not c.get("passed"):
+            verdict = c.get("note", "not eligible")
+        parts.append(f"{c.get('label', c.get('precision'))} {timed}" + (f" [{verdict}]" if verdict else ""))
+    return f"candidates {', '.join(parts)}; chose {auto['choice']['why']}"

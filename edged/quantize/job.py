@@ -16,6 +16,7 @@ import msgspec
 from edged.backends.base import Backend
 from edged.cache.store import cache_key
 from edged.config import ModelConfig
+from edged.quantize.choice import MARGIN
 
 # The build option naming the Q/DQ model's nodes a mixed-precision search kept out of INT8:
 # ONNX Runtime runs them FP32 as written; TensorRT may run them FP16.
@@ -24,6 +25,9 @@ FLOAT_NODES_OPTION = "int8_float_nodes"
 # what the pipeline makes of the same inputs (the Q/DQ recipe, the search, the fallback), so that
 # entries already cached are built again the new way rather than served as they were.
 PIPELINE_RECIPE = "1"
+# Part of the key of a ``precision = "auto"`` choice: change it with any change to how the
+# candidates are timed or chosen, so that choices already made are made again.
+AUTO_RECIPE = "1"
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,9 @@ class BuildJob:
     gate: dict[str, Any] = field(default_factory=dict)
     # cache.generation_tag: an operator's forced new generation (empty: not part of the key).
     generation_tag: str = ""
+    # precision = "auto": what the candidates are timed with (the warm-up table, threads and
+    # instances the model serves with); empty otherwise.
+    timing: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +86,7 @@ def key_fields(job: BuildJob, cls: type[Backend]) -> dict[str, Any]:
         "options": job.options,
         "recipe": {"pipeline": PIPELINE_RECIPE, "backend": cls.build_recipe},
     }
-    if job.precision == "int8" and job.calibration is not None:
+    if job.precision in ("int8", "auto") and job.calibration is not None:
         fields["calibration"] = {
             "digest": job.calibration_digest,
             "method": job.calibration.get("method"),
@@ -88,6 +95,10 @@ def key_fields(job: BuildJob, cls: type[Backend]) -> dict[str, Any]:
     if job.precision != "fp32" and job.calibration is not None:
         # The held-out share decides which samples calibrate, the thresholds decide the verdict.
         fields["gate"] = job.gate
+    if job.precision == "auto":
+        # The choice rests on timings at these shapes and threads, by this rule: any change
+        # makes it again. The device is in the key above, so another device chooses anew.
+        fields["auto"] = {"recipe": AUTO_RECIPE, "margin": MARGIN, "timing": job.timing}
     if job.generation_tag:
         fields["generation_tag"] = job.generation_tag
     return fields
@@ -110,8 +121,12 @@ def make_job(
     profiles = {k: [p.min, p.opt, p.max] for k, p in sorted(model.profiles.items())}
     cal = msgspec.structs.asdict(model.calibration) if model.calibration is not None else None
     cal_digest = ""
-    if precision == "int8" and model.calibration is not None and calibration_digest is not None:
+    if precision in ("int8", "auto") and model.calibration is not None and calibration_digest is not None:
         cal_digest = calibration_digest(model)
+    timing: dict[str, Any] = {}
+    if precision == "auto":
+        warmup = msgspec.to_builtins(model.warmup)
+        timing = {"warmup": warmup, "threads": model.threads, "instances": model.instances}
     return BuildJob(
         model=name,
         source=model.path,
@@ -125,4 +140,5 @@ def make_job(
         calibration_digest=cal_digest,
         gate=msgspec.structs.asdict(model.gate),
         generation_tag=generation_tag,
+        timing=timing,
     )

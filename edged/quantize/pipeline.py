@@ -132,14 +132,21 @@ def _build_artifact(
     return cls.build(spec, tmp, progress)
 
 
-def build_precision(job: BuildJob, cls: type[Backend], cache: EngineCache, progress: Progress) -> Entry:
-    """Build ``job`` at its precision (unless another process has), judging reduced precisions;
-    on a failed gate record why and build the fallback instead. Returns the entry to serve."""
+def build_one(job: BuildJob, cls: type[Backend], cache: EngineCache, progress: Progress) -> Entry:
+    """The entry of ``job``'s key, built and judged at its precision unless another process has;
+    an entry without an artefact is a precision its gate rejected (the manifest says why)."""
     key = job_key(job, cls)
     with cache.lock(job.model, key):
         existing = cache.lookup(job.model, key, cls.artifact_suffix)
         if existing is None:
             existing = _build_locked(job, cls, cache, key, progress)
+    return existing
+
+
+def build_precision(job: BuildJob, cls: type[Backend], cache: EngineCache, progress: Progress) -> Entry:
+    """Build ``job`` at its precision (unless another process has), judging reduced precisions;
+    on a failed gate record why and build the fallback instead. Returns the entry to serve."""
+    existing = build_one(job, cls, cache, progress)
     fallback = existing.manifest.get("fallback")
     if existing.manifest.get("artifact") is None and fallback:
         try:

@@ -18,6 +18,7 @@ from typing import IO, Any
 from edged.backends import backend_class
 from edged.cache.store import EngineCache, Entry
 from edged.config import format_size
+from edged.quantize.auto import build_auto
 from edged.quantize.job import BuildJob
 from edged.quantize.pipeline import build_precision
 
@@ -66,7 +67,8 @@ def run(job: BuildJob, events: Events) -> Entry:
     cache = EngineCache(job.cache_dir)
     cache.prepare()
     _test_delay(events, job.model)
-    return build_precision(job, cls, cache, events.progress)
+    build = build_auto if job.precision == "auto" else build_precision
+    return build(job, cls, cache, events.progress)
 
 
 def disk_full(e: BaseException, directory: str, needed: int) -> str:

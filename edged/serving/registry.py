@@ -66,6 +66,8 @@ class ModelRuntime:
     batching: BatchFit | None = None  # whether batches form, measured at warm-up
     last_used: float = field(default_factory=time.monotonic)
     gate: dict[str, Any] | None = None
+    # precision = "auto": every candidate's figures, the choice and why (the choice's manifest).
+    auto: dict[str, Any] | None = None
     loading: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set on a stand-in that serves while the real engine builds: what it stands in for
     # ("tensorrt int8"); its entry is then not a cache entry and is never rewritten.
@@ -115,6 +117,7 @@ class ModelRuntime:
             "batching": self.batching.to_dict() if self.batching else None,
             "cache_key": self.entry.key if self.entry and not self.stands_in_for else None,
             "gate": self.gate,
+            "auto": self.auto,
             # TensorRT's DLA builds: the layers it reported as falling back to the GPU.
             "dla_gpu_fallback": self.entry.manifest.get("dla_gpu_fallback") if self.entry else None,
             "fallback": bool(self.stands_in_for),
@@ -231,6 +234,11 @@ class Registry:
                     # An fp32 fallback has no gate of its own: keep the rejected one's figures.
                     rt.gate = entry.manifest.get("gate") or rt.gate
                 return entry
+            auto = entry.manifest.get("auto") or {}
+            if auto.get("choice"):  # precision = "auto": the candidates were timed, one chosen
+                rt.auto, rt.precision_reason = auto, f"auto chose {auto['choice']['why']}"
+                job = job.at_precision(str(auto["choice"]["precision"]))
+                continue
             fallback = entry.manifest.get("fallback")
             rt.gate = entry.manifest.get("gate")
             rt.precision_reason = entry.manifest.get("reason", "")

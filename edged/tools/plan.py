@@ -81,6 +81,7 @@ def offline_plan(cfg: Config) -> dict[str, Any]:
                 "measured": rt.measured,
                 "cached": rt.entry is not None,
                 "gate": rt.gate,
+                "auto": rt.auto,
             }
         )
     reg.digests.save()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -21,6 +22,28 @@ def test_demo_config_is_valid() -> None:
     cfg = load(REPO / "configs" / "demo.toml")
     assert set(cfg.models) == {"ocr_det", "tiny", "smollm2"}
     assert cfg.models["ocr_det"].profiles["x"].opt == [1, 3, 640, 640]
+    det = cfg.models["ocr_det"]
+    assert det.precision == "auto" and det.calibration is not None and det.gate.metrics == ("mask_iou",)
+    assert det.calibration.data == str(REPO / "data" / "calib" / "ocr_det")  # what the demo's set-up makes
+
+
+def test_the_demo_set_up_renders_the_detectors_calibration_pages(tmp_path: Path) -> None:
+    from edged.config import CalibrationConfig
+    from edged.quantize.calibrate import CalibrationSet
+    from edged.tools.demo import DEMO_PAGES, detector_pages
+
+    pages = detector_pages(tmp_path)
+    assert pages == tmp_path / "calib" / "ocr_det" and len(list(pages.glob("*.png"))) == DEMO_PAGES
+    assert not list(tmp_path.glob("calib/.*"))  # nothing half-written beside it
+    # They load as configs/demo.toml reads them (its calibration table, with this folder).
+    table = load(REPO / "configs" / "demo.toml").models["ocr_det"].calibration
+    assert table is not None
+    cal = CalibrationConfig(**dict(msgspec.structs.asdict(table), data=str(pages)))
+    from edged.backends.base import TensorSpec
+
+    samples = CalibrationSet.load(cal, (TensorSpec("x", "float32", (-1, 3, -1, -1)),))
+    assert len(samples) == DEMO_PAGES
+    assert detector_pages(tmp_path) == pages  # rendered once
 
 
 def test_detector_frame_through_shared_memory(daemon_factory: Callable[..., DaemonProcess], demo_models: Path) -> None:

@@ -73,7 +73,7 @@ def test_penalties_keep_a_response_format(openai_client: Any) -> None:
     # The grammar's refused draws never enter the penalties' history; the answer stays JSON.
     out = openai_client.chat.completions.create(
         model="llm",
-        messages=[{"role": "user", "content": "Reply with an empty JSON object."}],
+        messages=[{"role": "user", "content": 'Reply with exactly this JSON and nothing else: {"ok": true}'}],
         max_tokens=120,
         temperature=0,
         frequency_penalty=1.0,

@@ -36,7 +36,7 @@ PERSON = {
     "properties": {
         # Bounded, so that the answer is a few dozen tokens whatever the model does.
         "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "age": {"type": "integer"},
         "pets": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
     },
     "required": ["name", "age", "pets"],
@@ -52,8 +52,9 @@ def _schema(schema: Any) -> dict[str, Any]:
 
 
 def test_json_object_gives_text_that_parses(openai_client: Any) -> None:
-    # A prompt the model answers, greedily, with a short object: the grammar keeps it JSON, not short.
-    ask = [{"role": "user", "content": "Reply with an empty JSON object."}]
+    # A prompt the model answers, greedily, with a short object (asked for an empty one, SmolLM2 nests
+    # objects until max_tokens on some CPUs' kernels): the grammar keeps it JSON, not short.
+    ask = [{"role": "user", "content": 'Reply with exactly this JSON and nothing else: {"ok": true}'}]
     fmt = {"type": "json_object"}
     out = openai_client.chat.completions.create(
         model="llm", messages=ask, max_tokens=120, temperature=0, response_format=fmt
@@ -87,7 +88,7 @@ def test_json_schema_gives_its_required_keys_and_types(openai_client: Any, tempe
     doc = json.loads(out.choices[0].message.content)
     assert set(doc) == {"name", "age", "pets"}
     assert isinstance(doc["name"], str) and len(doc["name"]) <= 12
-    assert isinstance(doc["age"], int) and 0 <= doc["age"] <= 150
+    assert isinstance(doc["age"], int)
     assert isinstance(doc["pets"], list) and len(doc["pets"]) <= 2 and all(isinstance(p, str) for p in doc["pets"])
 
 
@@ -195,6 +196,11 @@ def test_usage_reports_the_prompt_tokens_reused_from_a_kept_prefix(openai_client
         # Expanded, bounds like these are grammars deep enough to end the daemon.
         (_schema({"type": "string", "maxLength": 50000}), "maxLength is 50000"),
         (_schema({"type": "string", "pattern": "^a{0,20000}$"}), "pattern repeats 20000 times"),
+        # Numeric bounds the converter would drop without a word are refused by name.
+        (
+            _schema({"type": "object", "properties": {"age": {"type": "integer", "maximum": 150}}}),
+            "maximum is not enforced",
+        ),
         (_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}), "llama.cpp"),
         ({"type": "xml"}, "json_object or json_schema"),
     ],
@@ -268,7 +274,7 @@ def test_mqtt_serves_json_and_refuses_logprobs(module_broker: Broker, edge: Daem
         # The same grammar as HTTP's: the streamed text is one JSON object.
         reply = f"reply/{uuid.uuid4().hex}"
         peer.subscribe(reply)
-        ask = [{"role": "user", "content": "Reply with an empty JSON object."}]
+        ask = [{"role": "user", "content": 'Reply with exactly this JSON and nothing else: {"ok": true}'}]
         request = {"messages": ask, "max_tokens": 120, "temperature": 0, "response_format": {"type": "json_object"}}
         peer.request(f"edged/{DEV}/models/llm/generate", json.dumps(request), reply, b"j", "application/json")
         peer.first(reply, lambda r: r.json()["final"], timeout=120)

@@ -5,17 +5,16 @@ JSON, and the KServe SDK (orjson) and JSON.parse refuse the whole answer."""
 
 from __future__ import annotations
 
-import asyncio
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import numpy as np
 import orjson
 import pytest
 import tritonclient.http as tritonhttp
-from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
 
 from edged.tools.demo import save_graph
 from tests.helpers import DaemonProcess
@@ -75,19 +74,38 @@ def test_tritonclient_reads_non_finite_answers(served: tuple[DaemonProcess, int]
         client.close()
 
 
+# The KServe SDK's own protocol buffers define the `inference` package that Triton's (tritonclient.grpc,
+# edged's gRPC service) define too, and protobuf refuses a second definition of a name in one
+# process: the SDK runs in a process of its own.
+KSERVE_CLIENT = """
+import asyncio, json, sys
+import httpx, numpy as np
+from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+
+async def infer():
+    transport = httpx.AsyncHTTPTransport(uds=sys.argv[1])
+    client = InferenceRESTClient(RESTConfig(transport=transport, protocol="v2", retries=0))
+    try:
+        inp = InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.array([[1.5, 0, 0, 0]], np.float32), binary_data=False)
+        inp.data = [1.5, "NaN", "Infinity", "-Infinity"]  # the SDK's own JSON cannot hold bare NaN
+        response = await client.infer("http://edged", InferRequest("p", [inp]), model_name="p")
+        got = response.outputs[0].as_numpy()
+        print(json.dumps({"dtype": str(got.dtype), "shape": list(got.shape), "values": [repr(float(v)) for v in got.ravel()]}))
+    finally:
+        await client.close()
+
+asyncio.run(infer())
+"""
+
+
 def test_the_kserve_sdk_reads_non_finite_answers(served: tuple[DaemonProcess, int]) -> None:
     d, _ = served
-
-    async def infer() -> np.ndarray:
-        transport = httpx.AsyncHTTPTransport(uds=str(d.socket))
-        client = InferenceRESTClient(RESTConfig(transport=transport, protocol="v2", retries=0))
-        try:
-            inp = InferInput("x", [1, 4], "FP32")
-            inp.set_data_from_numpy(np.array([[1.5, 0, 0, 0]], np.float32), binary_data=False)
-            inp.data = [1.5, "NaN", "Infinity", "-Infinity"]  # the SDK's own JSON cannot hold bare NaN
-            response = await client.infer("http://edged", InferRequest("p", [inp]), model_name="p")
-            return response.outputs[0].as_numpy()
-        finally:
-            await client.close()
-
-    same(asyncio.run(infer()))
+    run = subprocess.run(
+        [sys.executable, "-c", KSERVE_CLIENT, str(d.socket)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    got = orjson.loads(run.stdout.strip().splitlines()[-1])
+    assert got["dtype"] == "float32" and got["shape"] == [1, 4]
+    values = np.array([float(v) for v in got["values"]], np.float32).reshape(1, 4)
+    same(values)

@@ -66,6 +66,23 @@ def test_precisions_of_one_build_are_one_generation(tmp_path: Path) -> None:
     assert not present(cache, "m", old_fp32) and not present(cache, "m", old_int8)
 
 
+def test_an_auto_choice_stays_with_the_candidate_it_chose(tmp_path: Path) -> None:
+    """precision = "auto": the choice (a record without an artefact, with auto's settings in its
+    key) is one generation with its candidates, so the one in use keeps its choice."""
+    cache = EngineCache(tmp_path)
+    cache.prepare()
+    auto = dict(fields("1", "auto"), auto={"margin": 0.03, "timing": {"threads": 0}})
+    choice = cache_key(auto)
+    cache.commit("m", choice, ".onnx", None, {"key_fields": auto, "precision": "auto", "auto": {"choice": {}}})
+    os.utime(cache.manifest_path("m", choice), (1_700_000_000 - 300, 1_700_000_000 - 300))
+    chosen = entry(cache, "m", fields("1"), age=299)
+    newer = entry(cache, "m", fields("2"), age=10)  # a newer generation, not in use
+    collect(cache, keep=1, in_use={chosen}, quarantine_files=16, quarantine_bytes=1 << 30)
+    assert cache.manifest_path("m", choice).exists() and present(cache, "m", chosen) and present(cache, "m", newer)
+    collect(cache, keep=1, in_use={newer}, quarantine_files=16, quarantine_bytes=1 << 30)
+    assert not cache.manifest_path("m", choice).exists() and not present(cache, "m", chosen)
+
+
 def test_qdq_models_go_with_the_last_entry_that_uses_them(tmp_path: Path) -> None:
     cache = EngineCache(tmp_path)
     cache.prepare()

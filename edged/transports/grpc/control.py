@@ -6,12 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from edged.errors import (
-    BadRequestError,
-    CudaSharedMemoryNotSupportedError,
-    ModelNotFoundError,
-    ModelVersionNotFoundError,
-)
+from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, NotFoundError
 from edged.serving import triton_docs
 from edged.serving.service import Service
 from edged.serving.states import ModelState
@@ -37,11 +32,11 @@ class Control:
         return pb.ServerReadyResponse(ready=self.service.is_ready())
 
     async def ModelReady(self, req: pb.ModelReadyRequest, ctx: Ctx) -> pb.ModelReadyResponse:
-        """Not ready, rather than an error, for a model or version not served: what Triton's
-        ModelReady answers, and what tritonclient's is_model_ready gets over HTTP (False)."""
+        # Triton answers a model or version it does not serve as not ready, with an OK status:
+        # its clients' is_model_ready() reads False rather than raising.
         try:
             rt = self.service.model(self.service.resolve(req.name, req.version))
-        except (ModelNotFoundError, ModelVersionNotFoundError):
+        except NotFoundError:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=rt.state == ModelState.READY and not self.service.stopping)
 
