@@ -95,10 +95,10 @@ def config_doc(rt: ModelRuntime) -> dict[str, Any]:
         "instance_group": [_instance_group(rt, backend)],
     }
     if batching:
-        # edged's batcher runs as soon as max_batch rows are queued or the delay has passed:
-        # Triton's behaviour with no preferred sizes (batches as large as possible).
+        # edged's batcher runs as soon as a preferred size (models.*.preferred_batch) or
+        # max_batch rows are queued, or the delay has passed: Triton's dynamic batcher.
         doc["dynamic_batching"] = {
-            "preferred_batch_size": [],
+            "preferred_batch_size": list(rt.cfg.preferred_batch),
             "max_queue_delay_microseconds": rt.cfg.max_queue_delay_us,
             "preserve_ordering": False,
         }

@@ -307,7 +307,7 @@ def _request_id(rid: Any) -> str:
     return str(rid)
 
 
-class _PlanCache:
+class PlanCache:
     """Plans of binary-extension headers, bounded by bytes (LRU). Clients send the same header
     for every frame of a stream (only the bytes after it change), so it is parsed once."""
 
@@ -345,7 +345,7 @@ class _PlanCache:
             self.bytes = 0
 
 
-PLANS = _PlanCache(_PLAN_BYTES, _PLAN_HEADER_MAX)
+PLANS = PlanCache(_PLAN_BYTES, _PLAN_HEADER_MAX)
 
 
 @dataclass
@@ -486,7 +486,27 @@ def decode_document(
     and whose binary inputs each come in a buffer of their own (raw_input_contents), in the order
     of the inputs that declare ``binary_data_size``: the same plan, rules and errors as a body."""
     plan = plan_document(doc, limits)
-    req = InferRequest(plan.id, {}, None, plan.binary_all, dict(plan.parameters))
+    return decode_planned(plan, plan.id, parts, shm)
+
+
+def check_within(plan: _RequestPlan, limits: Limits) -> None:
+    """A remembered plan against this model's limits (once per model, as ``parse_body`` does)."""
+    if plan.within[0] is not limits:
+        check_counts(len(plan.inputs), len(plan.outputs or ()), limits)
+        check_bytes_inputs(((p.name, is_bytes(p.dtype)) for p in plan.inputs), limits)
+        plan.within[0] = limits
+
+
+def decode_planned(plan: _RequestPlan, rid: str, parts: Sequence[bytes], shm: ShmResolver | None) -> InferRequest:
+    """``decode_document`` with its plan made (or remembered: ``kserve.PLANS``) already."""
+    req = InferRequest(rid, {}, None, plan.binary_all, dict(plan.parameters))
+    layout = plan.layout
+    sizes = layout is not None and len(parts) == len(layout)
+    if sizes and all(len(part) == end - start for part, (_, _, _, start, end) in zip(parts, layout or ())):
+        for part, (name, dtype, shape, _, _) in zip(parts, layout or ()):
+            req.inputs[name] = np.frombuffer(part, dtype=dtype).reshape(shape)
+        req.shapes = plan  # the model's check of these shapes is remembered by the plan
+        return _finish(ParsedBody(plan, None, memoryview(b""), {}), plan, req, shm)
     used = 0
     for p in plan.inputs:
         if p.kind == "json":
@@ -512,7 +532,7 @@ def _typed(p: _InputPlan) -> np.ndarray:
         return from_json_data(p.data, p.dtype, p.shape, where)
     count = math.prod(p.shape)
     if p.data.size != count:
-        raise BadRequestError(f"{where}: shape {list(p.shape)} needs {count} values, the contents have {p.data.size}")
+        raise BadRequestError(f"{where}: shape {list(p.shape)} needs {count} values, {p.data.size} were given")
     try:
         return p.data.astype(p.dtype, copy=False).reshape(p.shape)
     except (ValueError, OverflowError) as e:

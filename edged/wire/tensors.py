@@ -164,7 +164,7 @@ def _check_layout(data: Any, shape: tuple[int, ...], where: str) -> None:
         raise BadRequestError(f"{where}: 'data' must be a list")
     if not data or not isinstance(data[0], list):
         if len(data) != count:
-            raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, 'data' has {len(data)}")
+            raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, {len(data)} were given")
         return
     level: list[Any] = [data]
     for depth, dim in enumerate(shape):
@@ -187,7 +187,7 @@ def from_json_data(data: Any, dtype: np.dtype[Any], shape: tuple[int, ...], wher
         raise BadRequestError(f"{where}: 'data' does not hold {v2_datatype(dtype.name)} values: {e}") from None
     count = math.prod(shape)
     if arr.size != count or arr.ndim not in (0, 1, len(shape)):
-        raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, 'data' has {arr.size}")
+        raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, {arr.size} were given")
     return arr.reshape(shape)
 
 
@@ -197,7 +197,7 @@ def _bytes_from_json(data: Any, shape: tuple[int, ...], where: str) -> np.ndarra
     flat = nested.reshape(-1)
     count = math.prod(shape)
     if flat.size != count:
-        raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, 'data' has {flat.size}")
+        raise BadRequestError(f"{where}: shape {list(shape)} needs {count} values, {flat.size} were given")
     if nested.ndim not in (1, len(shape)):  # lists below the shape's last axis: not its layout
         raise BadRequestError(f"{where}: 'data' is nested deeper than shape {list(shape)}")
     out = np.empty(count, dtype=object)

@@ -1,9 +1,12 @@
-"""The same fault gets the same error code on the socket and over MQTT.
+"""The same fault gets the same error code on the socket, over MQTT and over gRPC.
 
-One real daemon with a real mosquitto; every bad request of the table below is sent both ways,
-the HTTP body as the MQTT payload (the binary tensor extension's header length as the
-``inference-header-content-length`` user property), and both answers must carry the code the
-table expects: the code of edged/errors.py's wire table, with the HTTP status that table gives.
+One real daemon with a real mosquitto; every bad request of the table below is sent three ways:
+the HTTP body, the same body as the MQTT payload (the binary tensor extension's header length
+as the ``inference-header-content-length`` user property), and as a ModelInferRequest on the
+gRPC socket. Every answer must carry the code the table expects: the code of edged/errors.py's
+wire table, with the HTTP status and the gRPC status that table gives (the code in gRPC's
+``edged-code`` trailing metadata), and gRPC's message must be HTTP's where the fault takes the
+same form in both (GRPC_FORMS lists the others and gRPC's words for them).
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import grpc
 import pytest
 
 from edged import errors
 from edged.tools.demo import make_tiny_mlp
+from edged.wire.proto import grpc_service_pb2 as pb
 from tests.integration.mosquitto import Broker, Peer, module_broker
 from tests.integration.test_mqtt import Edged
 from tests.string_model import make_string_model
@@ -36,6 +41,8 @@ class Fault:
     body: bytes
     code: str
     header_length: int | None = None
+    grpc: bytes | None = None  # the ModelInferRequest's bytes, where the body does not convert
+    grpc_error: str | None = None  # gRPC's words, where its form of the fault differs (GRPC_FORMS)
 
 
 def _doc(*inputs: dict[str, Any], **extra: Any) -> bytes:
@@ -96,6 +103,22 @@ FAULTS: dict[str, Fault] = {
 }
 
 
+# Faults whose gRPC form is not the body's, and gRPC's words for them: a message that is not
+# protobuf stands for one that is not JSON, typed contents have a field per datatype, raw
+# contents carry their own length, and a message's size is its own.
+GRPC_FORMS: dict[str, tuple[bytes | None, str]] = {
+    "malformed JSON": (b"\x0a\x05ab", "the message is not a ModelInferRequest"),
+    "body not an object": (b"\xff", "the message is not a ModelInferRequest"),
+    "strings for a float": (None, "input 'x': FP32 values belong in 'fp32_contents', not 'bytes_contents'"),
+    "numbers for BYTES": (None, "input 'text': BYTES values belong in 'bytes_contents', not 'int_contents'"),
+    "binary data past the end": (None, "input 'x': shape [1, 16] of FP32 needs 64 bytes, got 10"),
+    "binary data nobody owns": (None, "1 inputs need 1 raw input contents, the request has 2"),
+    "JSON part over max_json": (None, "its raw contents are 16477 bytes, over the limit of 16384 (server.max_json)"),
+    "body over max_body": (None, "bytes exceeds the limit of 65536 (server.max_body)"),
+}
+FAULTS.update({k: replace(FAULTS[k], grpc=raw, grpc_error=words) for k, (raw, words) in GRPC_FORMS.items()})
+
+
 @pytest.fixture(scope="module")
 def edge(module_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edged]:
     d = tmp_path_factory.mktemp("parity")
@@ -117,7 +140,7 @@ def peer(module_broker: Broker, edge: Edged) -> Iterator[Peer]:
         yield p
 
 
-def _over_http(edge: Edged, fault: Fault) -> tuple[int, str]:
+def _over_http(edge: Edged, fault: Fault) -> tuple[int, str, str]:
     headers = {"Content-Type": "application/json"}
     if fault.header_length is not None:
         headers = {
@@ -126,7 +149,8 @@ def _over_http(edge: Edged, fault: Fault) -> tuple[int, str]:
         }
     with edge.client() as c:
         status, data, _ = c.request("POST", f"/v2/models/{fault.model}/infer", fault.body, headers)
-    return status, str(json.loads(data)["code"])
+    answer = json.loads(data)
+    return status, str(answer["code"]), str(answer["error"])
 
 
 def _over_mqtt(peer: Peer, fault: Fault, correlation: bytes) -> tuple[str, str]:
@@ -142,14 +166,17 @@ def _over_mqtt(peer: Peer, fault: Fault, correlation: bytes) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
-def test_the_same_fault_gets_the_same_code_both_ways(edge: Edged, peer: Peer, name: str) -> None:
+def test_the_same_fault_gets_the_same_code_every_way(edge: Edged, peer: Peer, name: str) -> None:
     fault = FAULTS[name]
     table = errors.wire_codes()
     assert fault.code in table  # a code of the one shared table
-    status, http_code = _over_http(edge, fault)
+    status, http_code, message = _over_http(edge, fault)
     body_code, property_code = _over_mqtt(peer, fault, name.encode())
-    assert (http_code, body_code, property_code) == (fault.code, fault.code, fault.code), name
+    grpc_status, grpc_code, grpc_message = _over_grpc(edge, fault)
+    assert (http_code, body_code, property_code, grpc_code) == (fault.code,) * 4, name
     assert status == table[fault.code].http_status
+    assert grpc_status == table[fault.code].grpc_status
+    assert grpc_message == message if fault.grpc_error is None else fault.grpc_error in grpc_message, grpc_message
 
 
 def test_every_request_fault_code_is_covered() -> None:
@@ -157,3 +184,62 @@ def test_every_request_fault_code_is_covered() -> None:
     (shared memory codes are the socket's alone: MQTT carries no regions)."""
     client_codes = {"bad_request", "invalid_input", "payload_too_large", "model_not_found"}
     assert client_codes <= {f.code for f in FAULTS.values()}
+
+
+# --- the same faults over gRPC -------------------------------------------------------------------
+# Each fault's body as a ModelInferRequest, as tritonclient builds one: JSON data become typed
+# contents, and where any input is binary every input travels as raw contents (one each).
+
+
+def _typed_input(req: pb.ModelInferRequest, entry: dict[str, Any]) -> None:
+    tensor = req.inputs.add(name=entry["name"], datatype=entry["datatype"], shape=entry["shape"])
+    data = entry["data"]
+    if any(isinstance(v, str) for v in data):
+        tensor.contents.bytes_contents.extend(v.encode() for v in data)
+    elif entry["datatype"] == "BYTES":
+        tensor.contents.int_contents.extend(data)  # numbers for BYTES: the field numbers travel in
+    elif entry["datatype"] == "INT32":
+        tensor.contents.int_contents.extend(data)
+    else:
+        tensor.contents.fp32_contents.extend(data)
+
+
+def _raw_input(req: pb.ModelInferRequest, entry: dict[str, Any], raw: bytes) -> bytes:
+    """``entry``'s raw contents: its binary part (the rest returned), or its JSON data as bytes."""
+    req.inputs.add(name=entry["name"], datatype=entry["datatype"], shape=entry["shape"])
+    size = entry.get("parameters", {}).get("binary_data_size")
+    if size is None:
+        req.raw_input_contents.append(struct.pack(f"<{len(entry['data'])}f", *entry["data"]))
+        return raw
+    req.raw_input_contents.append(raw[:size])
+    return raw[size:]
+
+
+def as_grpc(fault: Fault) -> bytes:
+    if fault.grpc is not None:
+        return fault.grpc
+    req = pb.ModelInferRequest(model_name=fault.model)
+    hl = fault.header_length
+    doc = json.loads(fault.body if hl is None else fault.body[:hl])
+    raw = b"" if hl is None else fault.body[hl:]
+    for entry in doc["inputs"]:
+        if hl is None:
+            _typed_input(req, entry)
+        else:
+            raw = _raw_input(req, entry, raw)
+        if "pad" in entry:  # the JSON part's padding: a field other than the raw contents
+            req.id = entry["pad"]
+    if raw:  # bytes past every input's: raw contents no input owns
+        req.raw_input_contents.append(raw)
+    for o in doc.get("outputs", []):
+        req.outputs.add(name=o["name"])
+    return req.SerializeToString()
+
+
+def _over_grpc(edge: Edged, fault: Fault) -> tuple[str, str, str]:
+    with grpc.insecure_channel(f"unix:{edge.socket}.grpc") as ch:
+        infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes both ways
+        with pytest.raises(grpc.RpcError) as e:
+            infer(as_grpc(fault), timeout=30)
+    trailing = dict(e.value.trailing_metadata() or ())  # type: ignore[attr-defined]
+    return e.value.code().name, str(trailing.get("edged-code")), str(e.value.details())  # type: ignore[attr-defined]

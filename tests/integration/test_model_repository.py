@@ -1,5 +1,6 @@
 """A Triton model repository served as it is by the real daemon, with real ONNX Runtime and
-Triton's own client over TCP: two versions with their routes and the latest as the default,
+Triton's own clients (HTTP over TCP, gRPC on its Unix socket): two versions with their routes
+and the latest as the default,
 dynamic batching with a preferred size, an instance group, a model.plan built for another device
 falling back to the model.onnx beside it, edged.toml's keys, config.pbtxt fields refused by name,
 a reload that finds a new version, and a GGUF language model."""
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tritongrpc
 import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
@@ -227,6 +229,102 @@ def test_a_foreign_plan_falls_back_to_the_onnx_beside_it_and_status_says_so(
         [sys.executable, "-m", "edged", "status", "--socket", str(d.socket)], capture_output=True, text=True, check=True
     )
     assert "det (version 1 of det): model.plan was built by tensorrt 8.5.2" in shown.stdout
+
+
+# --- the same repository through tritonclient.grpc, on the gRPC Unix socket -------------------
+
+
+@pytest.fixture
+def triton_grpc(served: tuple[DaemonProcess, int, Path]) -> Iterator[tritongrpc.InferenceServerClient]:
+    c = tritongrpc.InferenceServerClient(url=f"unix:{served[0].socket}.grpc")
+    yield c
+    c.close()
+
+
+def infer_grpc(
+    c: tritongrpc.InferenceServerClient, model: str, x: np.ndarray, version: str = ""
+) -> tuple[np.ndarray, Any]:
+    inp = tritongrpc.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    result = c.infer(model, [inp], model_version=version)
+    out = result.as_numpy("probs")
+    assert out is not None
+    return out, result.get_response()
+
+
+def test_both_versions_answer_over_grpc_and_the_default_is_the_latest(
+    served: tuple[DaemonProcess, int, Path], triton_grpc: tritongrpc.InferenceServerClient
+) -> None:
+    repo, c = served[2], triton_grpc
+    x = np.random.default_rng(4).standard_normal((2, 16)).astype(np.float32)
+    one, two = (reference(repo / "m" / v / "model.onnx", x) for v in ("1", "2"))
+    for version, expected in (("1", one), ("2", two), ("", two)):
+        got, head = infer_grpc(c, "m", x, version)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        assert (head.model_name, head.model_version) == ("m", version or "2")
+    assert list(c.get_model_metadata("m").versions) == ["1", "2"]
+    assert list(c.get_model_metadata("m", "1").versions) == ["1"]
+    assert c.is_model_ready("m", "1") and c.is_model_ready("m", "2")
+    assert not c.is_model_ready("m", "3")
+    index = {(e.name, e.version): e.state for e in c.get_model_repository_index().models}
+    assert index[("m", "1")] == index[("m", "2")] == "READY"
+    config = c.get_model_config("m", "1").config
+    assert (config.name, list(config.version_policy.specific.versions)) == ("m", [1, 2])
+    assert (config.max_batch_size, list(config.input[0].dims), list(config.output[0].dims)) == (8, [16], [4])
+    assert [g.count for g in config.instance_group] == [2]
+    batched = c.get_model_config("batched").config.dynamic_batching
+    assert (list(batched.preferred_batch_size), batched.max_queue_delay_microseconds) == ([4], 60000000)
+
+
+def test_a_preferred_batch_forms_from_grpc_requests(served: tuple[DaemonProcess, int, Path]) -> None:
+    d, _, repo = served
+    with d.client() as c:
+        before = c.status()["models"]["batched"]
+
+    def one(i: int) -> np.ndarray:
+        c = tritongrpc.InferenceServerClient(url=f"unix:{d.socket}.grpc")
+        try:
+            inp = tritongrpc.InferInput("x", [1, 16], "FP32")
+            inp.set_data_from_numpy(np.full((1, 16), i, np.float32))
+            out = c.infer("batched", [inp]).as_numpy("probs")
+            assert out is not None
+            return out
+        finally:
+            c.close()
+
+    def five() -> list[np.ndarray]:
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            return list(pool.map(one, range(5)))
+
+    answers = while_held(d, repo.parent / "wedge", "batched", 5, five)
+    assert [a.shape for a in answers] == [(1, 4)] * 5
+    with d.client() as c:
+        after = c.status()["models"]["batched"]
+    assert (after["batches"] - before["batches"], after["rows"] - before["rows"]) == (2, 5)
+
+
+def test_a_foreign_plan_serves_its_onnx_over_grpc(
+    served: tuple[DaemonProcess, int, Path], triton_grpc: tritongrpc.InferenceServerClient
+) -> None:
+    repo = served[2]
+    x = np.ones((1, 16), np.float32)
+    got, _ = infer_grpc(triton_grpc, "det", x)
+    np.testing.assert_allclose(got, reference(repo / "det" / "1" / "model.onnx", x), rtol=1e-5, atol=1e-6)
+    assert triton_grpc.get_model_config("det").config.input[0].format == 2  # FORMAT_NCHW, as config.pbtxt says
+    with pytest.raises(tritongrpc.InferenceServerException) as e:
+        infer_grpc(triton_grpc, "m", np.zeros((9, 16), np.float32))
+    assert "input 'x': shape [9, 16] is outside the profile [1, 16]..[8, 16]" in e.value.message()
+
+
+def test_a_repository_model_unloads_and_loads_over_grpc(triton_grpc: tritongrpc.InferenceServerClient) -> None:
+    c = triton_grpc
+    c.unload_model("det")
+    assert not c.is_model_ready("det")
+    index = {(e.name, e.version): e.state for e in c.get_model_repository_index().models}
+    assert index[("det", "1")] != "READY"
+    c.load_model("det")
+    assert c.is_model_ready("det")
+    assert infer_grpc(c, "det", np.ones((1, 16), np.float32))[0].shape == (1, 4)
 
 
 def test_unsupported_fields_stop_the_start_naming_them(tmp_path: Path) -> None:

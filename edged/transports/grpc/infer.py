@@ -17,20 +17,26 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from edged.errors import BadRequestError, EdgedError, ShuttingDownError, StreamLimitError, StreamStalledError
+from edged.errors import (
+    BadRequestError,
+    EdgedError,
+    PayloadTooLargeError,
+    ShuttingDownError,
+    StreamLimitError,
+    StreamStalledError,
+)
 from edged.llm import generation as gen
 from edged.serving.modelplan import outputs_checked
 from edged.serving.service import Service
 from edged.transports.grpc.access import Access
-from edged.transports.grpc.status import abort
 from edged.transports.peer import Peer
 from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.decode import decode_document
-from edged.wire.kserve import encode_response, request_document, set_parameter
+from edged.wire.kserve import encode_response, planned_request, request_document, set_parameter
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, serialize_bytes
 
@@ -42,15 +48,33 @@ _TRANSPORT = "grpc"
 
 class Inference:
     def __init__(
-        self, service: Service, regions: SharedMemoryRegistry, access: Access, stream_requests: int, write_s: float
+        self,
+        service: Service,
+        regions: SharedMemoryRegistry,
+        access: Access,
+        stream_requests: int,
+        write_s: float,
+        max_body: int,
     ) -> None:
         self.service, self.regions, self.access = service, regions, access
+        self.max_body = max_body
         self.stream_requests, self.write_s = stream_requests, write_s
         self.accepting = True
 
-    async def ModelInfer(self, msg: pb.ModelInferRequest, ctx: Ctx) -> pb.ModelInferResponse:
-        peer = self.access.check(ctx)
-        return await self.one(msg, peer)
+    async def ModelInfer(self, data: bytes, ctx: Ctx) -> pb.ModelInferResponse:
+        return await self.one(self.parsed(data), self.access.check(ctx))
+
+    def parsed(self, data: bytes) -> pb.ModelInferRequest:
+        """The message grpcio hands over as bytes (server.py): parsed here, so that one over
+        server.max_body or one that is not a ModelInferRequest gets edged's code and words."""
+        if len(data) > self.max_body:
+            raise PayloadTooLargeError(
+                f"the message of {len(data)} bytes exceeds the limit of {self.max_body} (server.max_body)"
+            )
+        try:
+            return pb.ModelInferRequest.FromString(data)
+        except DecodeError as e:
+            raise BadRequestError(f"the message is not a ModelInferRequest: {e}") from None
 
     async def one(self, msg: pb.ModelInferRequest, peer: Peer | None) -> pb.ModelInferResponse:
         svc = self.service
@@ -59,7 +83,15 @@ class Inference:
         try:
             req, received = await self._decode(msg, shm)
             name = svc.resolve(msg.model_name, msg.model_version)
-            outputs = await svc.infer(name, req.inputs, req.id, _TRANSPORT, received)
+            # At once where nothing was awaited since the lookup (as HTTP's route does): the
+            # decoder's plan (req.shapes) then spares the model's check of the same shapes.
+            waited = shm.held is not None or bool(req.pending)
+            outputs = None
+            if not waited:
+                rt = svc.model(name)
+                outputs = svc.infer_now(rt, svc.plan_for(rt), req.inputs, req.id, _TRANSPORT, received, req.shapes)
+            if outputs is None:
+                outputs = await svc.infer(name, req.inputs, req.id, _TRANSPORT, received, tried_now=not waited)
             ran = time.perf_counter_ns()
             model, version = svc.versions().served(name)
             try:
@@ -84,11 +116,16 @@ class Inference:
             name = svc.resolve(msg.model_name, msg.model_version)
             received = time.perf_counter_ns()
             plan = svc.plan_for(svc.model(name))
-            doc, raws, typed = request_document(msg)
-            if typed > _TYPED_ON_LOOP:
-                req = await asyncio.to_thread(decode_document, doc, raws, shm.input, plan.limits)
+            self._check_size(msg, plan.limits.json_bytes)
+            planned = planned_request(msg, shm.input, plan.limits)
+            if planned is not None:
+                req = planned
             else:
-                req = decode_document(doc, raws, shm.input, plan.limits)
+                doc, raws, typed = request_document(msg)
+                if typed > _TYPED_ON_LOOP:
+                    req = await asyncio.to_thread(decode_document, doc, raws, shm.input, plan.limits)
+                else:
+                    req = decode_document(doc, raws, shm.input, plan.limits)
             outputs_checked(plan, req)
             if shm.held is not None or req.pending:
                 await fill_inputs(req, shm)
@@ -97,13 +134,24 @@ class Inference:
             raise
         return req, received
 
+    def _check_size(self, msg: pb.ModelInferRequest, json_bytes: int) -> None:
+        """HTTP's JSON part's limit: the fields other than the raw contents (typed values, names,
+        parameters: what HTTP carries as JSON) within server.max_json. ByteSize is a sum of
+        lengths protobuf keeps (about a microsecond for a small request)."""
+        fields = msg.ByteSize() - sum(map(len, msg.raw_input_contents))
+        if fields > json_bytes:
+            raise PayloadTooLargeError(
+                f"the request's fields other than its raw contents are {fields} bytes, over the limit of "
+                f"{json_bytes} (server.max_json); send large tensors as raw contents or shared memory"
+            )
+
     # --- streams ---
 
-    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest], ctx: Ctx) -> None:
+    async def ModelStreamInfer(self, requests: AsyncIterator[bytes], ctx: Ctx) -> None:
         """Written with ``context.write`` (not yielded) so that each write has its time-out."""
         peer = self.access.check(ctx)
         count = 0
-        async for msg in requests:
+        async for data in requests:
             count += 1
             if count > self.stream_requests:
                 raise StreamLimitError(
@@ -111,6 +159,7 @@ class Inference:
                     "(server.grpc_stream_requests): open a new stream"
                 )
             try:
+                msg = self.parsed(data)
                 if self._generates(msg):
                     await self._generate(msg, ctx)
                 else:
@@ -179,15 +228,3 @@ def _text_response(model: str, version: str, rid: str, piece: str | None, final:
         resp.raw_output_contents.append(serialize_bytes(np.array([piece.encode()], dtype=object)))
     set_parameter(resp.parameters, "triton_final_response", final)
     return pb.ModelStreamInferResponse(infer_response=resp)
-
-
-async def guarded(work: Any, ctx: Ctx, rpc: str) -> Any:
-    """``work``'s answer, or the RPC ended with its error's status (every exception caught)."""
-    try:
-        return await work
-    except asyncio.CancelledError:
-        raise
-    except grpc.aio.AbortError:
-        raise
-    except BaseException as e:
-        await abort(ctx, e, rpc)

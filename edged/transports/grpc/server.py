@@ -1,8 +1,9 @@
 """The gRPC listeners: grpcio's asyncio server on the daemon's loop, behind the Unix relay
 (peers.py) and on the ``[server] grpc_tcp`` addresses, with edged's bounds.
 
-- ``grpc.max_receive_message_length`` = ``server.max_body``: a larger message is refused by
-  grpcio before it is parsed (RESOURCE_EXHAUSTED);
+- ``grpc.max_receive_message_length`` = ``server.max_body`` + ``server.max_json``: a larger
+  message is refused by grpcio before it is parsed (RESOURCE_EXHAUSTED); one between the two is
+  refused by infer.py with edged's code, as HTTP refuses a body over ``server.max_body``;
 - ``maximum_concurrent_rpcs`` = ``server.grpc_max_streams``: RPCs beyond it are refused at once
   (RESOURCE_EXHAUSTED), and so is each connection's HTTP/2 stream count;
 - ``grpc.so_reuseport`` off: a second daemon cannot share a TCP port silently.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -22,16 +24,17 @@ from edged.errors import ConfigError
 from edged.serving.service import Service
 from edged.transports.grpc.access import Access
 from edged.transports.grpc.control import Control
-from edged.transports.grpc.infer import Inference, guarded
+from edged.transports.grpc.infer import Inference
 from edged.transports.grpc.peers import UnixRelay
+from edged.transports.grpc.status import abort
 from edged.transports.peer import is_loopback, parse_address, read_token
 from edged.transports.shm.regions import SharedMemoryRegistry
-from edged.wire.proto import grpc_service_pb2_grpc as pbg
+from edged.wire.proto import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_CONTROL = [name for name in dir(pbg.GRPCInferenceServiceServicer) if not name.startswith("_") and name[0].isupper()]
-_STREAMS = {"ModelStreamInfer"}
+_SERVICE = "inference.GRPCInferenceService"
+_INFER = {"ModelInfer", "ModelStreamInfer"}
 
 
 def grpc_socket_path(cfg: Config) -> str | None:
@@ -51,16 +54,18 @@ class GrpcServer:
         self._peer_of: Callable[[str], Any] = lambda name: None
         self.access = Access(token, lambda name: self._peer_of(name), admin_gid)
         self.control = Control(service, regions, self.access)
-        self.inference = Inference(service, regions, self.access, s.grpc_stream_requests, s.grpc_write_timeout_s)
         max_body = parse_size(s.max_body)
+        self.inference = Inference(
+            service, regions, self.access, s.grpc_stream_requests, s.grpc_write_timeout_s, max_body
+        )
         options = [
-            ("grpc.max_receive_message_length", max_body),
+            ("grpc.max_receive_message_length", max_body + parse_size(s.max_json)),
             ("grpc.max_send_message_length", -1),
             ("grpc.max_concurrent_streams", s.grpc_max_streams),
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.grpc_max_streams)
-        pbg.add_GRPCInferenceServiceServicer_to_server(_servicer(self.control, self.inference), self.server)
+        _register(self.server, self.control, self.inference)
         self.ports: list[int] = []
 
     async def start(self, unix: socket.socket | None, loop: Any) -> None:
@@ -108,23 +113,41 @@ def _add_port(server: grpc.aio.Server, host: str, port: int, text: str) -> int:
     return bound
 
 
-def _servicer(control: Control, inference: Inference) -> pbg.GRPCInferenceServiceServicer:
-    """The generated servicer with every RPC answered by control.py or infer.py, each behind the
-    listener's access check and with every exception turned into its gRPC status."""
-    methods: dict[str, Callable[..., Awaitable[Any]]] = {}
-    for name in _CONTROL:
-        impl = getattr(inference, name, None) or getattr(control, name)
-        methods[name] = _wrapped(impl, name, control.access)
-    return type("Servicer", (pbg.GRPCInferenceServiceServicer,), methods)()  # type: ignore[no-any-return]
+def _register(server: grpc.aio.Server, control: Control, inference: Inference) -> None:
+    """Every RPC of the service answered by control.py or infer.py, behind the listener's access
+    check, with every exception turned into its gRPC status. The inference RPCs take their
+    messages as bytes (infer.py parses them): grpcio's own refusals of a message it cannot parse
+    carry neither edged's code nor HTTP's words."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        name = method.name
+        raw = name in _INFER
+        impl = getattr(inference, name) if raw else getattr(control, name)
+        request = None if raw else getattr(pb, method.input_type.name).FromString
+        kind = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = kind(
+            _wrapped(impl, name, None if raw else control.access),
+            request_deserializer=request,
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+    server.add_registered_method_handlers(_SERVICE, handlers)
 
 
-def _wrapped(impl: Callable[..., Awaitable[Any]], name: str, access: Access) -> Callable[..., Awaitable[Any]]:
-    async def rpc(self: object, request: Any, context: Any) -> Any:
-        async def checked() -> Any:
-            access.check(context)
+def _wrapped(impl: Callable[..., Awaitable[Any]], name: str, access: Access | None) -> Callable[..., Awaitable[Any]]:
+    """``impl`` with the access check (infer.py's RPCs check for themselves: they keep the peer)
+    and every exception caught: the cancellation and grpcio's own abort pass, the rest end the
+    RPC with their status (abort raises)."""
+
+    async def rpc(request: Any, context: Any) -> Any:
+        try:
+            if access is not None:
+                access.check(context)
             return await impl(request, context)
-
-        return await guarded(checked(), context, name)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except BaseException as e:
+            await abort(context, e, name)
 
     rpc.__name__ = name
     return rpc
