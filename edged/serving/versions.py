@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edged.config import Config, RepositoryModel
-from edged.errors import ModelNotFoundError, ModelVersionNotFoundError
+from edged.errors import InvalidInputError, ModelNotFoundError, ModelVersionNotFoundError
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class Versions:
             served = {own: name}
         if version == "":
             return name
+        if not (version.isascii() and version.isdigit()):
+            # Triton's words (a version is an integer there), which its example clients match.
+            raise InvalidInputError(f"failed to get model version from specified version string '{version[:64]}'")
         found = served.get(version)
         if found is None:
             raise ModelVersionNotFoundError(

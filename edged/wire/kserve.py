@@ -106,7 +106,11 @@ def request_document(msg: pb.ModelInferRequest) -> tuple[dict[str, Any], list[by
         values = typed_contents(tensor)
         if values is not None:
             if raws:
-                raise BadRequestError(f"input '{tensor.name}': give typed contents or raw contents, not both")
+                # Triton's words, which its explicit-content example clients match.
+                raise BadRequestError(
+                    f"contents field must not be specified when using raw_input_contents for '{tensor.name}' "
+                    f"for model '{msg.model_name}'"
+                )
             entry["data"] = values
             typed += values.size
         elif "shared_memory_region" not in params and "binary_data_size" not in params:

@@ -57,6 +57,11 @@ def test_the_shared_rules_and_messages_apply() -> None:
         twice.raw_input_contents.append(b"\0")
     with pytest.raises(BadRequestError, match="given twice"):
         _decode(twice)
+    both = pb.ModelInferRequest(model_name="m")
+    both.inputs.add(name="x", datatype="INT32", shape=[1]).contents.int_contents.append(1)
+    both.raw_input_contents.append(b"\0" * 4)
+    with pytest.raises(BadRequestError, match="contents field must not be specified when using raw_input_contents"):
+        _decode(both)
 
 
 def test_raw_contents_must_match_the_inputs() -> None:

@@ -36,6 +36,12 @@ def test_the_default_is_the_latest_and_each_version_has_its_model() -> None:
     assert v.served("m@3") == ("m", "3") and v.served("m") == ("m", "10")
 
 
+def test_a_version_that_is_no_integer_is_refused_in_tritons_words() -> None:
+    versions = Versions.of_config(Config())
+    with pytest.raises(InvalidInputError, match="failed to get model version from specified version string 'x1'"):
+        versions.resolve("m", "x1", {"m"})
+
+
 def test_an_unserved_version_is_version_not_found_naming_those_served() -> None:
     with pytest.raises(ModelVersionNotFoundError, match=r"model 'm' has no version '2'; it serves version 1, 3, 10"):
         Versions.of_config(config()).resolve("m", "2", REGISTERED)
