@@ -119,9 +119,14 @@ def test_four_streams_decode_together_and_match_their_text_alone(
     tokens = sum(j.completion_tokens for j in jobs)
     assert m.engine.steps - steps < 0.5 * tokens
     # llama.cpp's batched kernels round a little differently from one row at a time, so a close
-    # greedy choice can flip: nearly every token must still agree.
-    ratios = [agreement(m.tokens(j.text), m.tokens(a)) for j, a in zip(jobs, alone)]
-    assert sum(ratios) / len(ratios) >= 0.95, ratios
+    # greedy choice can flip, and a greedy text goes its own way after a flip (with the AVX2
+    # kernels one of the four flipped at its 12th token). Streams mixed up in the batch (a wrong
+    # sequence id, another stream's cells) differ from their first tokens: every stream's opening
+    # must agree, and most streams throughout.
+    together, apart = [m.tokens(j.text) for j in jobs], [m.tokens(a) for a in alone]
+    assert all(t[:8] == a[:8] for t, a in zip(together, apart)), (together, apart)
+    ratios = [agreement(t, a) for t, a in zip(together, apart)]
+    assert sum(r >= 0.95 for r in ratios) >= 3, ratios
     assert all(j.finish_reason in ("length", "stop") for j in jobs)
 
 

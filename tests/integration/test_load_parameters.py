@@ -10,16 +10,15 @@ import pytest
 import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import DaemonProcess
 from tests.integration.test_listeners import tcp
-from tests.integration.test_tritonclient import served
+from tests.integration.test_tritonclient import Served, served
 
 pytestmark = pytest.mark.integration
 __all__ = ["served"]  # a fixture: imported so that pytest finds it
 
 
-def test_load_with_a_config_is_refused_by_name(served: tuple[DaemonProcess, int]) -> None:
-    _, port = served
+def test_load_with_a_config_is_refused_by_name(served: Served) -> None:
+    port = served.ports["http"]
     client = tritonhttp.InferenceServerClient(url=f"127.0.0.1:{port}")
     try:
         with pytest.raises(InferenceServerException, match="failed to load 'tiny': config in a load request"):
@@ -32,8 +31,8 @@ def test_load_with_a_config_is_refused_by_name(served: tuple[DaemonProcess, int]
         client.close()
 
 
-def test_a_malformed_load_body_is_refused(served: tuple[DaemonProcess, int]) -> None:
-    _, port = served
+def test_a_malformed_load_body_is_refused(served: Served) -> None:
+    port = served.ports["http"]
     status, data = tcp(port, "POST", "/v2/repository/models/tiny/load", b'{"parameters": ')
     assert status == 400 and b"failed to load 'tiny'" in data
     assert tcp(port, "POST", "/v2/repository/models/tiny/load", b"{}")[0] == 200
