@@ -4,34 +4,22 @@ beside the HTTP one, and a TCP listener guarded by the bearer token."""
 from __future__ import annotations
 
 import queue
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tritongrpc
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from tests.helpers import DaemonProcess, write_config
+from tests.integration.test_listeners import free_port
+from tests.repository import reference
 
 pytestmark = pytest.mark.integration
 
 TOKEN = "grpc-test-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def reference(model: Path, x: np.ndarray) -> np.ndarray:
-    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    out: np.ndarray = sess.run(None, {"x": x})[0]
-    return out
 
 
 @pytest.fixture(scope="module")
