@@ -36,6 +36,7 @@ from edged.transports.peer import Peer
 from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.decode import decode_document
+from edged.wire.encode import OFFLOAD_BYTES
 from edged.wire.kserve import encode_response, planned_request, request_document, set_parameter
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, serialize_bytes
@@ -62,7 +63,14 @@ class Inference:
         self.accepting = True
 
     async def ModelInfer(self, data: bytes, ctx: Ctx) -> pb.ModelInferResponse:
-        return await self.one(self.parsed(data), self.access.check(ctx))
+        return await self.one(await self.parsed_off_loop(data), self.access.check(ctx))
+
+    async def parsed_off_loop(self, data: bytes) -> pb.ModelInferRequest:
+        """``parsed``, on a thread for a message above OFFLOAD_BYTES: parsing grows with the
+        message (typed contents of millions of values), which the event loop must not carry."""
+        if len(data) <= OFFLOAD_BYTES:
+            return self.parsed(data)
+        return await asyncio.to_thread(self.parsed, data)
 
     def parsed(self, data: bytes) -> pb.ModelInferRequest:
         """The message grpcio hands over as bytes (server.py): parsed here, so that one over
@@ -159,7 +167,7 @@ class Inference:
                     "(server.grpc_stream_requests): open a new stream"
                 )
             try:
-                msg = self.parsed(data)
+                msg = await self.parsed_off_loop(data)
                 if self._generates(msg):
                     await self._generate(msg, ctx)
                 else:

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 _noisy = RateLimitedLog(log)
 
 
+# What one side may send before the other is connected: an HTTP/2 preface and its first frames
+# are a few KiB; more waits in the kernel's socket buffer.
+_EARLY_MAX = 256 << 10
+
+
 class _Pipe(asyncio.Protocol):
     """One direction's reader; it writes into the other side's transport."""
 
@@ -37,6 +42,7 @@ class _Pipe(asyncio.Protocol):
         self.transport: Any = None
         self.other: _Pipe | None = None
         self.early: list[bytes] = []  # bytes read before the other side was connected
+        self.early_bytes = 0
         self.on_close: list[object] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -46,6 +52,10 @@ class _Pipe(asyncio.Protocol):
         other = self.other.transport if self.other is not None else None
         if other is None:
             self.early.append(data)
+            self.early_bytes += len(data)
+            if self.early_bytes >= _EARLY_MAX and self.transport is not None:
+                # A client that floods before grpcio's side is connected is held, not buffered.
+                self.transport.pause_reading()
         else:
             other.write(data)
 
@@ -68,6 +78,9 @@ class _Pipe(asyncio.Protocol):
         for data in self.early:
             other.write(data)
         self.early.clear()
+        if self.early_bytes >= _EARLY_MAX and self.transport is not None:
+            self.transport.resume_reading()
+        self.early_bytes = 0
 
 
 class UnixRelay:
