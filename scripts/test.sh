@@ -25,12 +25,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-# The `llm` extra's llama-cpp-python has no wheel for every platform: pip builds it from source
-# once (minutes; the multimodal library is not built, edged serves text; scripts/llama_cmake_args.sh
-# has the options), then reuses it: an installed version that satisfies the pin is not rebuilt,
-# and pip's wheel cache serves a fresh venv.
-CMAKE_ARGS="${CMAKE_ARGS:-$(bash scripts/llama_cmake_args.sh)}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
+# The `llm` extra's llama-cpp-python has no wheel for every platform: it is built from source once
+# (minutes; the options are scripts/llama_cmake_args.sh's) and kept under a key of its version and
+# options, which pip's own wheel cache does not honour (scripts/llama_install.sh says why). The
+# install of the package below then finds the pin satisfied and builds nothing.
+bash scripts/llama_install.sh .venv/bin/python
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
 # The TensorRT type stubs name `tensorrt` as a dependency, which only NVIDIA's index serves:
 # install the stubs alone so mypy can check the TensorRT backend against the real API.
 .venv/bin/python -m pip install -q --no-deps tensorrt-stubs

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,3 +54,24 @@ def test_lint_and_type_tools_are_pinned_in_the_constraints_file() -> None:
     assert importlib.metadata.version("ruff") == pins["ruff"][2:]
     assert importlib.metadata.version("mypy") == pins["mypy"][2:]
     assert "-c scripts/constraints.txt" in (REPO / "scripts" / "test.sh").read_text()
+
+
+def _llama_key(**env: str) -> str:
+    script = REPO / "scripts" / "llama_install.sh"
+    out = subprocess.run(
+        ["bash", str(script), "--key", sys.executable],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def test_the_llama_build_is_keyed_by_its_cmake_options() -> None:
+    # pip's wheel cache keys a source build by the sdist alone: a wheel built with other options
+    # would be installed again. The project's own cache must tell the builds apart.
+    default = _llama_key()
+    assert len(default) == 16
+    assert _llama_key(CMAKE_ARGS="-DGGML_CUDA=on") != default
+    assert _llama_key() == default
