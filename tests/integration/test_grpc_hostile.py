@@ -89,11 +89,14 @@ def test_more_rpcs_than_allowed_are_refused(served: tuple[DaemonProcess, Path]) 
         next(stream)  # open and answered once
         return stream
 
-    with ch:
+    # The third call goes over a connection of its own: on the connection that holds both
+    # streams, HTTP/2's stream limit (the same number) has the client wait instead of sending it.
+    other, other_stub = _stub(served[1])
+    with ch, other:
         # An RPC of the test before may still hold its slot a moment after its client saw it end.
         streams = [wait_for(open_held, 30, what="a held stream") for _ in range(2)]
         with pytest.raises(grpc.RpcError) as e:
-            stub.ModelInfer(_request(), timeout=30)
+            other_stub.ModelInfer(_request(), timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         gate.set()
         for s in streams:

@@ -5,7 +5,9 @@
   message is refused by grpcio before it is parsed (RESOURCE_EXHAUSTED); one between the two is
   refused by infer.py with edged's code, as HTTP refuses a body over ``server.max_body``;
 - ``maximum_concurrent_rpcs`` = ``server.grpc_max_streams``: RPCs beyond it are refused at once
-  (RESOURCE_EXHAUSTED), and so is each connection's HTTP/2 stream count;
+  (RESOURCE_EXHAUSTED); each connection's HTTP/2 stream count is held to it too, through
+  SETTINGS_MAX_CONCURRENT_STREAMS, so a client past it on one connection waits for a stream of
+  its own connection to end (HTTP/2's rule, kept by the client) instead of being refused;
 - ``grpc.so_reuseport`` off: a second daemon cannot share a TCP port silently.
 """
 
