@@ -179,7 +179,8 @@ class CudaSharedMemoryNotSupportedError(EdgedError):
 
 
 class StreamLimitError(EdgedError):
-    """gRPC only: a ModelStreamInfer stream past server.grpc_stream_requests requests (open a new one)."""
+    """gRPC only: a ModelStreamInfer stream past server.grpc_stream_requests requests (open a new
+    one), or a call past server.grpc_max_streams calls at once (retry)."""
 
     code = "stream_limit"
     http_status = 429

@@ -69,11 +69,13 @@ class ServerConfig(Table, frozen=True):
     # socket) and on TCP addresses (the bearer token of tcp_token_file as for HTTP).
     grpc_socket: str = ""
     grpc_tcp: list[str] = msgspec.field(default_factory=list)
-    # RPCs in progress at once, over every gRPC connection (beyond: RESOURCE_EXHAUSTED).
+    # RPCs in progress at once, over every gRPC connection (beyond: RESOURCE_EXHAUSTED); a unary
+    # call counts until its answer is made, a stream until it ends.
     grpc_max_streams: PositiveInt = 256
     # Requests one ModelStreamInfer stream may carry; the client opens a new stream after.
     grpc_stream_requests: PositiveInt = 100_000
-    # A stream's response that the peer does not take within this long cancels the stream.
+    # A stream's response that the peer does not take within this long cancels the stream; a
+    # unary answer not delivered within it closes its connection (the Unix socket).
     grpc_write_timeout_s: PositiveFloat = 10.0
     # A Triton model repository served as it is (config.pbtxt, version folders); its models join
     # [models.*]. "" = none.

@@ -1,14 +1,21 @@
 """Hostile gRPC clients are bounded like HTTP ones: a message over server.max_body, a stream
 past its request cap, more RPCs than server.grpc_max_streams, and a peer that stops reading
-(cut off after server.grpc_write_timeout_s while the daemon serves others)."""
+(cut off after server.grpc_write_timeout_s while the daemon serves others), on a stream and on
+unary calls whose peer grants no flow-control window at all."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
 import numpy as np
 import pytest
 
@@ -91,13 +98,14 @@ def test_more_rpcs_than_allowed_are_refused(served: tuple[DaemonProcess, Path]) 
 
     # The third call goes over a connection of its own: on the connection that holds both
     # streams, HTTP/2's stream limit (the same number) has the client wait instead of sending it.
-    other, other_stub = _stub(served[1])
+    other, other_stub = _stub(served[1], **{"grpc.use_local_subchannel_pool": 1})
     with ch, other:
         # An RPC of the test before may still hold its slot a moment after its client saw it end.
         streams = [wait_for(open_held, 30, what="a held stream") for _ in range(2)]
         with pytest.raises(grpc.RpcError) as e:
             other_stub.ModelInfer(_request(), timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "server.grpc_max_streams" in (e.value.details() or "")
         gate.set()
         for s in streams:
             list(s)
@@ -132,3 +140,90 @@ def test_a_peer_that_stops_reading_is_cut_off(served: tuple[DaemonProcess, Path]
         gate.set()
         with pytest.raises(grpc.RpcError):
             list(stream)
+
+
+class WindowlessPeer:
+    """A raw HTTP/2 client (h2) that grants the server no stream window: no answer's data can
+    reach it, whatever the daemon writes. It reads every frame (so the connection itself lives)
+    and records how each of its calls ended."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.sock.settimeout(0.2)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.h2.initiate_connection()
+        self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        self.ended: dict[int, str] = {}  # stream id: "reset" or its grpc-status
+        self.data: dict[int, int] = {}  # stream id: answer bytes received
+        self.calls: list[int] = []
+        self._flush()
+
+    def call(self, method: str) -> int:
+        sid = self.h2.get_next_available_stream_id()
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", f"/inference.GRPCInferenceService/{method}"),
+            (":authority", "localhost"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+        self.h2.send_headers(sid, headers)
+        self.h2.send_data(sid, b"\x00\x00\x00\x00\x00", end_stream=True)  # an empty message
+        self._flush()
+        self.calls.append(sid)
+        return sid
+
+    def pump(self) -> None:
+        """Read what has arrived and note the calls that ended."""
+        try:
+            chunk = self.sock.recv(65536)
+        except TimeoutError:
+            return
+        except OSError:  # reset by the daemon
+            chunk = b""
+        if not chunk:
+            for sid in self.calls:
+                self.ended.setdefault(sid, "connection closed")
+            return
+        for ev in self.h2.receive_data(chunk):
+            if isinstance(ev, h2.events.DataReceived):
+                self.data[ev.stream_id] = self.data.get(ev.stream_id, 0) + len(ev.data)
+            elif isinstance(ev, h2.events.StreamReset):
+                self.ended[ev.stream_id] = "reset"
+            elif isinstance(ev, h2.events.TrailersReceived | h2.events.ResponseReceived):
+                # header_encoding="utf-8": h2 hands the headers over as text
+                status = {str(k): str(v) for k, v in ev.headers or ()}.get("grpc-status")
+                if status is not None:
+                    self.ended[ev.stream_id] = status
+        self._flush()
+
+    def _flush(self) -> None:
+        out = self.h2.data_to_send()
+        if out:
+            self.sock.sendall(out)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_unary_calls_to_a_peer_that_takes_no_data_are_cut_off(served: tuple[DaemonProcess, Path]) -> None:
+    """Both of grpc_max_streams' slots taken by unary calls whose answers cannot be delivered:
+    each is cancelled after grpc_write_timeout_s and other clients are served again."""
+    _, path = served
+    peer = WindowlessPeer(path)
+    try:
+        calls = [peer.call("ServerLive") for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while not all(c in peer.ended for c in calls) and time.monotonic() < deadline:
+            peer.pump()
+        assert all(c in peer.ended for c in calls), f"calls still open: {peer.ended}"
+        assert all(peer.ended[c] != "0" for c in calls), peer.ended  # none answered OK
+        assert not any(peer.data.get(c) for c in calls), "the answer came through a zero window"
+        ch, stub = _stub(path)
+        with ch:
+            live = wait_for(lambda: stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live, 30, what="a free slot")
+            assert live
+    finally:
+        peer.close()

@@ -13,8 +13,9 @@ any other model answers each request once. A response the peer does not take wit
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from edged.errors import (
     StreamStalledError,
 )
 from edged.llm import generation as gen
+from edged.ratelog import RateLimitedLog
 from edged.serving.modelplan import outputs_checked
 from edged.serving.service import Service
 from edged.transports.grpc.access import Access
@@ -40,6 +42,9 @@ from edged.wire.encode import OFFLOAD_BYTES
 from edged.wire.kserve import encode_response, planned_request, request_document, set_parameter
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, serialize_bytes
+
+log = logging.getLogger(__name__)
+_stalls = RateLimitedLog(log)  # a client can cause them: one line per interval, with a count
 
 Ctx = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
 # Typed values beyond this many are converted on a worker thread (raw contents are views).
@@ -58,6 +63,8 @@ class Inference:
         max_body: int,
     ) -> None:
         self.service, self.regions, self.access = service, regions, access
+        # Closes the connection of a call's peer (the Unix relay's cut, once it runs).
+        self.cut: Callable[[str], bool] = lambda peer: False
         self.max_body = max_body
         self.stream_requests, self.write_s = stream_requests, write_s
         self.accepting = True
@@ -178,12 +185,40 @@ class Inference:
                 await self._write(ctx, pb.ModelStreamInferResponse(error_message=e.message))
 
     async def _write(self, ctx: Ctx, resp: pb.ModelStreamInferResponse) -> None:
-        try:
-            await asyncio.wait_for(ctx.write(resp), self.write_s)
-        except asyncio.TimeoutError:
-            raise StreamStalledError(
-                f"the peer took no response within {self.write_s} s (server.grpc_write_timeout_s): stream cancelled"
-            ) from None
+        """``resp`` written within server.grpc_write_timeout_s. A peer that takes none has its
+        connection closed where the relay holds it (the Unix socket): grpcio can neither cancel a
+        call whose write is pending nor send it a status, so only a closed connection frees the
+        call. On TCP the write is cancelled and the stream ended as far as grpcio allows."""
+        write = asyncio.ensure_future(ctx.write(resp))
+        # A failure after a cut is expected (the call is gone): retrieved, not logged by asyncio.
+        write.add_done_callback(lambda w: w.cancelled() or w.exception())
+        done, _ = await asyncio.wait((write,), timeout=self.write_s)
+        if write in done:
+            write.result()
+            return
+        cut = self._stalled(ctx)
+        if cut:
+            # grpcio cancels this handler once it sees the close; the wait is a bound in case not.
+            await asyncio.wait((write,), timeout=self.write_s)
+        else:
+            write.cancel()
+        raise StreamStalledError(_stalled_words(self.write_s, cut))
+
+    def watch(self, ctx: Ctx) -> None:
+        """Bound the delivery of a unary answer, which grpcio writes after the handler returns:
+        a call not done within server.grpc_write_timeout_s has its connection cut (the Unix
+        socket). A timer and a done-callback per call: the answer's write itself is grpcio's."""
+        # The callback runs once grpcio has finished the call (context.done() already reads
+        # True when the handler returns, delivered or not).
+        timer = asyncio.get_running_loop().call_later(self.write_s, self._stalled, ctx)
+        ctx.add_done_callback(lambda _: timer.cancel())
+
+    def _stalled(self, ctx: Ctx) -> bool:
+        """Cut the connection of a call whose peer takes no data, logged; False on TCP."""
+        peer = ctx.peer()
+        cut = self.cut(peer)  # the close happens on the loop's next turns: logged first
+        _stalls.note(logging.WARNING, "stalled", "gRPC peer %s: %s", peer, _stalled_words(self.write_s, cut))
+        return cut
 
     def _generates(self, msg: pb.ModelInferRequest) -> bool:
         rt = self.service.registry.models.get(msg.model_name)
@@ -236,3 +271,9 @@ def _text_response(model: str, version: str, rid: str, piece: str | None, final:
         resp.raw_output_contents.append(serialize_bytes(np.array([piece.encode()], dtype=object)))
     set_parameter(resp.parameters, "triton_final_response", final)
     return pb.ModelStreamInferResponse(infer_response=resp)
+
+
+def _stalled_words(write_s: float, cut: bool) -> str:
+    return f"the peer took no response within {write_s} s (server.grpc_write_timeout_s): " + (
+        "its connection closed" if cut else "call cancelled"
+    )

@@ -95,12 +95,25 @@ class UnixRelay:
         self._names = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._open: set[Any] = set()
+        self._pipes: dict[str, _Pipe] = {}  # by path: the client's side of each connection
 
     def peer(self, name: str) -> Peer | None:
         """The client of a call whose ``context.peer()`` is ``name``."""
         if not name.startswith("unix:"):
             return None
         return self.peers.get(name[5:])
+
+    def cut(self, name: str) -> bool:
+        """Close the connection of the call whose ``context.peer()`` is ``name``: grpcio then
+        ends every call of it, pending writes included (it has no other way to drop a call whose
+        answer a peer does not take). False if ``name`` is no connection of this relay."""
+        pipe = self._pipes.get(name[5:]) if name.startswith("unix:") else None
+        if pipe is None:
+            return False
+        for side in (pipe, pipe.other):
+            if side is not None and side.transport is not None:
+                side.transport.close()
+        return True
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._task = loop.create_task(self._accept(loop))
@@ -147,11 +160,14 @@ class UnixRelay:
         b.flush_to(a.transport)
         a.flush_to(b.transport)
         self._open.add(a.transport)
+        self._pipes[path] = a
         a.on_close.append(lambda: self._closed(path, peer, a))
 
     def _closed(self, path: str, peer: Peer | None, pipe: _Pipe) -> None:
         if pipe.transport is not None:
             self._open.discard(pipe.transport)
+        if self._pipes.get(path) is pipe:
+            del self._pipes[path]
         self._forget(path, peer)
 
     def _forget(self, path: str, peer: Peer | None) -> None:
