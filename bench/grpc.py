@@ -14,7 +14,10 @@ loopback port too. Lanes, every one in every round, the order rotating between r
   * the same over edged's HTTP on its Unix socket: a pre-encoded request with the binary tensor
     extension on one keep-alive connection (bench/wire.py, the client of every HTTP benchmark);
   * a 1x3x640x640 FP32 frame (conv640) through a registered POSIX shared memory region, the
-    producer's copy into it inside the timing: gRPC on edged's Unix socket against HTTP.
+    producer's copy into it inside the timing: gRPC on edged's Unix socket against HTTP;
+  * with ``--base COMMIT|FOLDER``, a daemon of edged's package as of that commit (or folder,
+    bench/base_tree.py) serving the same models: its tiny stub lanes on both listeners, and
+    edged over base, a before/after of a change to the gRPC path in one interleaved run.
 
 Targets: edged's gRPC p50 / the floor's p50 <= 1.3 (each listener against the floor's same
 kind), edged's gRPC p50 / edged's HTTP p50 <= 1.5 (tiny, and the frame). Answers are checked
@@ -42,6 +45,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from bench.base_tree import BaseEdged
 from bench.models import ModelSpec, make_conv640, session
 from bench.peers import REPO, log, machine, running
 from bench.servers import EdgedServer, Server
@@ -125,6 +129,7 @@ class Lanes:
         self.channels: list[grpc.Channel] = []
         self.closers: list[Callable[[], None]] = []
         self.targets = {"edged_uds": f"unix:{edged.addr}.grpc", "edged_tcp": grpc_tcp}
+        self.bases: list[str] = []  # the base daemon's lanes, when there is one
         self.calls: dict[str, Call] = {}
         tiny = specs["tiny"]
         self.x = tiny.sample()
@@ -150,6 +155,12 @@ class Lanes:
         self.closers.append(sock.close)
         http = self.edged.request(self.specs["tiny"], self.x)
         self.calls["tiny/http/edged_uds"] = lambda: roundtrip(sock, http)
+
+    def add_base(self, base: EdgedServer, grpc_tcp: str) -> None:
+        self.targets |= {"base_uds": f"unix:{base.addr}.grpc", "base_tcp": grpc_tcp}
+        for lane in ("base_uds", "base_tcp"):
+            self.calls[f"tiny/stub/{lane}"] = self.stub_call(self.targets[lane])
+            self.bases.append(f"tiny/stub/{lane}")
 
     def stub_call(self, target: str) -> Call:
         stub, req = self.stub(target), self.request
@@ -215,7 +226,8 @@ class Lanes:
         for name, x in (("tiny", self.x), ("conv640", frame)):
             spec = self.specs[name]
             want = session(spec).run([spec.outputs[0]], {spec.input: x})[0]
-            lanes = [k for k in self.calls if "edged" in k and k.startswith("tiny" if name == "tiny" else "frame")]
+            mine = [k for k in self.calls if "edged" in k or k in self.bases]
+            lanes = [k for k in mine if k.startswith("tiny" if name == "tiny" else "frame")]
             for lane in lanes:
                 got = self.calls[lane]()
                 if isinstance(got, tuple):  # HTTP: (head, body)
@@ -288,12 +300,24 @@ RATIOS = [
 ]
 
 
-def run(work: Path, rounds: int, per: int, frame_per: int) -> dict[str, Any]:
+BASE_RATIOS = [
+    ("tiny/stub/edged_uds", "tiny/stub/base_uds", 1.0),
+    ("tiny/stub/edged_tcp", "tiny/stub/base_tcp", 1.0),
+]
+
+
+def run(work: Path, rounds: int, per: int, frame_per: int, base: str | None) -> dict[str, Any]:
     models = specs(REPO / "data" / "bench")
-    port = free_port()
+    port, base_port = free_port(), free_port()
     edged = EdgedServer(work, models, server={"grpc_tcp": [f"127.0.0.1:{port}"]}, shm="posix")
-    with running([edged]):
+    servers: list[Server] = [edged]
+    if base is not None:
+        based = BaseEdged(work, {"tiny": models["tiny"]}, base, server={"grpc_tcp": [f"127.0.0.1:{base_port}"]})
+        servers.append(based)
+    with running(servers):
         lanes = Lanes(edged, f"127.0.0.1:{port}", models)
+        if base is not None:
+            lanes.add_base(based, f"127.0.0.1:{base_port}")
         try:
             floor = FloorServer(work, lanes.edged_response())
             with running([floor]):
@@ -307,7 +331,8 @@ def run(work: Path, rounds: int, per: int, frame_per: int) -> dict[str, Any]:
             lanes.close()
             edged.close_frames()
     result = {k: summary(v) for k, v in raw.items()}
-    return {"lanes": result, "ratios": [ratio(result, a, b, t) for a, b, t in RATIOS]}
+    pairs = RATIOS + (BASE_RATIOS if base is not None else [])
+    return {"lanes": result, "ratios": [ratio(result, a, b, t) for a, b, t in pairs], "base": base}
 
 
 def report(r: dict[str, Any]) -> str:
@@ -315,12 +340,11 @@ def report(r: dict[str, Any]) -> str:
     lines += [f"{k:<32} {v['p50_ms']:>9.3f} {v['p99_ms']:>9.3f} {v['n']:>7}" for k, v in r["lanes"].items()]
     lines += ["", f"{'ratio of p50s':<60} {'pooled':>7} {'rounds':>7} {'worst':>7}  target"]
     for q in r["ratios"]:
-        ok = "met" if q["p50_ratio"] <= q["target"] else "MISSED"
+        verdict = f"<= {q['target']} " + ("met" if q["p50_ratio"] <= q["target"] else "MISSED")
+        if q["over"].startswith("tiny/stub/base"):
+            verdict = "before/after"
         name = f"{q['of']} / {q['over']}"
-        lines.append(
-            f"{name:<60} {q['p50_ratio']:>7.3f} {q['round_median']:>7.3f} {q['round_worst']:>7.3f}"
-            f"  <= {q['target']} {ok}"
-        )
+        lines.append(f"{name:<60} {q['p50_ratio']:>7.3f} {q['round_median']:>7.3f} {q['round_worst']:>7.3f}  {verdict}")
     return "\n".join(lines)
 
 
@@ -329,12 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="5 rounds of fewer requests")
     ap.add_argument("--rounds", type=int, default=0, help="rounds (default 10, 5 with --quick)")
     ap.add_argument("--out", default=str(REPO / "bench-results" / "grpc.json"))
+    ap.add_argument(
+        "--base", default=None, help="COMMIT or FOLDER: add a daemon of that edged beside this one (tiny lanes)"
+    )
     args = ap.parse_args(argv)
     rounds, per, frame_per = (5, 200, 10) if args.quick else (10, 500, 30)
     rounds = args.rounds or rounds
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="edged-grpc-") as tmp:
-        result = run(Path(tmp), rounds, per, frame_per)
+        result = run(Path(tmp), rounds, per, frame_per, args.base)
     result |= {"machine": machine(), "rounds": rounds, "elapsed_s": time.monotonic() - started}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
