@@ -154,6 +154,14 @@ class DaemonProcess:
             self.proc.wait(10)
 
 
+def loop_stalls(d: DaemonProcess) -> float:
+    """How many event-loop stalls over lifecycle.loop_stall_ms the daemon has counted."""
+    with d.client(timeout=10) as c:
+        _, body, _ = c.request("GET", "/metrics")
+    (line,) = [x for x in body.decode().splitlines() if x.startswith("edged_loop_stalls_total ")]
+    return float(line.split()[1])
+
+
 def while_held(d: DaemonProcess, wedge: Path, model: str, count: int, send: Callable[[], list[Any]]) -> list[Any]:
     """What ``send`` (``count`` requests to ``model`` at once) returns, sent while the model's
     worker hangs on the first it took (the test-only wedge at ``wedge``, edged/lifecycle/faults.py,

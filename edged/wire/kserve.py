@@ -3,11 +3,13 @@
 A ``ModelInferRequest`` becomes the same request document an HTTP body is planned from, with
 each raw input's bytes as a buffer of its own, so ``decode.decode_document`` checks it with the
 same rules and the same messages as every other transport. Raw contents are read in place
-(``numpy.frombuffer`` on the message's bytes); typed contents become one array per input.
+(``numpy.frombuffer`` on them, taken from the message once: protobuf copies a bytes field on every
+access); typed contents become one array per input.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +71,21 @@ def set_parameter(params: Any, key: str, value: Any) -> None:
         p.string_param = str(value)
 
 
+# Typed values are converted this many at a time (about a millisecond each on a small board).
+TYPED_SLICE = 16 * 1024
+# The array a large typed field is converted into: what numpy.asarray makes of the field's values
+# (Python bools, ints, floats), with room for every value of its protobuf type.
+_TYPED_DTYPE = {
+    "bool_contents": np.bool_,
+    "int_contents": np.int64,
+    "int64_contents": np.int64,
+    "uint_contents": np.int64,
+    "uint64_contents": np.uint64,
+    "fp32_contents": np.float64,
+    "fp64_contents": np.float64,
+}
+
+
 def typed_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> np.ndarray | None:
     """The input's typed contents as one array; None when it has none (raw or shared memory)."""
     if not tensor.HasField("contents"):
@@ -88,15 +105,35 @@ def typed_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> np.ndarray 
     values = getattr(tensor.contents, field)
     if field == "bytes_contents":
         out = np.empty(len(values), dtype=object)
-        out[:] = list(values)
+        for start in range(0, len(values), TYPED_SLICE):
+            out[start : start + TYPED_SLICE] = values[start : start + TYPED_SLICE]
+            _yield_gil(len(values))
         return out
-    return np.asarray(values)
+    if len(values) <= TYPED_SLICE:
+        return np.asarray(values)
+    out = np.empty(len(values), dtype=_TYPED_DTYPE[field])
+    for start in range(0, len(values), TYPED_SLICE):
+        out[start : start + TYPED_SLICE] = values[start : start + TYPED_SLICE]
+        _yield_gil(len(values))
+    return out
 
 
-def request_document(msg: pb.ModelInferRequest) -> tuple[dict[str, Any], list[bytes], int]:
+def _yield_gil(n: int) -> None:
+    """Between two slices of a large conversion (made on a worker thread): each slice is one C
+    call that holds the GIL throughout, so the event loop's thread gets it here rather than after
+    the interpreter's switch interval, or, for the whole array at once, after all of it."""
+    if n > TYPED_SLICE:
+        time.sleep(0)
+
+
+def request_document(
+    msg: pb.ModelInferRequest, raws: list[bytes] | None = None
+) -> tuple[dict[str, Any], list[bytes], int]:
     """(the request as an infer document, the raw input contents in order, the number of
-    typed values): what ``decode.decode_document`` plans and decodes."""
-    raws = msg.raw_input_contents
+    typed values): what ``decode.decode_document`` plans and decodes. ``raws``: the message's raw
+    contents taken out already (protobuf copies a bytes field on every access)."""
+    if raws is None:
+        raws = list(msg.raw_input_contents)
     inputs: list[dict[str, Any]] = []
     typed = 0
     nraw = 0
@@ -131,7 +168,7 @@ def request_document(msg: pb.ModelInferRequest) -> tuple[dict[str, Any], list[by
         doc["parameters"] = parameters_of(msg.parameters)
     if msg.outputs:
         doc["outputs"] = [_output_doc(o) for o in msg.outputs]
-    return doc, list(raws), typed
+    return doc, raws, typed
 
 
 # Plans of requests whose inputs are all raw contents of their shape's size, with no parameters
@@ -159,22 +196,26 @@ def plan_key(msg: pb.ModelInferRequest) -> bytes | None:
     return "".join(parts).encode()
 
 
-def planned_request(msg: pb.ModelInferRequest, shm: Any, limits: Limits) -> InferRequest | None:
+def planned_request(
+    msg: pb.ModelInferRequest, shm: Any, limits: Limits, raws: list[bytes] | None = None
+) -> InferRequest | None:
     """The request decoded by its remembered plan (made and remembered on its first sight);
     None where it is not of the kind remembered, or its raw contents are not its shapes' sizes
-    (``request_document`` and ``decode_document`` then decode it and say what is wrong)."""
+    (``request_document`` and ``decode_document`` then decode it and say what is wrong).
+    ``raws`` as for ``request_document``."""
     key = plan_key(msg)
     if key is None:
         return None
+    if raws is None:
+        raws = list(msg.raw_input_contents)
     plan = PLANS.get(key)
     if plan is None:
-        doc, _, _ = request_document(msg)
+        doc, _, _ = request_document(msg, raws)
         doc.pop("id", None)
         plan = plan_document(doc, limits)
         if plan.layout is None:
             return None
         PLANS.put(key, plan)
-    raws = list(msg.raw_input_contents)
     assert plan.layout is not None  # only such plans are remembered
     if any(len(raw) != end - start for raw, (_, _, _, start, end) in zip(raws, plan.layout)):
         return None
@@ -191,18 +232,19 @@ def _output_doc(o: pb.ModelInferRequest.InferRequestedOutputTensor) -> dict[str,
     return entry
 
 
-def encode_response(
+def response_parts(
     model: str,
     version: str,
     req: InferRequest,
     results: Mapping[str, np.ndarray],
     shm: OutputResolver | None = None,
-) -> pb.ModelInferResponse:
-    """The answer: every output's bytes as raw contents (tritonclient indexes them by output),
-    or, for one bound for shared memory, its region and size with empty raw contents."""
+) -> tuple[pb.ModelInferResponse, list[bytes | memoryview]]:
+    """The answer without its raw contents, and those contents: every output's bytes (a view of
+    the output where no copy is needed; tritonclient indexes them by output), or, for one bound
+    for shared memory, its region and size in the message and empty raw contents."""
     resp = pb.ModelInferResponse(model_name=model, model_version=version, id=req.id)
     wanted = req.outputs if req.outputs is not None else [OutputRequest(n) for n in results]
-    raws: list[bytes] = []
+    raws: list[bytes | memoryview] = []
     for out in wanted:
         arr = results.get(out.name)
         if arr is None:
@@ -213,10 +255,40 @@ def encode_response(
             for key, value in to_shm(out, arr, shm).items():
                 set_parameter(tensor.parameters, key, value)
         else:
-            raws.append(bytes(tensor_bytes(arr)))
-    if any(raws):
-        resp.raw_output_contents.extend(raws)
-    return resp
+            raws.append(tensor_bytes(arr))
+    return resp, raws
+
+
+# The wire keys (field number << 3 | length-delimited) of ModelInferResponse.raw_output_contents
+# (6) and ModelStreamInferResponse.infer_response (2).
+_RAW_OUTPUT_KEY = bytes([6 << 3 | 2])
+_STREAM_RESPONSE_KEY = bytes([2 << 3 | 2])
+
+
+def serialized_answer(resp: pb.ModelInferResponse, raws: list[bytes | memoryview], stream: bool) -> bytes:
+    """``resp`` with ``raws`` as its raw_output_contents, serialized, as a ModelStreamInferResponse's
+    ``infer_response`` when ``stream``: the bytes protobuf's SerializeToString gives for the whole
+    message (fields in number order: the raw contents are the last field, the stream's error_message,
+    empty, is left out). protobuf serializes only the small head here. Its encoder copies a large
+    bytes field into buffers it grows and copies again, all under the GIL (about 0.5 s for 64 MiB
+    here); each raw content is framed as the field it is (key, length, bytes) and joined in one copy."""
+    parts: list[bytes | memoryview] = [resp.SerializeToString()]
+    if any(len(r) for r in raws):
+        for r in raws:
+            parts += [_RAW_OUTPUT_KEY, varint(len(r)), r]
+    if stream:
+        parts[:0] = [_STREAM_RESPONSE_KEY, varint(sum(len(p) for p in parts))]
+    return b"".join(parts)
+
+
+def varint(n: int) -> bytes:
+    """protobuf's base-128 varint: seven bits a byte, low first, the high bit on all but the last."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def to_message(doc: Mapping[str, Any], cls: type[Message]) -> Message:

@@ -22,7 +22,7 @@ import onnxruntime as ort
 import pytest
 
 from edged.tools.demo import make_tiny_mlp
-from tests.helpers import FREEZE_S, DaemonProcess, unavailable, wait_for
+from tests.helpers import FREEZE_S, DaemonProcess, loop_stalls, unavailable, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -369,13 +369,6 @@ def test_a_full_cache_disk_says_so_and_leaves_the_cache_consistent(
 # --- nothing blocking on the loop -------------------------------------------------------------------
 
 
-def stalls(d: DaemonProcess) -> float:
-    with d.client(timeout=10) as c:
-        _, body, _ = c.request("GET", "/metrics")
-    (line,) = [x for x in body.decode().splitlines() if x.startswith("edged_loop_stalls_total ")]
-    return float(line.split()[1])
-
-
 def bytes_read(d: DaemonProcess) -> int:
     """What the daemon's process has read so far (files, sockets, pipes: read(2) and the like)."""
     assert d.proc is not None
@@ -401,10 +394,10 @@ def test_a_no_op_reload_with_a_large_engine_does_not_stall_the_loop(
         },
     )
     d.start(timeout=180)
-    before, read_before = stalls(d), bytes_read(d)
+    before, read_before = loop_stalls(d), bytes_read(d)
     for n in (1, 2, 3):
         hup(d)
         wait_for(logged(d, "reload done", n), 60, what=f"reload {n}")
     read = bytes_read(d) - read_before
     assert read < big.stat().st_size // 4, f"three no-op reloads read {read >> 20} MiB"
-    assert stalls(d) == before, d.log()
+    assert loop_stalls(d) == before, d.log()

@@ -8,9 +8,23 @@ import pytest
 
 from edged.errors import BadRequestError
 from edged.wire.decode import decode_document
-from edged.wire.kserve import encode_response, parameters_of, request_document
+from edged.wire.kserve import (
+    parameters_of,
+    request_document,
+    response_parts,
+    serialized_answer,
+    varint,
+)
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, OutputRequest
+
+
+def _message(model: str, version: str, req: InferRequest, out: dict[str, np.ndarray]) -> pb.ModelInferResponse:
+    """The answer built whole by protobuf: ``response_parts`` with its raw contents put in."""
+    resp, raws = response_parts(model, version, req, out)
+    if any(len(r) for r in raws):
+        resp.raw_output_contents.extend(bytes(r) for r in raws)
+    return resp
 
 
 def _decode(msg: pb.ModelInferRequest) -> InferRequest:
@@ -86,8 +100,46 @@ def test_shared_memory_parameters_pass_through() -> None:
 def test_the_response_holds_every_output_raw() -> None:
     req = InferRequest("r1", outputs=[OutputRequest("b"), OutputRequest("a")])
     out = {"a": np.ones((1, 2), np.float32), "b": np.array([b"hi"], dtype=object)}
-    resp = encode_response("m", "1", req, out)
+    resp = _message("m", "1", req, out)
     assert [o.name for o in resp.outputs] == ["b", "a"] and resp.id == "r1"
     assert resp.outputs[0].datatype == "BYTES" and resp.raw_output_contents[0] == b"\x02\x00\x00\x00hi"
     np.testing.assert_array_equal(np.frombuffer(resp.raw_output_contents[1], np.float32), [1, 1])
     assert parameters_of(resp.parameters) == {}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([b"hi", b""], dtype=object)},
+        {"a": np.zeros((1, 300), np.int64)[:, ::3]},  # not contiguous: its bytes are copied
+        {"a": np.zeros((0, 4), np.float32)},  # no raw contents at all: the field is left out
+    ],
+)
+def test_a_serialized_answer_is_protobufs_own(outputs: dict[str, np.ndarray], stream: bool) -> None:
+    """The raw contents framed by hand, the rest by protobuf: the very bytes SerializeToString
+    gives for the whole message (so every client parses them as it always did)."""
+    req = InferRequest("r7", outputs=[OutputRequest(n) for n in outputs])
+    resp = _message("m", "2", req, outputs)
+    want = pb.ModelStreamInferResponse(infer_response=resp) if stream else resp
+    got = serialized_answer(*response_parts("m", "2", req, outputs), stream)
+    assert got == want.SerializeToString()
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 300, 16384, 2**21, 2**28 + 5])
+def test_varints_are_protobufs(n: int) -> None:
+    # A bytes field of n bytes: protobuf writes its length as the varint.
+    msg = pb.ModelInferResponse(raw_output_contents=[b"x" * n]) if n < 2**22 else None
+    if msg is not None:
+        assert msg.SerializeToString() == bytes([6 << 3 | 2]) + varint(n) + b"x" * n
+    assert _decode_varint(varint(n)) == n
+
+
+def _decode_varint(data: bytes) -> int:
+    value = 0
+    for i, b in enumerate(data):
+        value |= (b & 0x7F) << (7 * i)
+        if not b & 0x80:
+            assert i == len(data) - 1
+            return value
+    raise AssertionError("unterminated")

@@ -8,6 +8,13 @@ requests; a language model's request streams one response per piece of text, the
 with ``triton_final_response`` (decoupled, as Triton's vLLM and TensorRT-LLM backends answer);
 any other model answers each request once. A response the peer does not take within
 ``server.grpc_write_timeout_s`` ends the stream.
+
+Nothing whose cost grows with a message runs on the event loop. protobuf (upb) copies a bytes
+field on every access and ``ByteSize`` serializes the whole message, so the raw contents are taken
+from the message once, on the parsing thread for a large message, and its size is the length of
+the bytes grpcio handed over. A large message that is not decoded by its client's plan (typed
+contents, a language model's prompt) is decoded on a thread too, and a large answer is encoded
+and serialized on one: the inference RPCs hand grpcio their answers as bytes (server.py).
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,17 +47,46 @@ from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.decode import decode_document
 from edged.wire.encode import OFFLOAD_BYTES
-from edged.wire.kserve import encode_response, planned_request, request_document, set_parameter
+from edged.wire.kserve import (
+    planned_request,
+    request_document,
+    response_parts,
+    serialized_answer,
+    set_parameter,
+)
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, serialize_bytes
+from edged.wire.validate import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger(__name__)
 _stalls = RateLimitedLog(log)  # a client can cause them: one line per interval, with a count
 
 Ctx = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
-# Typed values beyond this many are converted on a worker thread (raw contents are views).
-_TYPED_ON_LOOP = 16 * 1024
 _TRANSPORT = "grpc"
+# Typed values and other fields beyond this many bytes are decoded on a thread (about a
+# millisecond of conversion on a small board).
+_FIELDS_ON_LOOP = 16 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A ModelInferRequest with its raw contents taken out once, and its size on the wire."""
+
+    msg: pb.ModelInferRequest
+    raws: list[bytes]
+    size: int
+
+    @property
+    def fields(self) -> int:
+        """The bytes of everything but the raw contents: typed values, names, parameters."""
+        return self.size - sum(map(len, self.raws))
+
+    @property
+    def large(self) -> bool:
+        """Whether decoding it belongs on a thread: a message past OFFLOAD_BYTES (BYTES elements
+        are read one by one), or typed values past _FIELDS_ON_LOOP (a packed INT8 value is one
+        byte on the wire and a Python object to convert)."""
+        return self.size > OFFLOAD_BYTES or self.fields > _FIELDS_ON_LOOP
 
 
 class Inference:
@@ -69,17 +106,16 @@ class Inference:
         self.stream_requests, self.write_s = stream_requests, write_s
         self.accepting = True
 
-    async def ModelInfer(self, data: bytes, ctx: Ctx) -> pb.ModelInferResponse:
-        return await self.one(await self.parsed_off_loop(data), self.access.check(ctx))
+    async def ModelInfer(self, data: bytes, ctx: Ctx) -> bytes:
+        return await self.one(await self.parsed_off_loop(data), self.access.check(ctx), stream=False)
 
-    async def parsed_off_loop(self, data: bytes) -> pb.ModelInferRequest:
-        """``parsed``, on a thread for a message above OFFLOAD_BYTES: parsing grows with the
-        message (typed contents of millions of values), which the event loop must not carry."""
+    async def parsed_off_loop(self, data: bytes) -> Parsed:
+        """``parsed``, on a thread for a message above OFFLOAD_BYTES."""
         if len(data) <= OFFLOAD_BYTES:
             return self.parsed(data)
         return await asyncio.to_thread(self.parsed, data)
 
-    def parsed(self, data: bytes) -> pb.ModelInferRequest:
+    def parsed(self, data: bytes) -> Parsed:
         """The message grpcio hands over as bytes (server.py): parsed here, so that one over
         server.max_body or one that is not a ModelInferRequest gets edged's code and words."""
         if len(data) > self.max_body:
@@ -87,16 +123,20 @@ class Inference:
                 f"the message of {len(data)} bytes exceeds the limit of {self.max_body} (server.max_body)"
             )
         try:
-            return pb.ModelInferRequest.FromString(data)
+            msg = pb.ModelInferRequest.FromString(data)
         except DecodeError as e:
             raise BadRequestError(f"the message is not a ModelInferRequest: {e}") from None
+        return Parsed(msg, list(msg.raw_input_contents), len(data))
 
-    async def one(self, msg: pb.ModelInferRequest, peer: Peer | None) -> pb.ModelInferResponse:
+    async def one(self, p: Parsed, peer: Peer | None, stream: bool) -> bytes:
+        """The answer to one request, serialized: a ModelInferResponse, or a
+        ModelStreamInferResponse holding it when ``stream``."""
         svc = self.service
         shm = LazyShm(self.regions, peer)
+        msg = p.msg
         name = msg.model_name
         try:
-            req, received = await self._decode(msg, shm)
+            req, received = await self._decode(p, shm)
             name = svc.resolve(msg.model_name, msg.model_version)
             # At once where nothing was awaited since the lookup (as HTTP's route does): the
             # decoder's plan (req.shapes) then spares the model's check of the same shapes.
@@ -110,20 +150,41 @@ class Inference:
             ran = time.perf_counter_ns()
             model, version = svc.versions().served(name)
             try:
-                resp = encode_response(model, version, req, outputs, shm.output)
+                answer = await self._encoded(model, version, req, outputs, shm, stream)
                 if shm.held is not None and shm.held.writes:
                     await shm.held.flush()
             except BaseException:
                 svc.stats.encode_failed(name, received, ran)
                 raise
             svc.stats.encoded(name, ran)
-            return resp
+            return answer
         finally:
             shm.release()
 
-    async def _decode(self, msg: pb.ModelInferRequest, shm: LazyShm) -> tuple[InferRequest, int]:
+    async def _encoded(
+        self,
+        model: str,
+        version: str,
+        req: InferRequest,
+        outputs: Mapping[str, np.ndarray],
+        shm: LazyShm,
+        stream: bool,
+    ) -> bytes:
+        """The answer's bytes: made on a thread when the outputs it carries are large (those
+        bound for shared memory are written there on the loop, and add nothing to it)."""
+        to_shm = req.outputs is not None and any(o.shm_region is not None for o in req.outputs)
+        if to_shm or sum(a.nbytes for a in outputs.values()) <= OFFLOAD_BYTES:
+            return serialized_answer(*response_parts(model, version, req, outputs, shm.output), stream)
+
+        def made() -> bytes:
+            return serialized_answer(*response_parts(model, version, req, outputs), stream)
+
+        return await asyncio.to_thread(made)
+
+    async def _decode(self, p: Parsed, shm: LazyShm) -> tuple[InferRequest, int]:
         """The request's inputs, ready for the model, and when it was taken (perf_counter_ns)."""
         svc = self.service
+        msg = p.msg
         name = msg.model_name
         try:
             if not self.accepting:
@@ -131,16 +192,14 @@ class Inference:
             name = svc.resolve(msg.model_name, msg.model_version)
             received = time.perf_counter_ns()
             plan = svc.plan_for(svc.model(name))
-            self._check_size(msg, plan.limits.json_bytes)
-            planned = planned_request(msg, shm.input, plan.limits)
+            _check_size(p, plan.limits.json_bytes)
+            planned = planned_request(msg, shm.input, plan.limits, p.raws)
             if planned is not None:
                 req = planned
+            elif p.large:
+                req = await asyncio.to_thread(_decoded, p, shm.input, plan.limits)
             else:
-                doc, raws, typed = request_document(msg)
-                if typed > _TYPED_ON_LOOP:
-                    req = await asyncio.to_thread(decode_document, doc, raws, shm.input, plan.limits)
-                else:
-                    req = decode_document(doc, raws, shm.input, plan.limits)
+                req = _decoded(p, shm.input, plan.limits)
             outputs_checked(plan, req)
             if shm.held is not None or req.pending:
                 await fill_inputs(req, shm)
@@ -148,17 +207,6 @@ class Inference:
             svc.metrics.reject(name, _TRANSPORT, e.code, known=name in svc.registry.models)
             raise
         return req, received
-
-    def _check_size(self, msg: pb.ModelInferRequest, json_bytes: int) -> None:
-        """HTTP's JSON part's limit: the fields other than the raw contents (typed values, names,
-        parameters: what HTTP carries as JSON) within server.max_json. ByteSize is a sum of
-        lengths protobuf keeps (about a microsecond for a small request)."""
-        fields = msg.ByteSize() - sum(map(len, msg.raw_input_contents))
-        if fields > json_bytes:
-            raise PayloadTooLargeError(
-                f"the request's fields other than its raw contents are {fields} bytes, over the limit of "
-                f"{json_bytes} (server.max_json); send large tensors as raw contents or shared memory"
-            )
 
     # --- streams ---
 
@@ -174,21 +222,22 @@ class Inference:
                     "(server.grpc_stream_requests): open a new stream"
                 )
             try:
-                msg = await self.parsed_off_loop(data)
-                if self._generates(msg):
-                    await self._generate(msg, ctx)
+                p = await self.parsed_off_loop(data)
+                if self._generates(p.msg):
+                    await self._generate(p, ctx)
                 else:
-                    await self._write(ctx, pb.ModelStreamInferResponse(infer_response=await self.one(msg, peer)))
+                    await self._write(ctx, await self.one(p, peer, stream=True))
             except StreamStalledError:
                 raise
             except EdgedError as e:  # one request's error: the stream goes on, as Triton's does
-                await self._write(ctx, pb.ModelStreamInferResponse(error_message=e.message))
+                await self._write(ctx, _streamed_error(e.message))
 
-    async def _write(self, ctx: Ctx, resp: pb.ModelStreamInferResponse) -> None:
-        """``resp`` written within server.grpc_write_timeout_s. A peer that takes none has its
-        connection closed where the relay holds it (the Unix socket): grpcio can neither cancel a
-        call whose write is pending nor send it a status, so only a closed connection frees the
-        call. On TCP the write is cancelled and the stream ended as far as grpcio allows."""
+    async def _write(self, ctx: Ctx, resp: bytes) -> None:
+        """``resp`` (a serialized ModelStreamInferResponse) written within
+        server.grpc_write_timeout_s. A peer that takes none has its connection closed where the
+        relay holds it (the Unix socket): grpcio can neither cancel a call whose write is pending
+        nor send it a status, so only a closed connection frees the call. On TCP the write is
+        cancelled and the stream ended as far as grpcio allows."""
         write = asyncio.ensure_future(ctx.write(resp))
         # A failure after a cut is expected (the call is gone): retrieved, not logged by asyncio.
         write.add_done_callback(lambda w: w.cancelled() or w.exception())
@@ -224,9 +273,10 @@ class Inference:
         rt = self.service.registry.models.get(msg.model_name)
         return rt is not None and gen.is_language_model(rt.cfg)
 
-    async def _generate(self, msg: pb.ModelInferRequest, ctx: Ctx) -> None:
+    async def _generate(self, p: Parsed, ctx: Ctx) -> None:
+        msg = p.msg
         name = self.service.resolve(msg.model_name, msg.model_version)
-        prompt, body = _generation_request(msg)
+        prompt, body = await asyncio.to_thread(_generation_request, p) if p.large else _generation_request(p)
         job = gen.make_job(self.service.model(name).cfg, body, gen.request_timeout(self.service, name), prompt=prompt)
         model, version = self.service.versions().served(name)
         async for piece in gen.stream(self.service, name, job, msg.id, _TRANSPORT):
@@ -234,14 +284,35 @@ class Inference:
         await self._write(ctx, _text_response(model, version, msg.id, None, final=True))
 
 
-def _generation_request(msg: pb.ModelInferRequest) -> tuple[str, dict[str, Any]]:
+def _check_size(p: Parsed, json_bytes: int) -> None:
+    """HTTP's JSON part's limit: the fields other than the raw contents (typed values, names,
+    parameters: what HTTP carries as JSON) within server.max_json."""
+    fields = p.fields
+    if fields > json_bytes:
+        raise PayloadTooLargeError(
+            f"the request's fields other than its raw contents are {fields} bytes, over the limit of "
+            f"{json_bytes} (server.max_json); send large tensors as raw contents or shared memory"
+        )
+
+
+def _decoded(p: Parsed, shm: Any, limits: Limits = DEFAULT_LIMITS) -> InferRequest:
+    """A request that no plan decodes, through the shared decoder (its typed contents become
+    arrays here: on a thread for a large message)."""
+    doc, raws, _ = request_document(p.msg, p.raws)
+    return decode_document(doc, raws, shm, limits)
+
+
+def _streamed_error(message: str) -> bytes:
+    return bytes(pb.ModelStreamInferResponse(error_message=message).SerializeToString())
+
+
+def _generation_request(p: Parsed) -> tuple[str, dict[str, Any]]:
     """(the prompt, the sampling parameters) of a request in the form Triton's vLLM backend
     takes: a BYTES input ``text_input``, optional ``sampling_parameters`` (a JSON object as a
     BYTES input or a request parameter), and any request parameters (max_tokens, temperature)."""
     import orjson
 
-    doc, raws, _ = request_document(msg)
-    req = decode_document(doc, raws, None)
+    req = _decoded(p, None)
     text = req.inputs.get("text_input")
     if text is None or text.size != 1:
         raise BadRequestError("a language model's request needs one BYTES input 'text_input'")
@@ -264,13 +335,13 @@ def _generation_request(msg: pb.ModelInferRequest) -> tuple[str, dict[str, Any]]
     return prompt, body
 
 
-def _text_response(model: str, version: str, rid: str, piece: str | None, final: bool) -> pb.ModelStreamInferResponse:
+def _text_response(model: str, version: str, rid: str, piece: str | None, final: bool) -> bytes:
     resp = pb.ModelInferResponse(model_name=model, model_version=version, id=rid)
     if piece is not None:
         resp.outputs.add(name="text_output", datatype="BYTES", shape=[1])
         resp.raw_output_contents.append(serialize_bytes(np.array([piece.encode()], dtype=object)))
     set_parameter(resp.parameters, "triton_final_response", final)
-    return pb.ModelStreamInferResponse(infer_response=resp)
+    return bytes(pb.ModelStreamInferResponse(infer_response=resp).SerializeToString())
 
 
 def _stalled_words(write_s: float, cut: bool) -> str:

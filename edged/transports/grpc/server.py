@@ -124,8 +124,8 @@ def _add_port(server: grpc.aio.Server, host: str, port: int, text: str) -> int:
 def _register(server: grpc.aio.Server, control: Control, inference: Inference, slots: _Slots) -> None:
     """Every RPC of the service answered by control.py or infer.py, behind the listener's access
     check, with every exception turned into its gRPC status. The inference RPCs take their
-    messages as bytes (infer.py parses them): grpcio's own refusals of a message it cannot parse
-    carry neither edged's code nor HTTP's words.
+    messages as bytes (infer.py parses them: grpcio's own refusals of a message it cannot parse
+    carry neither edged's code nor HTTP's words) and answer with bytes.
 
     grpcio writes a unary handler's answer itself, after the handler returns, and holds the call
     for as long as the peer takes no data. So a unary call holds its slot of grpc_max_streams
@@ -147,7 +147,8 @@ def _register(server: grpc.aio.Server, control: Control, inference: Inference, s
         handlers[name] = kind(
             handler,
             request_deserializer=request,
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+            # The inference RPCs answer with bytes they serialized (off the loop when large).
+            response_serializer=None if raw else getattr(pb, method.output_type.name).SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
     server.add_registered_method_handlers(_SERVICE, handlers)
