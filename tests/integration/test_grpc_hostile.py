@@ -227,3 +227,46 @@ def test_unary_calls_to_a_peer_that_takes_no_data_are_cut_off(served: tuple[Daem
             assert live
     finally:
         peer.close()
+
+
+def test_tcp_connections_past_max_connections_are_closed(tmp_path: Path, model_dir: Path) -> None:
+    """Connections that never send a call cannot take every descriptor: past server.max_connections
+    (and the relay's slack) on one gRPC listener, grpcio closes each new one at once, while the
+    Unix socket serves as before; once they go, TCP serves again."""
+    cap = 4 + 16  # max_connections + server.py's _CLOSING_SLACK
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cfg = write_config(
+        tmp_path / "edged.toml",
+        {
+            "server": {"socket": str(tmp_path / "edged.sock"), "max_connections": 4, "grpc_tcp": [f"127.0.0.1:{port}"]},
+            "cache": {"dir": str(tmp_path / "cache")},
+            "models.tiny": {"path": str(model_dir / "tiny.onnx")},
+        },
+    )
+    d = DaemonProcess(cfg, tmp_path / "edged.sock", tmp_path / "edged.log").start()
+    hogs = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap + 3)]
+    try:
+
+        def closed(s: socket.socket) -> bool:
+            s.settimeout(0.05)
+            try:
+                return s.recv(1) == b""
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+
+        wait_for(lambda: sum(map(closed, hogs)) >= 3, 30, what="the connections past the cap closed")
+        assert not any(closed(s) for s in hogs[:cap]), "a connection within the cap was closed"
+        ch, stub = _stub(tmp_path / "edged.sock.grpc")
+        with ch:
+            assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
+    finally:
+        for s in hogs:
+            s.close()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as tcp:
+        live = pbg.GRPCInferenceServiceStub(tcp).ServerLive
+        assert wait_for(lambda: live(pb.ServerLiveRequest(), timeout=5).live, 30, what="TCP served again")
+    assert d.stop() == 0, d.log()

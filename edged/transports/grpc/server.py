@@ -13,6 +13,12 @@
   cut (``Inference.watch``). Each connection's HTTP/2 stream count is held to the same number
   through SETTINGS_MAX_CONCURRENT_STREAMS, so a client past it on one connection waits for a
   stream of its own connection to end (HTTP/2's rule, kept by the client);
+- ``grpc.max_allowed_incoming_connections``: each listener holds at most ``server.max_connections``
+  + _CLOSING_SLACK connections (grpcio closes one more as soon as it is accepted), so connections
+  that never send a call cannot take every descriptor of the daemon, and with them its other
+  listeners. grpcio counts per listener: TCP peers cannot take the Unix relay's. The slack is the
+  relay's: it holds its own clients to ``server.max_connections``, and a connection it has just
+  closed may still count in grpcio for a moment;
 - ``grpc.so_reuseport`` off: a second daemon cannot share a TCP port silently.
 """
 
@@ -41,6 +47,8 @@ from edged.wire.proto import grpc_service_pb2 as pb
 log = logging.getLogger(__name__)
 
 _SERVICE = "inference.GRPCInferenceService"
+# Connections beyond server.max_connections that a listener takes (see above).
+_CLOSING_SLACK = 16
 _INFER = {"ModelInfer", "ModelStreamInfer"}
 
 
@@ -69,6 +77,7 @@ class GrpcServer:
             ("grpc.max_receive_message_length", max_body + parse_size(s.max_json)),
             ("grpc.max_send_message_length", -1),
             ("grpc.max_concurrent_streams", s.grpc_max_streams),
+            ("grpc.max_allowed_incoming_connections", s.max_connections + _CLOSING_SLACK),
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options)
