@@ -154,6 +154,18 @@ class DaemonProcess:
             self.proc.wait(10)
 
 
+def closed_by_peer(s: socket.socket) -> bool:
+    """Whether the other end has closed ``s``, a connection on which the daemon never speaks
+    first (a peer that sends nothing): a read sees the end, or a reset, within 50 ms."""
+    s.settimeout(0.05)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
 def loop_stalls(d: DaemonProcess) -> float:
     """How many event-loop stalls over lifecycle.loop_stall_ms the daemon has counted."""
     with d.client(timeout=10) as c:

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.proto import grpc_service_pb2_grpc as pbg
+
+if TYPE_CHECKING:
+    from tests.integration.users import User
 
 X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
 
@@ -89,6 +94,31 @@ def main(argv: list[str]) -> int:
                 answer = {"status": e.code().name, "code": trailing.get("edged-code")}  # type: ignore[attr-defined]
             print(json.dumps(answer), flush=True)
     return 0
+
+
+class GrpcUser:
+    """This module as ``user``, run from a test: one process, one connection."""
+
+    def __init__(self, user: User, group: str, sock: Path) -> None:
+        import grp
+
+        groups = f"{user.gid},{grp.getgrnam(group).gr_gid}"
+        cmd = [sys.executable, "-m", "tests.integration.grpc_as_user", str(user.uid), str(user.gid), groups, str(sock)]
+        repo = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen(cmd, cwd=repo, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __call__(self, command: str) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the client of {command!r} exited ({self.proc.wait(30)})"
+        return json.loads(line)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.proc.wait(30) == 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import pytest
 
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.proto import grpc_service_pb2_grpc as pbg
-from tests.helpers import DaemonProcess, wait_for, write_config
+from tests.helpers import DaemonProcess, closed_by_peer, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -248,18 +248,8 @@ def test_tcp_connections_past_max_connections_are_closed(tmp_path: Path, model_d
     d = DaemonProcess(cfg, tmp_path / "edged.sock", tmp_path / "edged.log").start()
     hogs = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap + 3)]
     try:
-
-        def closed(s: socket.socket) -> bool:
-            s.settimeout(0.05)
-            try:
-                return s.recv(1) == b""
-            except TimeoutError:
-                return False
-            except OSError:
-                return True
-
-        wait_for(lambda: sum(map(closed, hogs)) >= 3, 30, what="the connections past the cap closed")
-        assert not any(closed(s) for s in hogs[:cap]), "a connection within the cap was closed"
+        wait_for(lambda: sum(map(closed_by_peer, hogs)) >= 3, 30, what="the connections past the cap closed")
+        assert not any(map(closed_by_peer, hogs[:cap])), "a connection within the cap was closed"
         ch, stub = _stub(tmp_path / "edged.sock.grpc")
         with ch:
             assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live

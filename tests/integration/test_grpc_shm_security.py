@@ -5,47 +5,21 @@ of that user (tests/integration/grpc_as_user.py), on a real daemon."""
 
 from __future__ import annotations
 
-import grp
-import json
 import secrets
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
-from tests.helpers import REPO, DaemonProcess
-from tests.integration.users import User, need_root, temp_group, temp_user
+from tests.helpers import DaemonProcess
+from tests.integration.grpc_as_user import GrpcUser
+from tests.integration.users import need_root, temp_group, temp_user
 
 pytestmark = pytest.mark.integration
 
 X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
-
-
-class GrpcUser:
-    """tests/integration/grpc_as_user.py as ``user``: one process, one connection."""
-
-    def __init__(self, user: User, group: str, sock: Path) -> None:
-        groups = f"{user.gid},{grp.getgrnam(group).gr_gid}"
-        cmd = [sys.executable, "-m", "tests.integration.grpc_as_user", str(user.uid), str(user.gid), groups, str(sock)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def __call__(self, command: str) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"the client of {command!r} exited ({self.proc.wait(30)})"
-        return json.loads(line)
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        assert self.proc.wait(30) == 0
 
 
 @pytest.fixture

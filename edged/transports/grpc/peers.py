@@ -8,6 +8,8 @@ the call's peer (``context.peer()`` = ``unix:<path>``), which names the client's
 here. A path is unlinked once connected (the name stays the socket's) and forgotten when the
 connection closes, so a call's identity is the kernel's record of its client, as on HTTP.
 The relay applies back-pressure both ways (a side whose buffer fills pauses reading the other).
+It holds the connections to ``server.max_connections``, and each user (uid) to its share,
+``server.max_connections_per_peer``, as HTTP's Unix socket does: one user cannot take them all.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections import Counter
 from typing import Any
 
 from edged.ratelog import RateLimitedLog
@@ -86,9 +89,11 @@ class _Pipe(asyncio.Protocol):
 class UnixRelay:
     """The public gRPC Unix socket: accepts, records the peer, relays to grpcio's socket."""
 
-    def __init__(self, sock: socket.socket, max_connections: int) -> None:
+    def __init__(self, sock: socket.socket, max_connections: int, per_peer: int) -> None:
         self.sock = sock
         self.max_connections = max_connections
+        self.per_peer = min(per_peer, max_connections)
+        self._by_uid: Counter[int] = Counter()  # connections relayed or being set up, per user
         self.dir = tempfile.mkdtemp(prefix="edged-grpc-")  # mode 0700: only this user reaches grpcio
         self.inner = os.path.join(self.dir, "s")
         self.peers: dict[str, Peer] = {}
@@ -126,8 +131,9 @@ class UnixRelay:
                 _noisy.note(logging.WARNING, "accept", "gRPC socket accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self.peers) >= self.max_connections:
-                _noisy.note(logging.WARNING, "full", "gRPC socket: %d connections, refusing more", len(self.peers))
+            held = self._by_uid.total()  # set up or being set up
+            if held >= self.max_connections:
+                _noisy.note(logging.WARNING, "full", "gRPC socket: %d connections, refusing more", held)
                 client.close()
                 continue
             loop.create_task(self._relay(loop, client))
@@ -138,11 +144,25 @@ class UnixRelay:
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             peer = peer_of(client)
+            assert peer is not None
+            if self._by_uid[peer.uid] >= self.per_peer:
+                _noisy.note(
+                    logging.WARNING,
+                    "share",
+                    "gRPC socket: uid %d holds %d connections, its share (server.max_connections_per_peer); "
+                    "refusing more",
+                    peer.uid,
+                    self._by_uid[peer.uid],
+                )
+                close_peer(peer)
+                client.close()
+                inner.close()
+                return
+            self._by_uid[peer.uid] += 1  # before any await: concurrent accepts see it
             inner.setblocking(False)
             inner.bind(path)
             await loop.sock_connect(inner, self.inner)
             os.unlink(path)
-            assert peer is not None
             self.peers[path] = peer
             a, b = _Pipe(), _Pipe()
             a.other, b.other = b, a
@@ -171,8 +191,13 @@ class UnixRelay:
         self._forget(path, peer)
 
     def _forget(self, path: str, peer: Peer | None) -> None:
+        """Once per connection that got past its share: on its close, or when it could not be set up."""
         if self.peers.get(path) is peer:
             self.peers.pop(path, None)
+        if peer is not None:
+            self._by_uid[peer.uid] -= 1
+            if not self._by_uid[peer.uid]:
+                del self._by_uid[peer.uid]
         close_peer(peer)
 
     def close(self) -> None:

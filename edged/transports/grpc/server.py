@@ -87,7 +87,7 @@ class GrpcServer:
     async def start(self, unix: socket.socket | None, loop: Any) -> None:
         if unix is not None:
             s = self.control.service.registry.cfg.server
-            self.relay = UnixRelay(unix, s.max_connections)
+            self.relay = UnixRelay(unix, s.max_connections, s.max_connections_per_peer)
             self._peer_of = self.relay.peer
             self.inference.cut = self.relay.cut
             self.server.add_insecure_port("unix:" + self.relay.inner)
