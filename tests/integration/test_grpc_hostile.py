@@ -21,7 +21,7 @@ import pytest
 
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.proto import grpc_service_pb2_grpc as pbg
-from tests.helpers import DaemonProcess, closed_by_peer, wait_for, write_config
+from tests.helpers import DaemonProcess, closed_by_peer, running, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -245,18 +245,18 @@ def test_tcp_connections_past_max_connections_are_closed(tmp_path: Path, model_d
             "models.tiny": {"path": str(model_dir / "tiny.onnx")},
         },
     )
-    d = DaemonProcess(cfg, tmp_path / "edged.sock", tmp_path / "edged.log").start()
-    hogs = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap + 3)]
-    try:
-        wait_for(lambda: sum(map(closed_by_peer, hogs)) >= 3, 30, what="the connections past the cap closed")
-        assert not any(map(closed_by_peer, hogs[:cap])), "a connection within the cap was closed"
-        ch, stub = _stub(tmp_path / "edged.sock.grpc")
-        with ch:
-            assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
-    finally:
-        for s in hogs:
-            s.close()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as tcp:
-        live = pbg.GRPCInferenceServiceStub(tcp).ServerLive
-        assert wait_for(lambda: live(pb.ServerLiveRequest(), timeout=5).live, 30, what="TCP served again")
-    assert d.stop() == 0, d.log()
+    with running(cfg, tmp_path / "edged.sock", tmp_path / "edged.log") as d:
+        hogs = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap + 3)]
+        try:
+            wait_for(lambda: sum(map(closed_by_peer, hogs)) >= 3, 30, what="the connections past the cap closed")
+            assert not any(map(closed_by_peer, hogs[:cap])), "a connection within the cap was closed"
+            ch, stub = _stub(tmp_path / "edged.sock.grpc")
+            with ch:
+                assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
+        finally:
+            for s in hogs:
+                s.close()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as tcp:
+            live = pbg.GRPCInferenceServiceStub(tcp).ServerLive
+            assert wait_for(lambda: live(pb.ServerLiveRequest(), timeout=5).live, 30, what="TCP served again")
+        assert d.stop() == 0, d.log()
