@@ -63,6 +63,15 @@ def _infer(c: tritongrpc.InferenceServerClient, x: np.ndarray, **kw: object) -> 
     return out
 
 
+def test_forks_run_none_of_grpcs_handlers(served: tuple[DaemonProcess, Path, int]) -> None:
+    """The daemon forked its build child while grpcio served (block_ready builds before READY=1):
+    gRPC core's fork handlers, which can hold the forking event loop, are off (its fork_posix
+    log line, written at every fork while they are on, is absent)."""
+    d = served[0]
+    assert "tiny: built" in d.log(), "no build child was started"
+    assert "fork_posix" not in d.log(), d.log()
+
+
 def test_health_metadata_and_infer_over_the_unix_socket(
     unix: tritongrpc.InferenceServerClient, served: tuple[DaemonProcess, Path, int], model_dir: Path
 ) -> None:
