@@ -73,9 +73,10 @@ def set_parameter(params: Any, key: str, value: Any) -> None:
 
 # Typed values are converted this many at a time (about a millisecond each on a small board).
 TYPED_SLICE = 16 * 1024
-# The array a large typed field is converted into: what numpy.asarray makes of the field's values
-# (Python bools, ints, floats), with room for every value of its protobuf type.
-_TYPED_DTYPE = {
+# The array a typed field is converted into, a slice at a time: what numpy.asarray makes of the
+# field's values (Python bools, ints, floats, bytes), with room for every value of its protobuf type.
+_TYPED_DTYPE: dict[str, Any] = {
+    "bytes_contents": object,
     "bool_contents": np.bool_,
     "int_contents": np.int64,
     "int64_contents": np.int64,
@@ -103,27 +104,18 @@ def typed_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> np.ndarray 
         if len(getattr(tensor.contents, name)):
             raise BadRequestError(f"input '{tensor.name}': {tensor.datatype} values belong in '{field}', not '{name}'")
     values = getattr(tensor.contents, field)
-    if field == "bytes_contents":
-        out = np.empty(len(values), dtype=object)
-        for start in range(0, len(values), TYPED_SLICE):
-            out[start : start + TYPED_SLICE] = values[start : start + TYPED_SLICE]
-            _yield_gil(len(values))
-        return out
-    if len(values) <= TYPED_SLICE:
+    n = len(values)
+    if n <= TYPED_SLICE and field != "bytes_contents":
         return np.asarray(values)
-    out = np.empty(len(values), dtype=_TYPED_DTYPE[field])
-    for start in range(0, len(values), TYPED_SLICE):
+    out = np.empty(n, dtype=_TYPED_DTYPE[field])
+    for start in range(0, n, TYPED_SLICE):
         out[start : start + TYPED_SLICE] = values[start : start + TYPED_SLICE]
-        _yield_gil(len(values))
+        if n > TYPED_SLICE:
+            # Each slice is one C call that holds the GIL throughout (the conversion of a large
+            # field runs on a worker thread): the event loop's thread gets it here, rather than
+            # after the interpreter's switch interval or, for one call, after all of it.
+            time.sleep(0)
     return out
-
-
-def _yield_gil(n: int) -> None:
-    """Between two slices of a large conversion (made on a worker thread): each slice is one C
-    call that holds the GIL throughout, so the event loop's thread gets it here rather than after
-    the interpreter's switch interval, or, for the whole array at once, after all of it."""
-    if n > TYPED_SLICE:
-        time.sleep(0)
 
 
 def request_document(

@@ -88,3 +88,22 @@ def test_a_large_raw_message_is_answered_whole(served: tuple[DaemonProcess, pbg.
     (streamed,) = list(stub.ModelStreamInfer(iter([req]), timeout=120))
     assert not streamed.error_message
     np.testing.assert_array_equal(_answer(streamed.infer_response), x + 1)
+
+
+def test_many_input_headers_are_refused_before_they_are_walked(
+    served: tuple[DaemonProcess, pbg.GRPCInferenceServiceStub],
+) -> None:
+    """200,000 empty input headers (800 KiB): the model's input count refuses them before any
+    list of them is walked on the loop (a million held it for 1.5 s there; parsing so many is one
+    C call on a thread that holds the interpreter about 12 ms, well under the stall threshold)."""
+    d, stub = served
+    before = loop_stalls(d)
+    req = pb.ModelInferRequest(model_name="wide")
+    for _ in range(200_000):
+        req.inputs.add()
+        req.raw_input_contents.append(b"")
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(req, timeout=120)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "200000 inputs" in (e.value.details() or "")
+    assert loop_stalls(d) == before, d.log()
