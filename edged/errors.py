@@ -262,6 +262,14 @@ class CacheError(EdgedError):
     code = "cache_error"
 
 
+class RepositoryPollError(EdgedError):
+    """A load request's files could not be placed as the model's folder (a path no file system
+    takes). Triton answers this as a failure to poll its repository, INTERNAL/500, and its client
+    examples check for exactly that, so edged answers the same."""
+
+    code = "repository_poll"
+
+
 class BudgetError(EdgedError):
     """A model does not fit in the memory budget."""
 

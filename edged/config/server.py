@@ -80,6 +80,10 @@ class ServerConfig(Table, frozen=True):
     # A Triton model repository served as it is (config.pbtxt, version folders); its models join
     # [models.*]. "" = none.
     model_repository: str = ""
+    # Models a load request may bring its own files for (tritonclient's load_model(files=...)),
+    # each at most a request body; they are kept under cache.dir until replaced or the next
+    # start. 0 = a load's files are refused (its config alone is taken).
+    model_uploads: NonNegInt = 0
 
 
 class CacheConfig(Table, frozen=True):

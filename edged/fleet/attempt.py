@@ -25,7 +25,6 @@ from edged.config import ModelConfig
 from edged.fleet import download, rollback
 from edged.fleet.desired import Target
 from edged.fleet.ledger import Installed, ModelRecord
-from edged.serving.states import ModelState
 
 if TYPE_CHECKING:
     from edged.fleet.bundle import Bundle, BundleRefused
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SETTLE_POLL_S = 0.2
 PROGRESS_EVERY_S = 1.0
 # Download failures that no retry mends, and the refusal code each is counted under.
 FATAL_DOWNLOADS = {"digest": "digest_mismatch", "too_large": "too_large", "not_found": "not_found"}
@@ -145,23 +143,12 @@ class Attempt:
         """Wait for the build the reload started: None once the new version serves, else why not."""
         agent = self.agent
         assert agent.background is not None
-        deadline = time.monotonic() + agent.cfg.build.timeout_s + 300
-        while time.monotonic() < deadline:
-            rt = agent.registry.models.get(self.name)
-            target = agent.background.target(self.name)
-            if rt is None:
-                return "the model is gone after the reload"
-            if target is not None and target.cfg == mc:
-                if "accuracy gate" in rt.reason and self.rec.phase != "gating":
-                    agent.set_phase(self.name, "gating")
-            elif rt.cfg != mc:  # the build or the load failed: the old version still serves
-                return rt.reason.split("the build failed: ", 1)[-1] or "the build failed"
-            elif rt.state == ModelState.FAILED:
-                return rt.reason or "failed"
-            elif not rt.stands_in_for and (rt.state.serving or rt.state == ModelState.DEFERRED):
-                return None
-            await asyncio.sleep(SETTLE_POLL_S)
-        return "the build did not finish in time"
+
+        def gating() -> None:
+            if self.rec.phase != "gating":
+                agent.set_phase(self.name, "gating")
+
+        return await agent.background.settled(self.name, mc, agent.cfg.build.timeout_s + 300, gating)
 
     def succeeded(self) -> None:
         rec = self.rec

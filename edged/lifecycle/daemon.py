@@ -36,11 +36,13 @@ from edged.lifecycle.boot import Boot
 from edged.lifecycle.faults import wedge_switch_from_env
 from edged.lifecycle.grpc_serving import GrpcListeners
 from edged.lifecycle.loopwatch import LoopWatch
+from edged.lifecycle.model_loads import ModelLoads
 from edged.lifecycle.path_warmup import warm_request_path
 from edged.lifecycle.readiness import summary, unready
 from edged.lifecycle.reload import Reloader
 from edged.paths import isolate_library_files
 from edged.quantize.runner import BuildRunner
+from edged.repository import uploads
 from edged.serving.admission import plan
 from edged.serving.background import BackgroundBuilds
 from edged.serving.metrics import Metrics
@@ -179,6 +181,7 @@ class Daemon:
         )
         self.metrics.budget.set(budget)
         await asyncio.to_thread(self.cache.prepare)
+        await asyncio.to_thread(uploads.clear, Path(cfg.cache.dir) / uploads.AREA)
         runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
         self.fleet = await fleet_agent(cfg)
         self.registry = Registry(
@@ -219,6 +222,7 @@ class Daemon:
             self._wedge.armed.set()
         log.info("ready: %s", self.service.status_line)
         self.reloader = Reloader(self.registry, loop, self._summary, self._set_status, self.background)
+        self.service.configured = ModelLoads(self.reloader, self.background, self.registry, cfg)
         boot.start_later()
         if self.fleet is not None:
             await self.fleet.start(self.service, self.background, self.reloader)

@@ -31,6 +31,7 @@ from edged.host import systemd
 from edged.llm.gguf_header import read_header
 from edged.quantize.job import job_key
 from edged.repository.load import load_config
+from edged.repository.translate import Override
 from edged.serving.background import BackgroundBuilds, stand_in
 from edged.serving.registry import ModelRuntime, Registry
 from edged.serving.states import ModelState
@@ -97,6 +98,8 @@ class Reloader:
         self.last_error = ""
         # Laid over every config read from the file: the fleet agent's bundles (edged/fleet/agent.py).
         self.overlay: Callable[[Config], Config] | None = None
+        # Repository models that a load request configured (edged/lifecycle/model_loads.py).
+        self.replaced: dict[str, Override] = {}
 
     # --- triggering ---
 
@@ -167,7 +170,8 @@ class Reloader:
         path = reg.cfg.source
         if not path or not await asyncio.to_thread(os.path.exists, path):
             raise EdgedError(f"the config file {path!r} is gone")
-        new_cfg = await asyncio.to_thread(load_config, path, reg.cfg.repository_arg)
+        replaced = dict(self.replaced)  # the thread reads a copy that nothing changes under it
+        new_cfg = await asyncio.to_thread(load_config, path, reg.cfg.repository_arg, replaced=replaced)
         if self.overlay is not None:
             new_cfg = self.overlay(new_cfg)
         d = diff_configs(reg.cfg, new_cfg)

@@ -10,14 +10,16 @@ error: one name, one model.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from edged.config import Config, ModelConfig, RepositoryModel, convert_model, finish_model, load
 from edged.errors import ConfigError
 from edged.repository import overrides, plans
-from edged.repository.translate import translate_model
+from edged.repository.translate import Override, translate_model
 
 
 def model_folders(root: Path) -> list[Path]:
@@ -30,37 +32,70 @@ def model_folders(root: Path) -> list[Path]:
 
 
 def read_repository(
-    root: Path, identity: plans.Identity = plans.tensorrt_identity
+    root: Path,
+    identity: plans.Identity = plans.tensorrt_identity,
+    replaced: Mapping[str, Override] | None = None,
 ) -> tuple[dict[str, ModelConfig], dict[str, RepositoryModel]]:
-    """Every served version of every model in ``root``, by the name edged serves it under."""
+    """Every served version of every model in ``root``, by the name edged serves it under;
+    ``replaced``: models whose configuration (and files) a load request gave instead."""
     if not root.is_dir():
         raise ConfigError(f"{root}: the model repository is not a folder")
+    replaced = replaced or {}
     tables = overrides.read(root)
-    folders = model_folders(root)
-    unknown = sorted(set(tables) - {f.name for f in folders})
+    folders = {f.name: f for f in model_folders(root)}
+    names = sorted(set(folders) | set(replaced))
+    unknown = sorted(set(tables) - set(names))
     if unknown:
         raise ConfigError(f"{root / overrides.FILE}: models.{unknown[0]}: the repository has no such model")
     models: dict[str, ModelConfig] = {}
     origins: dict[str, RepositoryModel] = {}
-    for folder in folders:
-        table = tables.get(folder.name)
-        for served in translate_model(folder, identity):
-            if table is None:
-                raw, source = served.raw, str(folder / "config.pbtxt")
-            else:
-                source = str(root / overrides.FILE)
-                raw = overrides.merge(served, table, folder.name, source)
-            model = convert_model(raw, folder.name, source)
-            models[served.name] = finish_model(model, root)
-            origins[served.name] = served.origin
+    for name in names:
+        for served, model, origin in read_model(
+            root, name, folders.get(name), tables.get(name), identity, replaced.get(name)
+        ):
+            models[served], origins[served] = model, origin
     return models, origins
 
 
+def read_model(
+    root: Path,
+    name: str,
+    folder: Path | None,
+    table: Mapping[str, Any] | None,
+    identity: plans.Identity = plans.tensorrt_identity,
+    over: Override | None = None,
+) -> list[tuple[str, ModelConfig, RepositoryModel]]:
+    """One model of the repository: each served version's name, table and origin; ``table`` its
+    edged.toml table, ``over`` what a load request gave in place of ``folder``."""
+    if over is not None:
+        every, where = translate_model(over.folder, identity, over.given), over.given.where
+    else:
+        assert folder is not None
+        every, where = translate_model(folder, identity), str(folder / "config.pbtxt")
+    out = []
+    for served in every:
+        raw, source = served.raw, where
+        if table is not None:
+            source = str(root / overrides.FILE)
+            raw = overrides.merge(served, table, name, source)
+        model = convert_model(raw, name, source)
+        origin = served.origin
+        if over is not None:  # status says why the model is not what its config.pbtxt says
+            said = "configured by a load request" + (" with uploaded files" if over.uploaded else "")
+            origin = msgspec.structs.replace(origin, note=f"{said}; {origin.note}" if origin.note else said)
+        out.append((served.name, finish_model(model, root), origin))
+    return out
+
+
 def load_config(
-    path: str | os.PathLike[str], repository: str = "", identity: plans.Identity = plans.tensorrt_identity
+    path: str | os.PathLike[str],
+    repository: str = "",
+    identity: plans.Identity = plans.tensorrt_identity,
+    replaced: Mapping[str, Override] | None = None,
 ) -> Config:
     """``edged.config.load(path)`` with the model repository's models joined; ``repository``
-    (a command line's) takes the place of ``[server] model_repository``."""
+    (a command line's) takes the place of ``[server] model_repository``; ``replaced`` as
+    ``read_repository``'s."""
     cfg = load(path)
     if repository:
         root = Path(os.path.expanduser(repository)).resolve()
@@ -68,7 +103,7 @@ def load_config(
         root = Path(cfg.server.model_repository)
     else:
         return cfg
-    models, origins = read_repository(root, identity)
+    models, origins = read_repository(root, identity, replaced)
     both = sorted({o.model for o in origins.values()} & set(cfg.models))
     if both:
         raise ConfigError(

@@ -24,6 +24,25 @@ MAX_BATCH = 4096  # edged's max_batch at most
 DEFAULT_QUEUE = 64  # edged's queue_depth by default
 
 
+@dataclass(frozen=True)
+class Given:
+    """A model's configuration that is not its folder's config.pbtxt: a load request's."""
+
+    name: str  # the model's
+    config: model_config_pb2.ModelConfig
+    where: str  # what errors name as its source
+
+
+@dataclass(frozen=True)
+class Override:
+    """What a load request put in place of a model's repository folder, until a load without a
+    config (or a restart) puts the folder's config.pbtxt back."""
+
+    given: Given
+    folder: Path  # the repository's folder of the model, or the one its uploaded files are in
+    uploaded: bool
+
+
 @dataclass
 class Served:
     """One served version as a [models.*] table, before it is validated."""
@@ -38,21 +57,32 @@ def version_name(model: str, version: int, latest: int) -> str:
     return model if version == latest else f"{model}@{version}"
 
 
-def translate_model(folder: Path, identity: plans.Identity = plans.tensorrt_identity) -> list[Served]:
-    name = folder.name
-    where = str(folder / "config.pbtxt")
-    config = pbtxt.read(folder / "config.pbtxt")
+def translate_model(
+    folder: Path,
+    identity: plans.Identity = plans.tensorrt_identity,
+    given: Given | None = None,
+) -> list[Served]:
+    """``folder``'s served versions; ``given``: a configuration from elsewhere (a load request's)
+    that takes the place of its config.pbtxt, for a model of that name."""
+    if given is None:
+        name, where = folder.name, str(folder / "config.pbtxt")
+        config = pbtxt.read(folder / "config.pbtxt")
+    else:
+        name, where, config = given.name, given.where, given.config
     refused = fields.refusals(config)
     if refused:
         raise ConfigError(f"{where}: {fields.explain(refused)}")
     if not NAME_RE.match(name):
         raise ConfigError(f"{folder}: a model's name is its folder's: 1-64 of [A-Za-z0-9_.-], starting alnum")
     if config.name and config.name != name:
-        raise ConfigError(f"{where}: name: '{config.name}' is not the folder's name '{name}', as Triton requires")
+        whose = "folder" if given is None else "model"
+        raise ConfigError(f"{where}: name: '{config.name}' is not the {whose}'s name '{name}', as Triton requires")
     served = versions.served(config, versions.version_folders(folder), where)
     choice = choose(config, model_kind(config, [folder / str(v) for v in served], where), where)
     _batching(config, choice, where)
-    return [_version(folder, v, version_name(name, v, served[-1]), config, choice, identity, where) for v in served]
+    return [
+        _version(folder, name, v, version_name(name, v, served[-1]), config, choice, identity, where) for v in served
+    ]
 
 
 def _batching(config: model_config_pb2.ModelConfig, choice: Choice, where: str) -> None:
@@ -90,6 +120,7 @@ def _batching(config: model_config_pb2.ModelConfig, choice: Choice, where: str) 
 
 def _version(
     folder: Path,
+    model: str,
     version: int,
     name: str,
     config: model_config_pb2.ModelConfig,
@@ -117,7 +148,7 @@ def _version(
         raw["warmup"] = warm
         notes.update({f"warmup.{k}": "model_warmup" for k in warm})
     origin = RepositoryModel(
-        model=folder.name,
+        model=model,
         version=str(version),
         folder=str(folder),
         batched=config.max_batch_size > 0,

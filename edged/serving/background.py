@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from edged import backends
 from edged.cache.store import Entry
-from edged.config import format_size
+from edged.config import ModelConfig, format_size
 from edged.errors import BackendUnavailableError, EdgedError
 from edged.quantize.job import job_key
 from edged.serving.registry import ModelRuntime, Registry
@@ -33,6 +34,7 @@ from edged.serving.waiting import BackendWaits
 log = logging.getLogger(__name__)
 
 WHY = "replaced by its built engine"  # the reason the retired runtime shows
+SETTLE_POLL_S = 0.2  # how often ``settled`` looks (a build takes seconds to minutes)
 
 
 def stand_in(reg: Registry, rt: ModelRuntime) -> ModelRuntime | None:
@@ -105,6 +107,30 @@ class BackgroundBuilds:
         self._describe(target, "queued", None)
         if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._run())
+
+    async def settled(
+        self, name: str, cfg: ModelConfig, timeout_s: float, gating: Callable[[], None] | None = None
+    ) -> str | None:
+        """Wait for the build a reload started for ``name`` to serve ``cfg``: None once it
+        serves, else why not (its build or load failed, and what served before still serves).
+        ``gating``: called while the build's accuracy gate runs."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            rt = self.registry.models.get(name)
+            target = self.target(name)
+            if rt is None:
+                return "the model is gone after the reload"
+            if target is not None and target.cfg == cfg:
+                if gating is not None and "accuracy gate" in rt.reason:
+                    gating()
+            elif rt.cfg != cfg:  # the build or the load failed: the old version still serves
+                return rt.reason.split("the build failed: ", 1)[-1] or "the build failed"
+            elif rt.state == ModelState.FAILED:
+                return rt.reason or "failed"
+            elif not rt.stands_in_for and (rt.state.serving or rt.state == ModelState.DEFERRED):
+                return None
+            await asyncio.sleep(SETTLE_POLL_S)
+        return "the build did not finish in time"
 
     def announce(self, target: ModelRuntime) -> None:
         """Say on the serving runtime that ``target`` will build (before the build is queued)."""

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -21,8 +21,10 @@ from edged.errors import (
     ModelNotFoundError,
     ModelNotReadyError,
     ShuttingDownError,
+    UnavailableError,
 )
 from edged.host.memory import MemoryInfo, probe
+from edged.repository.load_request import PLAIN, LoadRequest
 from edged.serving.admission import Plan
 from edged.serving.metrics import Metrics, counted
 from edged.serving.modelplan import ModelPlan, decode_now, make_plan, outputs_checked, shown
@@ -53,6 +55,16 @@ EXTENSIONS = [
 ]
 
 
+class ConfiguredLoads(Protocol):
+    """Loads that carry a configuration (edged/lifecycle/model_loads.py)."""
+
+    async def load(self, name: str, request: LoadRequest) -> None:
+        """Apply the request's config and files, or drop what an earlier load gave."""
+
+    async def unload(self, name: str) -> bool:
+        """Release what a load uploaded for ``name``; True when that took the model away."""
+
+
 class Service:
     def __init__(
         self, registry: Registry, metrics: Metrics, loop: asyncio.AbstractEventLoop, memory: MemoryInfo, plan: Plan
@@ -71,6 +83,8 @@ class Service:
         self.unready: Callable[[], str] = lambda: ""
         # More sections of the status document, set by the daemon's parts (the fleet agent's "fleet").
         self.sections: dict[str, Callable[[], Any]] = {}
+        # Applies a load request's config and files (edged/lifecycle/model_loads.py); set once ready.
+        self.configured: ConfiguredLoads | None = None
         self._plans: dict[str, ModelPlan] = {}
         self._versions: tuple[Config, Versions] | None = None
         # Triton's statistics extension: one record per configured model (edged/serving/stats.py).
@@ -327,8 +341,18 @@ class Service:
             out.append({"name": model, "version": version, "state": rt.state.upper(), "reason": rt.reason})
         return sorted(out, key=lambda e: (e["name"], int(e["version"])))
 
-    async def load(self, name: str) -> None:
-        for each in self.versions().every(name, self.registry.models):
+    async def load(self, name: str, request: LoadRequest = PLAIN) -> None:
+        """Load every version of ``name``; ``request``: what the load request carried (a config,
+        files), applied first by ``configured``."""
+        if self.configured is not None:
+            await self.configured.load(name, request)
+        elif request.given:
+            raise UnavailableError(f"failed to load '{name}': a load with a config is taken once edged is ready")
+        try:
+            every = self.versions().every(name, self.registry.models)
+        except ModelNotFoundError as e:  # Triton's clients look for these words
+            raise ModelNotFoundError(f"failed to load '{name}': {e.message}") from None
+        for each in every:
             await self._load_one(each)
 
     async def _load_one(self, name: str) -> None:
@@ -340,6 +364,8 @@ class Service:
         await self.registry.ensure_loaded(rt, self.loop)
 
     async def unload(self, name: str) -> None:
+        if self.configured is not None and await self.configured.unload(name):
+            return
         for each in self.versions().every(name, self.registry.models):
             await self._unload_one(each)
 

@@ -135,7 +135,7 @@ def test_control_rpcs_answer_as_http_does(unix: tritongrpc.InferenceServerClient
     assert unix.is_model_ready("strings")
     with pytest.raises(InferenceServerException) as e:
         unix.load_model("strings", config='{"backend": "onnxruntime"}')
-    assert "is not supported" in e.value.message()
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "edged serves none" in e.value.message()
     settings = unix.get_log_settings(as_json=True)["settings"]
     assert settings["log_info"]["bool_param"] is True
     with pytest.raises(InferenceServerException) as e:

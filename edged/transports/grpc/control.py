@@ -4,9 +4,11 @@ route answers (the same service calls and documents, edged/serving/triton_docs.p
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, NotFoundError
+from edged.repository.load_request import PLAIN, LoadRequest, from_parameters
 from edged.serving import triton_docs
 from edged.serving.service import Service
 from edged.serving.states import ModelState
@@ -63,13 +65,9 @@ class Control:
 
     async def RepositoryModelLoad(self, req: pb.RepositoryModelLoadRequest, ctx: Ctx) -> pb.RepositoryModelLoadResponse:
         await self.access.admin(self.access.check(ctx), "load models")
-        given = sorted(k for k in req.parameters if k == "config" or k.startswith("file:"))
-        if given:
-            raise BadRequestError(
-                f"failed to load '{req.model_name}': {', '.join(given)} in a load request is not supported; "
-                "edged reads a model's configuration from its config file (reload it to apply a change)"
-            )
-        await self.service.load(req.model_name)
+        # Off the loop: a load's files may be megabytes, and protobuf copies a bytes field on read.
+        request = await asyncio.to_thread(load_request, req) if req.parameters else PLAIN
+        await self.service.load(req.model_name, request)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
@@ -165,3 +163,12 @@ class Control:
 def parameter_value_of(v: pb.LogSettingsRequest.SettingValue) -> Any:
     which = v.WhichOneof("parameter_choice")
     return None if which is None else getattr(v, which)
+
+
+def load_request(req: pb.RepositoryModelLoadRequest) -> LoadRequest:
+    """A load's parameters, each ModelRepositoryParameter's value as it is set."""
+    values: dict[str, object] = {}
+    for key, param in req.parameters.items():
+        which = param.WhichOneof("parameter_choice")
+        values[key] = getattr(param, which) if which else None
+    return from_parameters(req.model_name, values)

@@ -8,6 +8,8 @@ is a split of the path, not a framework, because the infer route is on every req
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import logging
 import os
@@ -25,6 +27,7 @@ from edged.errors import (
     NotFoundError,
     UnauthorizedError,
 )
+from edged.repository.load_request import PLAIN, LoadRequest, from_parameters
 from edged.serving.metrics import uncounted
 from edged.serving.service import Service
 from edged.serving.states import ModelState
@@ -278,18 +281,29 @@ class App:
         self, method: str, parts: list[str], scope: Scope, receive: Receive
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         _expect(method, "POST")
-        body = await self._read_small(scope, receive)
-        if parts == ["index"]:
-            return 200, orjson.dumps(self.service.repository_index()), _JSON
         if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
             await self._check_admin(scope, f"{parts[2]} models")
             if parts[2] == "load":
-                _check_load_parameters(parts[1], body)
-                await self.service.load(parts[1])
+                await self.service.load(parts[1], await self._load_request(parts[1], scope, receive))
             else:
+                await self._read_small(scope, receive)
                 await self.service.unload(parts[1])
             return 200, b"{}", _JSON
+        await self._read_small(scope, receive)
+        if parts == ["index"]:
+            return 200, orjson.dumps(self.service.repository_index()), _JSON
         raise NotFoundError(f"no route for {scope['path']}")
+
+    async def _load_request(self, name: str, scope: Scope, receive: Receive) -> LoadRequest:
+        """A load's body: its config and, where server.model_uploads lets models bring files,
+        those files (base64 in the JSON, as Triton's HTTP API has them), read up to max_body and
+        decoded off the loop."""
+        if not self.service.registry.cfg.server.model_uploads:
+            return _load_parameters(name, await self._read_small(scope, receive))
+        body = await read_body(scope, receive, self.max_body, budget=self.bodies)
+        if len(body) <= CONTROL_BODY:
+            return _load_parameters(name, body)
+        return await asyncio.to_thread(_load_parameters, name, body)
 
     async def _check_admin(self, scope: Scope, what: str) -> None:
         gid = self.admin_gid
@@ -347,22 +361,25 @@ class App:
         self.shm.register(peer, name, doc["key"], offset, size)
 
 
-def _check_load_parameters(name: str, body: bytes | memoryview) -> None:
-    """A load request may carry only what edged does: nothing. A model configuration or files in
-    it (tritonclient's ``load_model(config=..., files=...)``) are refused as Triton refuses what it
-    cannot load, never ignored: edged's configuration of a model is its config file's."""
+def _load_parameters(name: str, body: bytes | memoryview) -> LoadRequest:
+    """A load request's body: empty, or ``{"parameters": {...}}`` with the config a JSON string
+    and each ``file:PATH`` its contents in base64."""
     if not bytes(body).strip():
-        return
+        return PLAIN
     doc = load_object(body, f"failed to load '{name}': the body must be a JSON object", f"failed to load '{name}'")
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadRequestError(f"failed to load '{name}': 'parameters' must be an object")
-    given = sorted(k for k in params if k == "config" or k.startswith("file:"))
-    if given:
-        raise BadRequestError(
-            f"failed to load '{name}': {', '.join(given)} in a load request is not supported; "
-            "edged reads a model's configuration from its config file (reload it to apply a change)"
-        )
+    values: dict[str, object] = {}
+    for key, value in params.items():
+        if key.startswith("file:") and isinstance(value, str):
+            try:
+                values[key] = base64.b64decode(value, validate=True)
+            except binascii.Error as e:
+                raise BadRequestError(f"failed to load '{name}': {key[:80]}: not base64: {e}") from None
+        else:
+            values[key] = value
+    return from_parameters(name, values)
 
 
 def _check_access(access: ListenerAccess, scope: Scope) -> None:
