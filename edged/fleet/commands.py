@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,12 +84,12 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         stages, share = parse_stages(args.stages), parse_fraction(args.max_failures)
         model, target = _target(args)
     except (ValueError, desired.DesiredRefused, BundleRefused) as e:
-        print(f"edged fleet rollout: {e}")
+        print(f"edged fleet rollout: {e}", file=sys.stderr)
         return 2
     plan = Plan(model, target, stages, share, args.stage_timeout)
     with FleetView(_address(args), args.prefix, args.group) as view:
         if not view.wait_connected(30):
-            print(f"edged fleet rollout: cannot reach the broker at {args.broker}")
+            print(f"edged fleet rollout: cannot reach the broker at {args.broker}", file=sys.stderr)
             return 1
         out = Rollout(view, plan, lambda line: print(line, flush=True)).run()
     print(out.reason)
@@ -100,7 +101,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with FleetView(_address(args), args.prefix, args.group) as view:
         if not view.wait_connected(30):
-            print(f"edged fleet status: cannot reach the broker at {args.broker}")
+            print(f"edged fleet status: cannot reach the broker at {args.broker}", file=sys.stderr)
             return 1
         view.wait_quiet(args.wait, max(10.0, args.wait * 5))
         states, rollout = view.snapshot(), view.rollout_status

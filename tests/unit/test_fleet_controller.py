@@ -56,3 +56,11 @@ def test_a_prefix_or_device_that_could_reach_other_topics_is_refused() -> None:
     for bad in ("fleet", "a/b", "+", "x" * 65):
         with pytest.raises(ConfigError):
             protocol.check_device(bad)
+
+
+def test_the_rollout_command_says_what_it_refuses_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    from edged.cli import main
+
+    assert main(["fleet", "rollout", "/nonexistent.tar", "--group", "g", "--stages", "1,x"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "edged fleet rollout: --stages: expected percentages" in err
