@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
-from edged.config import Config
+from edged.config import NAME_RE, Config
 from edged.errors import BadRequestError, ConfigError, EdgedError, ForbiddenError, ModelNotFoundError
 from edged.lifecycle.reload import Reloader
 from edged.repository import overrides, uploads
@@ -46,31 +48,43 @@ class ModelLoads:
         back; the caller then loads the model's versions as for any load. A model the repository
         lacks keeps its uploaded files through a load without a config."""
         if not request.given:
-            if name in self.reloader.replaced and self._in_repository(name):
-                async with self._lock:
-                    await self._apply(name, None)
+            over = self.reloader.replaced.get(name)
+            if over is not None and (not over.uploaded or self._in_repository(name)):
+                await _finished(self._drop(name))
             return
+        if not NAME_RE.match(name):  # before the name goes near a path
+            raise BadRequestError(
+                f"failed to load '{name[:80]}': a model's name is 1-64 of [A-Za-z0-9_.-], starting alnum"
+            )
         self._check(name, request)
+        await _finished(self._configure(name, request))
+
+    async def unload(self, name: str) -> bool:
+        """An unload of a model that serves uploaded files and that the repository lacks drops
+        the files and the model (as in Triton, and so that they stop counting against
+        server.model_uploads): True. Any other model is unloaded as usual, its configuration
+        kept for the next load."""
+        over = self.reloader.replaced.get(name)
+        if over is None or not over.uploaded or self._in_repository(name):
+            return False
+        await _finished(self._drop(name))
+        return True
+
+    async def _drop(self, name: str) -> None:
+        async with self._lock:
+            if name in self.reloader.replaced:
+                await self._apply(name, None)
+
+    async def _configure(self, name: str, request: LoadRequest) -> None:
         async with self._lock:
             self._check_room(name, request)
             over = await asyncio.to_thread(self._prepare, name, request)
             try:
                 await self._apply(name, over)
             except BaseException:
-                if over.uploaded:
+                if over.uploaded and self.reloader.replaced.get(name) is not over:
                     await asyncio.to_thread(uploads.remove, over.folder)
                 raise
-
-    async def unload(self, name: str) -> bool:
-        """An unload of a model that serves uploaded files drops them (as in Triton, and so that
-        they stop counting against server.model_uploads): a model the repository lacks is gone,
-        True; one it has comes back to its config.pbtxt, for the caller to unload."""
-        over = self.reloader.replaced.get(name)
-        if over is None or not over.uploaded:
-            return False
-        async with self._lock:
-            await self._apply(name, None)
-        return not self._in_repository(name)
 
     def _in_repository(self, name: str) -> bool:
         root = self.registry.cfg.server.model_repository
@@ -108,31 +122,47 @@ class ModelLoads:
         assert request.config is not None
         root = Path(self.registry.cfg.server.model_repository)
         given = Given(name, parse_config(name, request.config), f"the load request's config of '{name}'")
-        if request.files:
-            over = Override(given, uploads.place(self.area, name, request.files), uploaded=True)
-        else:
+        if not request.files:
             folder = root / name
             if not folder.is_dir():
                 raise ModelNotFoundError(f"failed to load '{name}': the model repository {root} has no model '{name}'")
-            over = Override(given, folder, uploaded=False)
+            return self._translated(root, name, Override(given, folder, uploaded=False))
+        over = Override(given, uploads.place(self.area, name, request.files), uploaded=True)
         try:
-            read_model(root, name, None, overrides.read(root).get(name), over=over)
+            return self._translated(root, name, over)
+        except BaseException:
+            uploads.remove(over.folder)
+            raise
+
+    @staticmethod
+    def _translated(root: Path, name: str, over: Override) -> Override:
+        """``over`` once the model translates from it; an uploaded ONNX model it serves keeps its
+        external data among the uploaded files."""
+        try:
+            served = read_model(root, name, None, overrides.read(root).get(name), over=over)
         except ConfigError as e:
-            if over.uploaded:
-                uploads.remove(over.folder)
             raise BadRequestError(f"failed to load '{name}': {e.message}") from None
+        if over.uploaded:
+            for _, model, _ in served:
+                if model.backend != "llama":  # an ONNX model (engines are never uploaded)
+                    uploads.check_external_data(over.folder, Path(model.path), name)
         return over
 
     async def _apply(self, name: str, over: Override | None) -> None:
-        replaced = self.reloader.replaced
-        previous = replaced.get(name)
+        """Serve ``name`` from ``over`` (None: from its repository folder, or not at all when the
+        repository lacks it); on any failure what served before serves on, its override back."""
+        previous = self.reloader.replaced.get(name)
         self._set(name, over)
-        why = "" if await self.reloader.reload() else self.reloader.last_error
-        if not why:
-            why = await self._settle(name)
-            if why:  # the new configuration does not serve: back to what did
-                self._set(name, previous)
-                await self.reloader.reload()
+        try:
+            why = "" if await self.reloader.reload() else self.reloader.last_error
+            if not why:
+                why = await self._settle(name)
+                if why:  # the new configuration does not serve: back to what did
+                    self._set(name, previous)
+                    await self.reloader.reload()
+        except BaseException:
+            self._set(name, previous)
+            raise
         if why:
             self._set(name, previous)
             raise EdgedError(f"failed to load '{name}': {why}")
@@ -156,3 +186,26 @@ class ModelLoads:
             if why:
                 return f"{served}: {why}"
         return ""
+
+
+async def _finished(work: Coroutine[Any, Any, None]) -> None:
+    """``work`` run to its end even when the request that asked for it is cancelled (a deadline,
+    a client gone): a reload or an upload half done would leave the override and the files out
+    of step. Its outcome, when nobody waits for it any more, is logged."""
+    task = asyncio.get_running_loop().create_task(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done() or not task.cancelled():
+            task.add_done_callback(_logged)
+        raise
+
+
+def _logged(task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        return
+    e = task.exception()
+    if e is None:
+        log.info("a configured load finished after its request was cancelled")
+    else:
+        log.warning("a configured load failed after its request was cancelled: %s", e)

@@ -87,7 +87,11 @@ def model_kind(config: model_config_pb2.ModelConfig, versions: list[Path], where
 
 
 def choose(config: model_config_pb2.ModelConfig, kind: str, where: str) -> Choice:
-    choice = Choice(kind, config.default_model_filename or DEFAULT_FILES[kind])
+    name = config.default_model_filename
+    if name and (name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
+        # As in Triton, a file of the version folder: a path would reach outside the repository.
+        raise ConfigError(f"{where}: default_model_filename: {name[:80]!r} is not a file name of the version folder")
+    choice = Choice(kind, name or DEFAULT_FILES[kind])
     group_kind = _instances(config, choice, where)
     if kind == GGUF:
         choice.run_on("llama", f"backend {config.backend}" if config.backend else "a model.gguf")

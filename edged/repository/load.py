@@ -40,7 +40,8 @@ def read_repository(
     ``replaced``: models whose configuration (and files) a load request gave instead."""
     if not root.is_dir():
         raise ConfigError(f"{root}: the model repository is not a folder")
-    replaced = replaced or {}
+    # A configured model whose folder left the repository leaves with it (uploaded files stay).
+    replaced = {n: o for n, o in (replaced or {}).items() if o.uploaded or (root / n).is_dir()}
     tables = overrides.read(root)
     folders = {f.name: f for f in model_folders(root)}
     names = sorted(set(folders) | set(replaced))

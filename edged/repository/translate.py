@@ -271,6 +271,8 @@ def _warm_input(
     kind = inp.WhichOneof("input_data_type")
     if kind == "input_data_file":
         data_file = folder / "warmup" / inp.input_data_file
+        if not data_file.resolve().is_relative_to((folder / "warmup").resolve()):
+            raise ConfigError(f"{where}: input_data_file: {inp.input_data_file[:80]!r} is not a file of warmup/")
         if not data_file.is_file():
             raise ConfigError(f"{where}: input_data_file: no file {data_file} (Triton's warmup/ folder of the model)")
         return {"shape": shape, "file": str(data_file)}

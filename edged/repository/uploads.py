@@ -17,20 +17,24 @@ from pathlib import Path
 
 import onnx
 
+from edged.config import NAME_RE
 from edged.errors import BadRequestError, RepositoryPollError
+from edged.repository.plans import ENGINE_SUFFIXES
 
 AREA = "uploads"
 
 
 def place(area: Path, name: str, files: Mapping[str, bytes]) -> Path:
-    """``files`` (paths checked by load_request.check_path) as a new folder of ``area``."""
+    """``files`` (paths checked by load_request.check_path) as a new folder of ``area``; ``name``
+    a model's (NAME_RE: no path in it)."""
+    if not NAME_RE.match(name):
+        raise BadRequestError(f"failed to load: {name[:80]!r} is not a model's name")
     refuse_plans(name, files)
     area.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=area))
     try:
         for rel, data in files.items():
             _write(tmp, rel, data, name)
-        check_external_data(tmp, name)
         folder = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=area))
         os.replace(tmp, folder)  # an empty folder is replaced whole
     except BaseException:
@@ -40,7 +44,7 @@ def place(area: Path, name: str, files: Mapping[str, bytes]) -> Path:
 
 
 def refuse_plans(name: str, files: Mapping[str, bytes]) -> None:
-    plans = sorted(p for p in files if p.endswith(".plan"))
+    plans = sorted(p for p in files if p.lower().endswith(ENGINE_SUFFIXES))
     if plans:
         raise BadRequestError(
             f"failed to load '{name}': file:{plans[0]}: edged builds TensorRT engines on this device from the "
@@ -61,26 +65,24 @@ def _write(root: Path, rel: str, data: bytes, name: str) -> None:
         f.write(data)
 
 
-def check_external_data(folder: Path, name: str) -> None:
-    """Every ONNX model of ``folder`` keeps its external data inside it."""
-    for path in sorted(folder.rglob("*.onnx")):
-        if not path.is_file():
+def check_external_data(folder: Path, path: Path, name: str) -> None:
+    """The ONNX model at ``path`` keeps its external data inside ``folder``."""
+    where = path.relative_to(folder) if path.is_relative_to(folder) else path
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError and others for what is not a model
+        raise BadRequestError(f"failed to load '{name}': {where}: not an ONNX model: {e}") from None
+    inside = folder.resolve()
+    for tensor in _tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        try:
-            model = onnx.load(str(path), load_external_data=False)
-        except Exception as e:  # onnx raises DecodeError and others for what is not a model
-            where = path.relative_to(folder)
-            raise BadRequestError(f"failed to load '{name}': {where}: not an ONNX model: {e}") from None
-        for tensor in _tensors(model.graph):
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-            inside = (path.parent / location).resolve()
-            if not location or os.path.isabs(location) or not inside.is_relative_to(folder.resolve()):
-                raise BadRequestError(
-                    f"failed to load '{name}': {path.relative_to(folder)}: tensor '{tensor.name}' keeps its data "
-                    f"at {location!r}, outside the uploaded files"
-                )
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = (path.parent / location).resolve()
+        if not location or os.path.isabs(location) or not target.is_relative_to(inside):
+            raise BadRequestError(
+                f"failed to load '{name}': {where}: tensor '{tensor.name}' keeps its data "
+                f"at {location!r}, outside the uploaded files"
+            )
 
 
 def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:

@@ -19,7 +19,7 @@ import tritonclient.grpc as tritongrpc
 import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import DaemonProcess, write_config
+from tests.helpers import DaemonProcess, wait_for, write_config
 from tests.integration.test_listeners import tcp
 from tests.integration.test_triton_examples import free_port
 from tests.repository import reference
@@ -184,3 +184,58 @@ def test_a_loads_files_are_checked(
     assert grpc.is_server_live() and not grpc.is_model_ready("fresh")
     area = served.cache / "uploads"
     assert not area.exists() or not [p for p in area.iterdir() if p.name.startswith(("fresh", ".fresh"))]
+
+
+def test_a_name_that_is_a_path_is_refused_before_any_file_is_written(
+    served: Served, grpc: tritongrpc.InferenceServerClient, model_dir: Path
+) -> None:
+    before = sorted(p.name for p in served.cache.parent.iterdir())
+    for name in ("/../../escaped", "../escaped", "a/b"):
+        with pytest.raises(InferenceServerException) as e:
+            grpc.load_model(name, config="{}", files={"file:1/model.onnx": (model_dir / "tiny.onnx").read_bytes()})
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "a model's name is" in e.value.message()
+    assert sorted(p.name for p in served.cache.parent.iterdir()) == before
+    area = served.cache / "uploads"
+    assert not area.exists() or not [p for p in area.iterdir() if "escaped" in p.name]
+
+
+def test_a_config_names_files_of_its_folders_only(grpc: tritongrpc.InferenceServerClient, model_dir: Path) -> None:
+    outside = str(model_dir / "tiny.onnx")
+    for config, said in [
+        ({"default_model_filename": outside}, "default_model_filename"),
+        ({"default_model_filename": ".."}, "default_model_filename"),
+    ]:
+        with pytest.raises(InferenceServerException) as e:
+            grpc.load_model("simple_flat", config=json.dumps(config))
+        assert said in e.value.message() and "is not a file name of the version folder" in e.value.message()
+    assert grpc.get_model_metadata("simple_flat").inputs[0].name == "INPUT0"
+
+
+def test_a_load_whose_client_gives_up_still_ends_in_step(
+    served: Served, grpc: tritongrpc.InferenceServerClient, model_dir: Path
+) -> None:
+    """A client's deadline cancels the RPC mid-load: the load runs to its end anyway, so the
+    override and the files agree and later reloads work."""
+    onnx = (model_dir / "tiny.onnx").read_bytes()
+    config = json.dumps({"platform": "onnxruntime_onnx"})
+    area = served.cache / "uploads"
+    cancelled = 0
+    for timeout in (0.005, 0.02, 0.05, 0.1):
+        try:
+            grpc.load_model("late", config=config, files={"file:1/model.onnx": onnx}, client_timeout=timeout)
+        except InferenceServerException as e:
+            assert e.status() == "StatusCode.DEADLINE_EXCEEDED", e.message()
+            cancelled += 1
+
+        def settled() -> bool:
+            folders = [p for p in area.iterdir() if "late" in p.name] if area.exists() else []
+            return grpc.is_model_ready("late") == (len(folders) == 1) and len(folders) <= 1
+
+        wait_for(settled, what="the load's files and the model agree")
+    assert cancelled > 0  # at least one deadline ran out on the way
+    grpc.load_model("simple", config=json.dumps({"max_batch_size": 12}))  # reloads still work
+    assert _max_batch(grpc) == 12
+    grpc.load_model("simple")
+    if grpc.is_model_ready("late"):
+        grpc.unload_model("late")
+    assert not [p for p in area.iterdir() if "late" in p.name]

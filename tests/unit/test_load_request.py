@@ -102,26 +102,43 @@ def test_files_land_in_a_private_folder_of_their_own(tmp_path: Path) -> None:
     assert (first / "1" / "w.bin").read_bytes() == b"\0\0\x80?"
     assert stat.S_IMODE((first / "1" / "model.onnx").stat().st_mode) == 0o600
     assert stat.S_IMODE(area.stat().st_mode) == 0o700
+    uploads.check_external_data(first, first / "1" / "model.onnx", "m")  # w.bin is among the files
     onnx.checker.check_model(str(second / "1" / "model.onnx"))
     uploads.clear(area)
     assert list(area.iterdir()) == []
 
 
 @pytest.mark.parametrize(
-    ("files", "error", "said"),
+    ("files", "name", "error", "said"),
     [
-        ({"1/model.onnx": _onnx("../../secret")}, BadRequestError, "outside the uploaded files"),
-        ({"1/model.onnx": _onnx("/etc/passwd")}, BadRequestError, "outside the uploaded files"),
-        ({"1/model.onnx": b"not a model"}, BadRequestError, "not an ONNX model"),
-        ({"1/model.plan": b""}, BadRequestError, "edged builds TensorRT engines on this device"),
-        ({"1/model.onnx": b"", "1/model.onnx/x": b""}, RepositoryPollError, "file:1/model.onnx/x"),
+        ({"1/model.plan": b""}, "m", BadRequestError, "edged builds TensorRT engines on this device"),
+        ({"1/model.ENGINE": b""}, "m", BadRequestError, "edged builds TensorRT engines on this device"),
+        ({"1/model.onnx": b"", "1/model.onnx/x": b""}, "m", RepositoryPollError, "file:1/model.onnx/x"),
+        ({"1/model.onnx": b""}, "../../escape", BadRequestError, "is not a model's name"),
+        ({"1/model.onnx": b""}, "/abs", BadRequestError, "is not a model's name"),
     ],
 )
 def test_refused_files_leave_nothing(
-    tmp_path: Path, files: dict[str, bytes], error: type[EdgedError], said: str
+    tmp_path: Path, files: dict[str, bytes], name: str, error: type[EdgedError], said: str
 ) -> None:
     area = tmp_path / "uploads"
     with pytest.raises(error) as e:
-        uploads.place(area, "m", files)
+        uploads.place(area, name, files)
     assert said in e.value.message
     assert not area.exists() or list(area.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["uploads"] if area.exists() else [])
+
+
+@pytest.mark.parametrize(
+    ("model", "said"),
+    [
+        (_onnx("../../secret"), "outside the uploaded files"),
+        (_onnx("/etc/passwd"), "outside the uploaded files"),
+        (b"not a model", "not an ONNX model"),
+    ],
+)
+def test_a_served_onnx_model_keeps_its_data_among_the_files(tmp_path: Path, model: bytes, said: str) -> None:
+    folder = uploads.place(tmp_path / "uploads", "m", {"1/model.bin": model})
+    with pytest.raises(BadRequestError) as e:
+        uploads.check_external_data(folder, folder / "1" / "model.bin", "m")
+    assert said in e.value.message

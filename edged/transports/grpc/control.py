@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, NotFoundError
+from google.protobuf.message import DecodeError
+
+from edged.config import max_body_bytes
+from edged.errors import BadRequestError, CudaSharedMemoryNotSupportedError, NotFoundError, PayloadTooLargeError
 from edged.repository.load_request import PLAIN, LoadRequest, from_parameters
 from edged.serving import triton_docs
 from edged.serving.service import Service
@@ -26,6 +29,7 @@ _TRACE_OFF = {"trace_level": ["OFF"], "trace_rate": ["0"], "trace_count": ["0"],
 class Control:
     def __init__(self, service: Service, shm: SharedMemoryRegistry, access: Access) -> None:
         self.service, self.shm, self.access = service, shm, access
+        self.max_body = max_body_bytes(service.registry.cfg)
 
     async def ServerLive(self, req: pb.ServerLiveRequest, ctx: Ctx) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -63,10 +67,15 @@ class Control:
             models = [m for m in models if m["state"] == "READY"]
         return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in models])
 
-    async def RepositoryModelLoad(self, req: pb.RepositoryModelLoadRequest, ctx: Ctx) -> pb.RepositoryModelLoadResponse:
+    async def RepositoryModelLoad(self, data: bytes, ctx: Ctx) -> pb.RepositoryModelLoadResponse:
+        """The request comes as bytes (server.py): a load may bring a model's files, so it is
+        parsed only once its caller may load, and off the loop."""
         await self.access.admin(self.access.check(ctx), "load models")
-        # Off the loop: a load's files may be megabytes, and protobuf copies a bytes field on read.
-        request = await asyncio.to_thread(load_request, req) if req.parameters else PLAIN
+        if len(data) > self.max_body:
+            raise PayloadTooLargeError(
+                f"the load request of {len(data)} bytes exceeds the limit of {self.max_body} (server.max_body)"
+            )
+        req, request = await asyncio.to_thread(load_request, data)
         await self.service.load(req.model_name, request)
         return pb.RepositoryModelLoadResponse()
 
@@ -165,10 +174,14 @@ def parameter_value_of(v: pb.LogSettingsRequest.SettingValue) -> Any:
     return None if which is None else getattr(v, which)
 
 
-def load_request(req: pb.RepositoryModelLoadRequest) -> LoadRequest:
-    """A load's parameters, each ModelRepositoryParameter's value as it is set."""
+def load_request(data: bytes) -> tuple[pb.RepositoryModelLoadRequest, LoadRequest]:
+    """A load's message and its parameters, each ModelRepositoryParameter's value as it is set."""
+    try:
+        req = pb.RepositoryModelLoadRequest.FromString(data)
+    except DecodeError as e:
+        raise BadRequestError(f"the message is not a RepositoryModelLoadRequest: {e}") from None
     values: dict[str, object] = {}
     for key, param in req.parameters.items():
         which = param.WhichOneof("parameter_choice")
         values[key] = getattr(param, which) if which else None
-    return from_parameters(req.model_name, values)
+    return req, from_parameters(req.model_name, values) if values else PLAIN

@@ -50,6 +50,7 @@ _SERVICE = "inference.GRPCInferenceService"
 # Connections beyond server.max_connections that a listener takes (see above).
 _CLOSING_SLACK = 16
 _INFER = {"ModelInfer", "ModelStreamInfer"}
+_RAW_CONTROL = {"RepositoryModelLoad"}
 
 
 def grpc_socket_path(cfg: Config) -> str | None:
@@ -147,7 +148,9 @@ def _register(server: grpc.aio.Server, control: Control, inference: Inference, s
         name = method.name
         raw = name in _INFER
         impl = getattr(inference, name) if raw else getattr(control, name)
-        request = None if raw else getattr(pb, method.input_type.name).FromString
+        # Messages that may be large reach their handler as bytes, parsed after its checks (and
+        # off the loop): inference requests, and a load that brings a model's files.
+        request = None if raw or name in _RAW_CONTROL else getattr(pb, method.input_type.name).FromString
         rpc = _wrapped(impl, name, None if raw else control.access)
         if method.client_streaming:
             kind, handler = grpc.stream_stream_rpc_method_handler, slots.held(rpc)

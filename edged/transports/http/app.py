@@ -295,11 +295,9 @@ class App:
         raise NotFoundError(f"no route for {scope['path']}")
 
     async def _load_request(self, name: str, scope: Scope, receive: Receive) -> LoadRequest:
-        """A load's body: its config and, where server.model_uploads lets models bring files,
-        those files (base64 in the JSON, as Triton's HTTP API has them), read up to max_body and
-        decoded off the loop."""
-        if not self.service.registry.cfg.server.model_uploads:
-            return _load_parameters(name, await self._read_small(scope, receive))
+        """A load's body: its config and files (base64 in the JSON, as Triton's HTTP API has
+        them), read up to max_body within the bodies' budget and decoded off the loop when large
+        (files are refused by the service where server.model_uploads takes none, as on gRPC)."""
         body = await read_body(scope, receive, self.max_body, budget=self.bodies)
         if len(body) <= CONTROL_BODY:
             return _load_parameters(name, body)
