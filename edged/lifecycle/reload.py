@@ -111,8 +111,15 @@ class Reloader:
         cfg = self.registry.cfg
         return [cfg.source, *(m.path for m in cfg.models.values()), *_repository_paths(cfg)]
 
-    def snapshot(self) -> None:
-        self._stamps = {p: _stamp(p) for p in self._paths()}
+    def snapshot(self, seen: dict[str, tuple[int, int]] | None = None) -> None:
+        """What the watcher compares with. ``seen``: the stamps taken as a reload began, kept for
+        the paths it had, so that a change made while it ran still triggers the next one."""
+        seen = seen or {}
+        self._stamps = {p: seen[p] if p in seen else _stamp(p) for p in self._paths()}
+
+    def changed(self) -> list[str]:
+        """The watched paths replaced or rewritten since the last snapshot."""
+        return [p for p in self._paths() if _stamp(p) != self._stamps.get(p)]
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Poll the config and model files; a change (replaced, rewritten) triggers a reload."""
@@ -124,7 +131,7 @@ class Reloader:
                 return
             except asyncio.TimeoutError:
                 pass
-            changed = [p for p in self._paths() if _stamp(p) != self._stamps.get(p)]
+            changed = self.changed()
             if changed and not self._lock.locked():
                 await self.request(f"changed on disk: {', '.join(changed)}")
 
@@ -134,29 +141,30 @@ class Reloader:
         async with self._lock:
             systemd.reloading("reloading configuration")
             started = time.monotonic()
+            seen = {p: _stamp(p) for p in self._paths()}
             try:
                 await self._reload()
             except EdgedError as e:
-                return self._failed(e.message)
+                return self._failed(e.message, seen)
             except asyncio.CancelledError:
                 systemd.ready(self.registry_status())  # never leave systemd in "reloading"
                 raise
             except Exception as e:  # caught at the task's boundary: the watcher and the daemon live on
                 log.exception("reload failed")
-                return self._failed(f"{e.__class__.__name__}: {e}")
+                return self._failed(f"{e.__class__.__name__}: {e}", seen)
             self.last_error = ""
-            self.snapshot()
+            self.snapshot(seen)
             self._set_status(self._summary())
             systemd.ready(self.registry_status())
             log.info("reload done in %.2f s", time.monotonic() - started)
             return True
 
-    def _failed(self, message: str) -> bool:
+    def _failed(self, message: str, seen: dict[str, tuple[int, int]]) -> bool:
         self.last_error = message
         log.error("reload failed, everything stays as it was: %s", message)
         self._set_status(self._summary())
         systemd.ready(self.registry_status())
-        self.snapshot()
+        self.snapshot(seen)
         return False
 
     def registry_status(self) -> str:
