@@ -315,3 +315,16 @@ class HealthProber:
             proc.kill()
             proc.wait(30)
         assert self.count > 0, "no health check ran while the prober ran"
+
+
+def grpc_call_headers(method: str) -> list[tuple[str, str]]:
+    """The HTTP/2 request headers of a call to GRPCInferenceService's ``method``, for a raw h2
+    client."""
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", f"/inference.GRPCInferenceService/{method}"),
+        (":authority", "localhost"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]

@@ -306,7 +306,7 @@ class Daemon:
             self.fd_socket.start(asyncio.get_running_loop())
         self.server = await listener.start(app, self.cfg, [x for x in listeners if not x.memfd])
         assert self.service is not None
-        await self.grpc.start(self.cfg, self.service, self.shm, app.admin_gid, bind_socket)
+        await self.grpc.start(self.cfg, self.service, self.shm, app.admin_gid, bind_socket, app.bodies)
         # Unix sockets of the API, for the warm-up of the connection path (path_warmup.py).
         self._api_sockets = [
             str(x.sock.getsockname())

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from edged.config import Config
 from edged.serving.service import Service
+from edged.transports.budget import BodyBudget
 from edged.transports.grpc.server import GrpcServer, grpc_socket_path
 from edged.transports.shm.regions import SharedMemoryRegistry
 
@@ -25,12 +26,20 @@ class GrpcListeners:
         self.path: str | None = None
 
     async def start(
-        self, cfg: Config, service: Service, shm: SharedMemoryRegistry, admin_gid: int | None, bind: Bind
+        self,
+        cfg: Config,
+        service: Service,
+        shm: SharedMemoryRegistry,
+        admin_gid: int | None,
+        bind: Bind,
+        bodies: BodyBudget,
     ) -> None:
+        """``bodies``: the budget HTTP's request bodies draw on, which the gRPC socket's messages
+        under way share."""
         path = grpc_socket_path(cfg)
         if path is None and not cfg.server.grpc_tcp:
             return
-        server = GrpcServer(service, shm, cfg, admin_gid)
+        server = GrpcServer(service, shm, cfg, admin_gid, bodies)
         sock = None
         if path is not None:
             # The HTTP socket's access list: its mode and group.

@@ -21,7 +21,7 @@ import pytest
 
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.proto import grpc_service_pb2_grpc as pbg
-from tests.helpers import DaemonProcess, closed_by_peer, running, wait_for, write_config
+from tests.helpers import DaemonProcess, closed_by_peer, grpc_call_headers, running, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -161,14 +161,7 @@ class WindowlessPeer:
 
     def call(self, method: str) -> int:
         sid = self.h2.get_next_available_stream_id()
-        headers = [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", f"/inference.GRPCInferenceService/{method}"),
-            (":authority", "localhost"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ]
+        headers = grpc_call_headers(method)
         self.h2.send_headers(sid, headers)
         self.h2.send_data(sid, b"\x00\x00\x00\x00\x00", end_stream=True)  # an empty message
         self._flush()

@@ -3,7 +3,9 @@ rather than in the daemon (pure logic: a fake transport records what the pipe as
 
 from __future__ import annotations
 
+from edged.transports.budget import BodyBudget
 from edged.transports.grpc.peers import _EARLY_MAX, _Pipe
+from edged.transports.grpc.unfinished import Unfinished
 
 
 class FakeTransport:
@@ -22,7 +24,8 @@ class FakeTransport:
 
 
 def test_reading_pauses_at_the_early_limit_and_resumes_once_flushed() -> None:
-    pipe, client = _Pipe(), FakeTransport()
+    # grpcio's side (what it reads is not counted): a flood before the client's side connects.
+    pipe, client = _Pipe(Unfinished(BodyBudget(1 << 30)), False, lambda why: None), FakeTransport()
     pipe.connection_made(client)  # type: ignore[arg-type]
     pipe.data_received(b"x" * (_EARLY_MAX - 1))
     assert not client.paused

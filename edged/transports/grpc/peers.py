@@ -10,6 +10,9 @@ connection closes, so a call's identity is the kernel's record of its client, as
 The relay applies back-pressure both ways (a side whose buffer fills pauses reading the other).
 It holds the connections to ``server.max_connections``, and each user (uid) to its share,
 ``server.max_connections_per_peer``, as HTTP's Unix socket does: one user cannot take them all.
+It also reads the frames it passes, to hold what grpcio buffers of request messages under way
+within ``server.bodies_in_flight`` and ``server.read_timeout_s`` (unfinished.py): a connection past
+either is closed.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from edged.ratelog import RateLimitedLog
+from edged.transports.budget import BodyBudget
+from edged.transports.grpc.unfinished import Unfinished
 from edged.transports.peer import Peer, close_peer, peer_of
 
 log = logging.getLogger(__name__)
@@ -38,9 +45,11 @@ _EARLY_MAX = 256 << 10
 
 
 class _Pipe(asyncio.Protocol):
-    """One direction's reader; it writes into the other side's transport."""
+    """One direction's reader; it writes into the other side's transport. ``track``: the
+    connection's unfinished messages, fed what this side reads (``inbound``: the client's side)."""
 
-    def __init__(self) -> None:
+    def __init__(self, track: Unfinished, inbound: bool, refused: Callable[[str], None]) -> None:
+        self.track, self.inbound, self.refused = track, inbound, refused
         # uvloop's transports are not asyncio.Transport subclasses: typed by what is used.
         self.transport: Any = None
         self.other: _Pipe | None = None
@@ -52,6 +61,11 @@ class _Pipe(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self.inbound:
+            self.track.server_sent(data)
+        elif not self.track.client_sent(data):
+            self.refused(self.track.over)
+            return
         other = self.other.transport if self.other is not None else None
         if other is None:
             self.early.append(data)
@@ -89,8 +103,12 @@ class _Pipe(asyncio.Protocol):
 class UnixRelay:
     """The public gRPC Unix socket: accepts, records the peer, relays to grpcio's socket."""
 
-    def __init__(self, sock: socket.socket, max_connections: int, per_peer: int) -> None:
+    def __init__(
+        self, sock: socket.socket, max_connections: int, per_peer: int, bodies: BodyBudget, read_timeout_s: float
+    ) -> None:
         self.sock = sock
+        self.bodies = bodies
+        self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self.per_peer = min(per_peer, max_connections)
         self._by_uid: Counter[int] = Counter()  # connections relayed or being set up, per user
@@ -99,6 +117,7 @@ class UnixRelay:
         self.peers: dict[str, Peer] = {}
         self._names = itertools.count()
         self._task: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._open: set[Any] = set()
         self._pipes: dict[str, _Pipe] = {}  # by path: the client's side of each connection
 
@@ -122,6 +141,33 @@ class UnixRelay:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._task = loop.create_task(self._accept(loop))
+        self._sweeper = loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Close the connections whose oldest unfinished message began read_timeout_s ago."""
+        every = min(1.0, self.read_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            late = time.monotonic() - self.read_timeout_s
+            for path, pipe in list(self._pipes.items()):
+                began = pipe.track.oldest()
+                if began is not None and began < late:
+                    self._refuse(
+                        path,
+                        f"a request message did not arrive whole within {self.read_timeout_s:g} s "
+                        "(server.read_timeout_s)",
+                    )
+
+    def _refuse(self, path: str, why: str) -> None:
+        peer = self.peers.get(path)
+        _noisy.note(
+            logging.WARNING,
+            "unfinished",
+            "gRPC socket: closed a connection of uid %s: %s",
+            peer.uid if peer else "?",
+            why,
+        )
+        self.cut("unix:" + path)
 
     async def _accept(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:
@@ -164,7 +210,9 @@ class UnixRelay:
             await loop.sock_connect(inner, self.inner)
             os.unlink(path)
             self.peers[path] = peer
-            a, b = _Pipe(), _Pipe()
+            track = Unfinished(self.bodies)
+            a = _Pipe(track, True, lambda why: self._refuse(path, why))
+            b = _Pipe(track, False, a.refused)
             a.other, b.other = b, a
             await loop.create_unix_connection(lambda: b, sock=inner)
             await loop.connect_accepted_socket(lambda: a, client)
@@ -182,6 +230,7 @@ class UnixRelay:
         self._open.add(a.transport)
         self._pipes[path] = a
         a.on_close.append(lambda: self._closed(path, peer, a))
+        a.on_close.append(track.release)
 
     def _closed(self, path: str, peer: Peer | None, pipe: _Pipe) -> None:
         if pipe.transport is not None:
@@ -201,8 +250,9 @@ class UnixRelay:
         close_peer(peer)
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._sweeper):
+            if task is not None:
+                task.cancel()
         self.sock.close()
         for transport in list(self._open):
             transport.close()

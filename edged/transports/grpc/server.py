@@ -35,6 +35,7 @@ import grpc
 from edged.config import Config, parse_size
 from edged.errors import ConfigError, StreamLimitError
 from edged.serving.service import Service
+from edged.transports.budget import BodyBudget
 from edged.transports.grpc.access import Access
 from edged.transports.grpc.control import Control
 from edged.transports.grpc.infer import Inference
@@ -62,8 +63,16 @@ def grpc_socket_path(cfg: Config) -> str | None:
 
 
 class GrpcServer:
-    def __init__(self, service: Service, regions: SharedMemoryRegistry, cfg: Config, admin_gid: int | None) -> None:
+    def __init__(
+        self,
+        service: Service,
+        regions: SharedMemoryRegistry,
+        cfg: Config,
+        admin_gid: int | None,
+        bodies: BodyBudget | None = None,
+    ) -> None:
         s = cfg.server
+        self.bodies = bodies if bodies is not None else BodyBudget(parse_size(s.bodies_in_flight))
         token = read_token(s.tcp_token_file) if s.tcp_token_file else None
         self.relay: UnixRelay | None = None
         self.tcp = [_checked_address(addr, token) for addr in s.grpc_tcp]
@@ -88,7 +97,7 @@ class GrpcServer:
     async def start(self, unix: socket.socket | None, loop: Any) -> None:
         if unix is not None:
             s = self.control.service.registry.cfg.server
-            self.relay = UnixRelay(unix, s.max_connections, s.max_connections_per_peer)
+            self.relay = UnixRelay(unix, s.max_connections, s.max_connections_per_peer, self.bodies, s.read_timeout_s)
             self._peer_of = self.relay.peer
             self.inference.cut = self.relay.cut
             self.server.add_insecure_port("unix:" + self.relay.inner)

@@ -31,8 +31,9 @@ from edged.repository.load_request import PLAIN, LoadRequest, from_parameters
 from edged.serving.metrics import uncounted
 from edged.serving.service import Service
 from edged.serving.states import ModelState
+from edged.transports.budget import BodyBudget
 from edged.transports.http import openai, triton
-from edged.transports.http.body import BodyBudget, accepted_encoding, compress, read_body
+from edged.transports.http.body import accepted_encoding, compress, read_body
 from edged.transports.http.infer import ADMITTED, InferRoute, Rest, infer_target
 from edged.transports.http.infer import JSON_HEADERS as _JSON
 from edged.transports.http.methods import error_body, error_headers

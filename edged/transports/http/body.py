@@ -22,8 +22,6 @@ tensor, the generation routes); a body that finds the budget taken is refused wi
 from __future__ import annotations
 
 import asyncio
-import threading
-import weakref
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
@@ -32,12 +30,12 @@ import numpy as np
 
 from edged.errors import (
     BadRequestError,
-    BodyBudgetError,
     ClientGoneError,
     PayloadTooLargeError,
     UnsupportedEncodingError,
 )
 from edged.host import malloc
+from edged.transports.budget import BodyBudget
 from edged.wire.decode import Part, parse_header_length
 
 Scope = dict[str, Any]
@@ -63,33 +61,6 @@ _TRIM_AFTER = 16 * 1024 * 1024
 # zlib level 1: on a small board's CPU the fastest level costs a fraction of level 6 for a
 # slightly larger body (tensors compress poorly at any level).
 _LEVEL = 1
-
-
-class BodyBudget:
-    """Bytes of request bodies held at once, all connections together. Taken from any thread (an
-    inflation runs on a worker), given back by the finalizer of the buffer that holds them."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> None:
-        with self._lock:
-            if self.used + n > self.limit:
-                raise BodyBudgetError(
-                    f"request bodies in flight would exceed {self.limit} bytes (server.bodies_in_flight); retry later"
-                )
-            self.used += n
-
-    def give(self, n: int) -> None:
-        with self._lock:
-            self.used -= n
-
-    def hold(self, buf: np.ndarray, n: int) -> memoryview:
-        """``buf``'s bytes as a view, ``n`` of the budget held until the last view of them goes."""
-        weakref.finalize(buf, self.give, n)
-        return buf.data
 
 
 class _Taken:

@@ -21,7 +21,8 @@ import numpy as np
 from edged.errors import EdgedError, ShuttingDownError
 from edged.serving.registry import ModelRuntime
 from edged.serving.service import Service, decode_now
-from edged.transports.http.body import BodyBudget, BodyHeaders, body_headers, read_body
+from edged.transports.budget import BodyBudget
+from edged.transports.http.body import BodyHeaders, body_headers, read_body
 from edged.transports.peer import PEER_KEY
 from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry

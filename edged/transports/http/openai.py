@@ -34,7 +34,8 @@ from edged.errors import (
 )
 from edged.llm import generation as gen
 from edged.serving.service import Service
-from edged.transports.http.body import BodyBudget, read_body
+from edged.transports.budget import BodyBudget
+from edged.transports.http.body import read_body
 from edged.transports.http.methods import error_body, error_headers
 from edged.transports.http.methods import expect as _expect
 from edged.wire.decode import load_object

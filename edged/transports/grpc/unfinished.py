@@ -1,0 +1,178 @@
+"""What a relayed gRPC connection makes grpcio hold: the bytes of request messages begun and not
+yet whole.
+
+grpcio grants a stream the flow-control window its message's length prefix announces and buffers
+the message whole before any handler sees it, and its Python server takes no memory quota. So the
+Unix relay reads the HTTP/2 frames it passes (RFC 9113 §4: a 9-byte header each; a DATA frame's
+payload, less its padding, carries gRPC's length-prefixed messages) and counts, stream by stream,
+the bytes of the message under way. Those bytes are taken from ``server.bodies_in_flight``, the
+budget HTTP's request bodies draw on, and a message must arrive whole within
+``server.read_timeout_s`` of its first byte, as an HTTP request must. The relay closes a
+connection past either; grpcio then drops all it held for it.
+
+Only what the client sends is counted; what grpcio answers is read for the frames that end a
+stream (RST_STREAM, trailers), after which grpcio holds nothing of it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from edged.errors import BodyBudgetError
+from edged.transports.budget import BodyBudget
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # what a client sends before its first frame
+DATA, HEADERS, RST_STREAM = 0x0, 0x1, 0x3
+END_STREAM, PADDED = 0x1, 0x8
+PREFIX = 5  # gRPC's message prefix: a compressed flag and a 4-byte length
+
+
+class _Message:
+    """The message under way on one stream."""
+
+    __slots__ = ("held", "left", "need", "prefix", "since")
+
+    def __init__(self) -> None:
+        self.need = PREFIX  # prefix bytes still to come (0: the body is coming)
+        self.prefix = b""
+        self.left = 0  # body bytes still to come
+        self.held = 0  # bytes of it received
+        self.since = 0.0  # when its first byte came
+
+
+class Frames:
+    """Walks one direction's HTTP/2 frames as they pass, in any split; ``on_frame`` hears each
+    frame's header, ``on_data`` each piece of a DATA frame's payload that is not padding."""
+
+    __slots__ = ("data_left", "flags", "head", "kind", "left", "padded", "sid", "skip")
+
+    def __init__(self, preface: bool) -> None:
+        self.skip = len(PREFACE) if preface else 0
+        self.head = b""  # a frame header split across reads
+        self.left = 0  # payload bytes of the current frame still to come
+        self.data_left = 0  # of those, DATA bytes (not its pad length nor its padding)
+        self.padded = False  # a padded DATA frame whose pad length byte is still to come
+        self.kind = self.flags = self.sid = 0
+
+    def feed(self, data: bytes, conn: Unfinished, inbound: bool) -> None:
+        i, n = 0, len(data)
+        if self.skip:
+            i = min(self.skip, n)
+            self.skip -= i
+        while i < n:
+            if not self.left and not self.padded:
+                need = 9 - len(self.head)
+                self.head += data[i : i + need]
+                i += need
+                if len(self.head) < 9:
+                    return
+                h, self.head = self.head, b""
+                self.left = int.from_bytes(h[0:3], "big")
+                self.kind, self.flags = h[3], h[4]
+                self.sid = int.from_bytes(h[5:9], "big") & 0x7FFFFFFF
+                self.padded = self.kind == DATA and bool(self.flags & PADDED) and self.left > 0
+                self.data_left = self.left if self.kind == DATA and not self.padded else 0
+                if self.kind == RST_STREAM or (self.kind == HEADERS and self.flags & END_STREAM and not inbound):
+                    conn.end(self.sid)  # reset by either side, or answered with its trailers
+                if not self.left:
+                    self._frame_done(conn, inbound)
+                continue
+            if self.padded:  # the pad length: the payload's last bytes are padding
+                self.padded = False
+                self.left -= 1
+                self.data_left = max(self.left - data[i], 0)
+                i += 1
+                if not self.left:
+                    self._frame_done(conn, inbound)
+                continue
+            take = min(self.left, n - i)
+            if self.data_left and inbound:
+                d = min(self.data_left, take)
+                conn.data(self.sid, data, i, i + d)
+                self.data_left -= d
+            i += take
+            self.left -= take
+            if not self.left:
+                self._frame_done(conn, inbound)
+
+    def _frame_done(self, conn: Unfinished, inbound: bool) -> None:
+        if inbound and self.kind == DATA and self.flags & END_STREAM:
+            conn.end(self.sid)  # the client's last message: whole, or never to be
+
+
+class Unfinished:
+    """One relayed connection's unfinished request messages, held within the shared budget."""
+
+    __slots__ = ("budget", "held", "inbound", "outbound", "over", "streams")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.inbound = Frames(preface=True)
+        self.outbound = Frames(preface=False)
+        self.streams: dict[int, _Message] = {}
+        self.held = 0  # taken from the budget
+        self.over = ""  # why the connection must close ("" while it may stay)
+
+    def client_sent(self, data: bytes) -> bool:
+        """Read what the client sent; False once the connection holds more than it may."""
+        self.inbound.feed(data, self, inbound=True)
+        return not self.over
+
+    def server_sent(self, data: bytes) -> None:
+        self.outbound.feed(data, self, inbound=False)
+
+    def data(self, sid: int, buf: bytes, j: int, m: int) -> None:
+        """``buf[j:m]``: a piece of a DATA frame's payload on stream ``sid`` (not copied: only a
+        message's 5-byte prefix is read)."""
+        msg = self.streams.get(sid)
+        if msg is None:
+            msg = self.streams[sid] = _Message()
+        added = 0
+        while j < m:
+            if not msg.held:
+                msg.since = time.monotonic()
+            if msg.need:
+                k = min(msg.need, m - j)
+                msg.prefix += buf[j : j + k]
+                msg.need -= k
+                if not msg.need:
+                    msg.left = int.from_bytes(msg.prefix[1:PREFIX], "big")
+                    msg.prefix = b""
+            else:
+                k = min(msg.left, m - j)
+                msg.left -= k
+            j += k
+            msg.held += k
+            added += k
+            if not msg.need and not msg.left:  # whole: grpcio hands it on
+                added -= msg.held
+                msg.held, msg.need = 0, PREFIX
+        self._count(added)
+
+    def end(self, sid: int) -> None:
+        msg = self.streams.pop(sid, None)
+        if msg is not None and msg.held:
+            self._count(-msg.held)
+
+    def _count(self, added: int) -> None:
+        if added > 0:
+            try:
+                self.budget.take(added)
+            except BodyBudgetError as e:
+                self.over = e.message
+                return
+        elif added < 0:
+            self.budget.give(-added)
+        self.held += added
+
+    def oldest(self) -> float | None:
+        """When the oldest unfinished message began (None: there is none)."""
+        times = [m.since for m in self.streams.values() if m.held]
+        return min(times) if times else None
+
+    def release(self) -> None:
+        """The connection closed: grpcio dropped what it held."""
+        if self.held:
+            self.budget.give(self.held)
+        self.held = 0
+        self.streams.clear()

@@ -1,0 +1,159 @@
+"""Request messages that never finish are bounded on the gRPC socket as HTTP bodies are: what
+grpcio buffers of them counts against server.bodies_in_flight, and one must arrive whole within
+server.read_timeout_s. A raw HTTP/2 peer (h2) opens messages that announce more than it sends,
+against a real daemon; past either bound its connection is closed, and everyone else is served."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import pytest
+
+from edged.wire.proto import grpc_service_pb2 as pb
+from edged.wire.proto import grpc_service_pb2_grpc as pbg
+from tests.helpers import DaemonProcess, grpc_call_headers, wait_for, write_config
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[DaemonProcess, Path]]:
+    tmp = tmp_path_factory.mktemp("grpc_unfinished")
+    cfg = write_config(
+        tmp / "edged.toml",
+        {
+            "server": {
+                "socket": str(tmp / "edged.sock"),
+                "max_body": "8MiB",
+                "bodies_in_flight": "16MiB",
+                "read_timeout_s": 2.0,
+            },
+            "cache": {"dir": str(tmp / "cache")},
+            "build": {"block_ready": True},
+            "models.tiny": {"path": str(model_dir / "tiny.onnx")},
+        },
+    )
+    d = DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
+    yield d, tmp / "edged.sock.grpc"
+    assert d.stop() == 0, d.log()
+
+
+class Opener:
+    """A raw HTTP/2 client that starts ModelInfer messages announcing ``announced`` bytes and
+    sends parts of them, never the whole, as far as the server's flow control lets it."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.sock.settimeout(0.05)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2.initiate_connection()
+        self.closed = False
+        self.sent = 0
+        self._flush()
+
+    def open(self, announced: int) -> int:
+        sid = self.h2.get_next_available_stream_id()
+        headers = grpc_call_headers("ModelInfer")
+        self.h2.send_headers(sid, headers)
+        self.h2.send_data(sid, b"\0" + announced.to_bytes(4, "big"))
+        self._flush()
+        return sid
+
+    def send(self, sid: int, n: int) -> int:
+        """Up to ``n`` more bytes of the message on ``sid``, as the window allows; how many went."""
+        self.pump(wait=0.001)
+        room = min(n, self.h2.local_flow_control_window(sid), 256 * 1024)
+        if self.closed or room <= 0:
+            return 0
+        chunk = self.h2.max_outbound_frame_size
+        left = room
+        while left:
+            self.h2.send_data(sid, b"m" * min(chunk, left))
+            left -= min(chunk, left)
+        self._flush()
+        self.sent += room
+        return room
+
+    def pump(self, wait: float = 0.05) -> None:
+        """Read what the daemon sent (window updates, settings), or see that it closed."""
+        if self.closed:
+            return
+        self.sock.settimeout(wait)
+        try:
+            data = self.sock.recv(1 << 16)
+        except TimeoutError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.closed = True
+            return
+        try:
+            self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError:
+            self.closed = True
+
+    def _flush(self) -> None:
+        out = self.h2.data_to_send()
+        if out and not self.closed:
+            try:
+                self.sock.sendall(out)
+            except OSError:
+                self.closed = True
+
+    def pumped(self) -> Opener:
+        self.pump()
+        return self
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _live(path: Path) -> bool:
+    with grpc.insecure_channel(f"unix:{path}", options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+        return bool(pbg.GRPCInferenceServiceStub(ch).ServerLive(pb.ServerLiveRequest(), timeout=10).live)
+
+
+def test_unfinished_messages_past_the_bodies_budget_close_their_connection(
+    served: tuple[DaemonProcess, Path],
+) -> None:
+    d, path = served
+    peer = Opener(path)
+    try:
+        streams = [peer.open(7 * MiB) for _ in range(4)]
+        deadline = time.monotonic() + 60
+        while not peer.closed and time.monotonic() < deadline and peer.sent < 28 * MiB - 20:
+            for sid in streams:
+                peer.send(sid, 7 * MiB)
+        # Closed once its messages under way passed the 16 MiB budget, before their 28.
+        assert peer.closed and peer.sent < 20 * MiB, peer.sent
+        assert _live(path)
+        wait_for(lambda: "server.bodies_in_flight" in d.log(), 10, what="the closing logged")
+    finally:
+        peer.close()
+
+
+def test_a_message_that_stops_arriving_closes_its_connection(served: tuple[DaemonProcess, Path]) -> None:
+    _, path = served
+    peer = Opener(path)
+    try:
+        sid = peer.open(MiB)
+        assert peer.send(sid, 1000) == 1000
+        began = time.monotonic()
+        wait_for(lambda: peer.pumped().closed, 20, what="the stalled connection closed")
+        waited = time.monotonic() - began
+        assert 1.5 < waited < 10, waited  # read_timeout_s = 2, swept every half second
+        assert _live(path)
+    finally:
+        peer.close()

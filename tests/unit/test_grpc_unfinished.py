@@ -1,0 +1,88 @@
+"""The Unix relay's count of request messages under way (edged/transports/grpc/unfinished.py),
+fed real HTTP/2 frames (hyperframe, h2's framing library) in every split a socket may deliver."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hyperframe.frame import DataFrame, HeadersFrame, RstStreamFrame, SettingsFrame
+
+from edged.transports.budget import BodyBudget
+from edged.transports.grpc.unfinished import PREFACE, Unfinished
+
+
+def message(n: int, announced: int | None = None) -> bytes:
+    """A gRPC message of ``n`` body bytes whose prefix announces ``announced`` (default n)."""
+    return b"\0" + (n if announced is None else announced).to_bytes(4, "big") + b"m" * n
+
+
+def data(sid: int, payload: bytes, end: bool = False, pad: int = 0) -> bytes:
+    f = DataFrame(sid, payload)
+    if end:
+        f.flags.add("END_STREAM")
+    if pad:
+        f.flags.add("PADDED")
+        f.pad_length = pad
+    return bytes(f.serialize())
+
+
+def headers(sid: int, end: bool = False) -> bytes:
+    f = HeadersFrame(sid, b"\x82\x86\x84")  # a header block: HPACK is not read
+    f.flags.add("END_HEADERS")
+    if end:
+        f.flags.add("END_STREAM")
+    return bytes(f.serialize())
+
+
+def opening() -> bytes:
+    return PREFACE + bytes(SettingsFrame(0).serialize())
+
+
+def feed_split(track: Unfinished, stream: bytes, size: int) -> bool:
+    return all(track.client_sent(stream[i : i + size]) for i in range(0, len(stream), size))
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 9, 10, 64, 1 << 20])
+def test_whole_messages_hold_nothing_in_any_split(size: int) -> None:
+    budget = BodyBudget(1 << 20)
+    track = Unfinished(budget)
+    stream = opening() + headers(1) + data(1, message(3000) + message(0) + message(10), end=True)
+    stream += headers(3) + data(3, message(100)[:40]) + data(3, message(100)[40:], pad=17)
+    assert feed_split(track, stream, size)
+    assert track.held == 0 and budget.used == 0 and track.oldest() is None
+
+
+def test_a_message_under_way_is_held_until_it_ends_however_it_ends() -> None:
+    budget = BodyBudget(1 << 20)
+    track = Unfinished(budget)
+    part = message(100_000, announced=500_000)
+    assert track.client_sent(opening() + headers(1) + data(1, part[:16384]) + data(1, part[16384:50000], pad=200))
+    assert track.held == budget.used == 50_000 and track.oldest() is not None
+    assert track.client_sent(headers(3) + data(3, message(10, announced=99)))
+    assert track.held == 50_015
+    track.client_sent(bytes(RstStreamFrame(1).serialize()))  # the client gave it up
+    assert track.held == budget.used == 15
+    track.server_sent(headers(3, end=True))  # grpcio answered the stream with its trailers
+    assert track.held == budget.used == 0
+
+
+def test_a_connection_past_the_budget_is_told_to_close() -> None:
+    budget = BodyBudget(100_000)
+    budget.take(60_000)  # what HTTP's bodies hold meanwhile
+    track = Unfinished(budget)
+    assert track.client_sent(opening() + headers(1) + data(1, message(30_000, announced=1 << 20)))
+    assert not track.client_sent(data(1, b"m" * 16_000))
+    assert "server.bodies_in_flight" in track.over
+    track.release()  # the relay closed it
+    assert budget.used == 60_000
+
+
+def test_the_oldest_unfinished_message_dates_from_its_first_byte() -> None:
+    track = Unfinished(BodyBudget(1 << 20))
+    before = time.monotonic()
+    track.client_sent(opening() + headers(1) + data(1, message(10, announced=20)))
+    began = track.oldest()
+    assert began is not None and before <= began <= time.monotonic()
+    track.client_sent(data(1, b"m" * 10, end=True))
+    assert track.oldest() is None
