@@ -16,6 +16,7 @@ stream (RST_STREAM, trailers), after which grpcio holds nothing of it.
 
 from __future__ import annotations
 
+import struct
 import time
 
 from edged.errors import BodyBudgetError
@@ -25,6 +26,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # what a client sends before its 
 DATA, HEADERS, RST_STREAM = 0x0, 0x1, 0x3
 END_STREAM, PADDED = 0x1, 0x8
 PREFIX = 5  # gRPC's message prefix: a compressed flag and a 4-byte length
+# A frame header: a 24-bit length (as 8 + 16 bits), its type, flags and stream id.
+_HEADER = struct.Struct(">BHBBI")
 
 
 class _Message:
@@ -61,18 +64,22 @@ class Frames:
             self.skip -= i
         while i < n:
             if not self.left and not self.padded:
-                need = 9 - len(self.head)
-                self.head += data[i : i + need]
-                i += need
-                if len(self.head) < 9:
-                    return
-                h, self.head = self.head, b""
-                self.left = int.from_bytes(h[0:3], "big")
-                self.kind, self.flags = h[3], h[4]
-                self.sid = int.from_bytes(h[5:9], "big") & 0x7FFFFFFF
-                self.padded = self.kind == DATA and bool(self.flags & PADDED) and self.left > 0
-                self.data_left = self.left if self.kind == DATA and not self.padded else 0
-                if self.kind == RST_STREAM or (self.kind == HEADERS and self.flags & END_STREAM and not inbound):
+                if self.head or n - i < 9:  # a header split across reads
+                    need = 9 - len(self.head)
+                    self.head += data[i : i + need]
+                    i += need
+                    if len(self.head) < 9:
+                        return
+                    hi, lo, kind, flags, sid = _HEADER.unpack(self.head)
+                    self.head = b""
+                else:
+                    hi, lo, kind, flags, sid = _HEADER.unpack_from(data, i)
+                    i += 9
+                self.left, self.kind, self.flags, self.sid = hi << 16 | lo, kind, flags, sid & 0x7FFFFFFF
+                if kind == DATA:
+                    self.padded = bool(flags & PADDED) and self.left > 0
+                    self.data_left = 0 if self.padded else self.left
+                elif kind == RST_STREAM or (kind == HEADERS and flags & END_STREAM and not inbound):
                     conn.end(self.sid)  # reset by either side, or answered with its trailers
                 if not self.left:
                     self._frame_done(conn, inbound)
@@ -126,6 +133,14 @@ class Unfinished:
         message's 5-byte prefix is read)."""
         msg = self.streams.get(sid)
         if msg is None:
+            # The common case: whole messages, each in one piece, and nothing to hold.
+            while m - j >= PREFIX:
+                size = PREFIX + int.from_bytes(buf[j + 1 : j + PREFIX], "big")
+                if j + size > m:
+                    break
+                j += size
+            if j == m:
+                return
             msg = self.streams[sid] = _Message()
         added = 0
         while j < m:
