@@ -26,9 +26,7 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[DaemonProcess, Path]]:
-    tmp = tmp_path_factory.mktemp("grpc_unfinished")
+def _daemon(tmp: Path, model_dir: Path, read_timeout_s: float) -> DaemonProcess:
     cfg = write_config(
         tmp / "edged.toml",
         {
@@ -36,15 +34,29 @@ def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
                 "socket": str(tmp / "edged.sock"),
                 "max_body": "8MiB",
                 "bodies_in_flight": "16MiB",
-                "read_timeout_s": 2.0,
+                "read_timeout_s": read_timeout_s,
             },
             "cache": {"dir": str(tmp / "cache")},
             "build": {"block_ready": True},
             "models.tiny": {"path": str(model_dir / "tiny.onnx")},
         },
     )
-    d = DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
-    yield d, tmp / "edged.sock.grpc"
+    return DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
+
+
+@pytest.fixture
+def patient(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A daemon whose read time-out is far off: only the budget closes connections."""
+    d = _daemon(tmp_path, model_dir, 120.0)
+    yield d, tmp_path / "edged.sock.grpc"
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
+def hasty(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A daemon that waits 2 s for a message to arrive whole."""
+    d = _daemon(tmp_path, model_dir, 2.0)
+    yield d, tmp_path / "edged.sock.grpc"
     assert d.stop() == 0, d.log()
 
 
@@ -59,6 +71,7 @@ class Opener:
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.h2.initiate_connection()
         self.closed = False
+        self.why = ""
         self.sent = 0
         self._flush()
 
@@ -97,19 +110,27 @@ class Opener:
         except OSError:
             data = b""
         if not data:
+            self.why = self.why or "closed by the daemon"
             self.closed = True
             return
         try:
-            self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as e:
+            self.why = f"h2: {e!r}"
             self.closed = True
+            return
+        for ev in events:
+            if isinstance(ev, h2.events.ConnectionTerminated | h2.events.StreamReset):
+                self.why = repr(ev)
 
     def _flush(self) -> None:
         out = self.h2.data_to_send()
         if out and not self.closed:
+            self.sock.settimeout(10)  # a send waits for room; only reads are brief
             try:
                 self.sock.sendall(out)
             except OSError:
+                self.why = self.why or "closed by the daemon"
                 self.closed = True
 
     def pumped(self) -> Opener:
@@ -126,26 +147,27 @@ def _live(path: Path) -> bool:
 
 
 def test_unfinished_messages_past_the_bodies_budget_close_their_connection(
-    served: tuple[DaemonProcess, Path],
+    patient: tuple[DaemonProcess, Path],
 ) -> None:
-    d, path = served
+    d, path = patient
     peer = Opener(path)
     try:
         streams = [peer.open(7 * MiB) for _ in range(4)]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 100
         while not peer.closed and time.monotonic() < deadline and peer.sent < 28 * MiB - 20:
             for sid in streams:
                 peer.send(sid, 7 * MiB)
         # Closed once its messages under way passed the 16 MiB budget, before their 28.
-        assert peer.closed and peer.sent < 20 * MiB, peer.sent
+        assert peer.closed and peer.sent < 20 * MiB, (peer.sent, peer.why)
+        assert peer.why == "closed by the daemon", peer.why
         assert _live(path)
         wait_for(lambda: "server.bodies_in_flight" in d.log(), 10, what="the closing logged")
     finally:
         peer.close()
 
 
-def test_a_message_that_stops_arriving_closes_its_connection(served: tuple[DaemonProcess, Path]) -> None:
-    _, path = served
+def test_a_message_that_stops_arriving_closes_its_connection(hasty: tuple[DaemonProcess, Path]) -> None:
+    _, path = hasty
     peer = Opener(path)
     try:
         sid = peer.open(MiB)

@@ -86,3 +86,33 @@ def test_the_oldest_unfinished_message_dates_from_its_first_byte() -> None:
     assert began is not None and before <= began <= time.monotonic()
     track.client_sent(data(1, b"m" * 10, end=True))
     assert track.oldest() is None
+
+
+def test_data_on_a_stream_already_ended_is_not_counted() -> None:
+    budget = BodyBudget(1 << 20)
+    track = Unfinished(budget)
+    track.client_sent(opening() + headers(1) + data(1, message(100, announced=70_000)))
+    track.server_sent(bytes(RstStreamFrame(1).serialize()))  # grpcio ended the call
+    assert track.client_sent(data(1, b"mmmm" * 8192))  # the client's bytes still in flight
+    assert track.held == budget.used == 0 and track.oldest() is None
+
+
+def test_a_refused_read_takes_nothing_and_gives_back_only_what_was_taken() -> None:
+    budget = BodyBudget(100_000)
+    budget.take(95_000)
+    track = Unfinished(budget)
+    ok = track.client_sent(
+        opening() + headers(1) + data(1, message(16_000, announced=50_000)) + bytes(RstStreamFrame(1).serialize())
+    )
+    assert not ok and budget.used == 95_000
+    track.release()
+    assert budget.used == 95_000
+
+
+def test_a_flood_of_empty_messages_in_one_read_is_refused() -> None:
+    track = Unfinished(BodyBudget(1 << 30))
+    flood = message(0) * 3000
+    assert not track.client_sent(opening() + headers(1) + data(1, flood[:16384]) + data(1, flood[16384:]))
+    assert "request messages in one read" in track.over
+    ok = Unfinished(BodyBudget(1 << 30))
+    assert ok.client_sent(opening() + headers(1) + data(1, message(0) * 1000, end=True))

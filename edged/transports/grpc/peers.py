@@ -64,6 +64,11 @@ class _Pipe(asyncio.Protocol):
         if not self.inbound:
             self.track.server_sent(data)
         elif not self.track.client_sent(data):
+            # Closed here, not through the relay's table: the first read may come before the
+            # connection is entered there.
+            for side in (self, self.other):
+                if side is not None and side.transport is not None:
+                    side.transport.close()
             self.refused(self.track.over)
             return
         other = self.other.transport if self.other is not None else None
@@ -148,26 +153,24 @@ class UnixRelay:
         every = min(1.0, self.read_timeout_s / 4)
         while True:
             await asyncio.sleep(every)
-            late = time.monotonic() - self.read_timeout_s
-            for path, pipe in list(self._pipes.items()):
-                began = pipe.track.oldest()
-                if began is not None and began < late:
-                    self._refuse(
-                        path,
-                        f"a request message did not arrive whole within {self.read_timeout_s:g} s "
-                        "(server.read_timeout_s)",
-                    )
+            try:
+                late = time.monotonic() - self.read_timeout_s
+                for path, pipe in list(self._pipes.items()):
+                    began = pipe.track.oldest()
+                    if began is not None and began < late:
+                        self._refuse(
+                            path,
+                            f"a request message did not arrive whole within {self.read_timeout_s:g} s "
+                            "(server.read_timeout_s)",
+                        )
+            except Exception as e:  # the sweep outlives any one connection's trouble
+                _noisy.note(logging.ERROR, "sweep", "gRPC socket: sweeping unfinished messages failed: %r", e)
 
     def _refuse(self, path: str, why: str) -> None:
         peer = self.peers.get(path)
-        _noisy.note(
-            logging.WARNING,
-            "unfinished",
-            "gRPC socket: closed a connection of uid %s: %s",
-            peer.uid if peer else "?",
-            why,
-        )
+        uid = peer.uid if peer is not None else "?"
         self.cut("unix:" + path)
+        _noisy.note(logging.WARNING, "unfinished", "gRPC socket: closed a connection of uid %s: %s", uid, why)
 
     async def _accept(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:
@@ -186,6 +189,7 @@ class UnixRelay:
 
     async def _relay(self, loop: asyncio.AbstractEventLoop, client: socket.socket) -> None:
         peer = None
+        a: _Pipe | None = None
         path = os.path.join(self.dir, f"c{next(self._names)}")
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -214,10 +218,17 @@ class UnixRelay:
             a = _Pipe(track, True, lambda why: self._refuse(path, why))
             b = _Pipe(track, False, a.refused)
             a.other, b.other = b, a
+            # Entered before the client's side starts reading: its first read may close it.
+            self._pipes[path] = a
+            a.on_close.append(lambda: self._closed(path, peer, a))
+            a.on_close.append(track.release)
             await loop.create_unix_connection(lambda: b, sock=inner)
             await loop.connect_accepted_socket(lambda: a, client)
         except Exception as e:
             _noisy.note(logging.WARNING, "relay", "gRPC socket: cannot relay a connection: %s", e)
+            if a is not None and self._pipes.get(path) is a:
+                del self._pipes[path]
+                a.track.release()
             self._forget(path, peer)
             inner.close()
             client.close()
@@ -225,12 +236,11 @@ class UnixRelay:
                 os.unlink(path)
             return
         assert a.transport is not None and b.transport is not None
+        if a.transport.is_closing():  # refused on its first read
+            return
         b.flush_to(a.transport)
         a.flush_to(b.transport)
         self._open.add(a.transport)
-        self._pipes[path] = a
-        a.on_close.append(lambda: self._closed(path, peer, a))
-        a.on_close.append(track.release)
 
     def _closed(self, path: str, peer: Peer | None, pipe: _Pipe) -> None:
         if pipe.transport is not None:
