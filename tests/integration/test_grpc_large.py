@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import onnx
 import pytest
+import tritonclient.utils.shared_memory as shm
 from onnx import TensorProto, helper
 
 from edged.wire.proto import grpc_service_pb2 as pb
@@ -23,6 +24,21 @@ from tests.helpers import DaemonProcess, loop_stalls, write_config
 pytestmark = pytest.mark.integration
 
 UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+def make_two(path: Path) -> None:
+    """y = x + 1 and z = x + 2 on a [1, n] FP32 row: two answers as large as the request."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    two = helper.make_tensor("two", TensorProto.FLOAT, [1], [2.0])
+    row: list[int | str] = [1, "n"]
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "one"], ["y"]), helper.make_node("Add", ["x", "two"], ["z"])],
+        "two",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, row)],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, row) for n in ("y", "z")],
+        initializer=[one, two],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
 def make_wide(path: Path) -> None:
@@ -42,6 +58,7 @@ def make_wide(path: Path) -> None:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, pbg.GRPCInferenceServiceStub]]:
     tmp = tmp_path_factory.mktemp("grpc_large")
     make_wide(tmp / "wide.onnx")
+    make_two(tmp / "two.onnx")
     cfg = write_config(
         tmp / "edged.toml",
         {
@@ -50,6 +67,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPro
             "cache": {"dir": str(tmp / "cache")},
             "build": {"block_ready": True},
             "models.wide": {"path": str(tmp / "wide.onnx")},
+            "models.two": {"path": str(tmp / "two.onnx")},
         },
     )
     d = DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
@@ -107,3 +125,34 @@ def test_many_input_headers_are_refused_before_they_are_walked(
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "200000 inputs" in (e.value.details() or "")
     assert loop_stalls(d) == before, d.log()
+
+
+def test_an_answer_part_in_shared_memory_part_raw_is_whole(
+    served: tuple[DaemonProcess, pbg.GRPCInferenceServiceStub],
+) -> None:
+    """One output bound for a region, the other (24 MiB) in the message: the message is made on
+    a thread, the region written, and both are right."""
+    _, stub = served
+    x = np.random.default_rng(8).random(6 << 20, dtype=np.float32)
+    region = shm.create_shared_memory_region("y", "/edged_grpc_two_y", x.nbytes)
+    try:
+        stub.SystemSharedMemoryRegister(
+            pb.SystemSharedMemoryRegisterRequest(name="y", key="/edged_grpc_two_y", offset=0, byte_size=x.nbytes),
+            timeout=30,
+        )
+        req = pb.ModelInferRequest(model_name="two")
+        req.inputs.add(name="x", datatype="FP32", shape=[1, x.size])
+        req.raw_input_contents.append(x.tobytes())
+        bound = req.outputs.add(name="y")
+        bound.parameters["shared_memory_region"].string_param = "y"
+        bound.parameters["shared_memory_byte_size"].int64_param = x.nbytes
+        req.outputs.add(name="z")
+        resp = stub.ModelInfer(req, timeout=120)
+        names = [o.name for o in resp.outputs]
+        z = np.frombuffer(resp.raw_output_contents[names.index("z")], np.float32)
+        np.testing.assert_array_equal(z, x + 2)
+        y = shm.get_contents_as_numpy(region, np.float32, [1, x.size])
+        np.testing.assert_array_equal(y[0], x + 1)
+    finally:
+        stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(name="y"), timeout=30)
+        shm.destroy_shared_memory_region(region)

@@ -168,10 +168,16 @@ class Inference:
         stream: bool,
     ) -> bytes:
         """The answer's bytes: made on a thread when the outputs it carries are large (those
-        bound for shared memory are written there on the loop, and add nothing to it)."""
+        bound for shared memory are resolved on the loop, which owns the regions, and carry
+        nothing in the message)."""
         to_shm = req.outputs is not None and any(o.shm_region is not None for o in req.outputs)
-        if to_shm or sum(a.nbytes for a in outputs.values()) <= OFFLOAD_BYTES:
-            return serialized_answer(*response_parts(model, version, req, outputs, shm.output), stream)
+        if to_shm:
+            resp, raws = response_parts(model, version, req, outputs, shm.output)  # views: no copy
+            if sum(r.nbytes if isinstance(r, memoryview) else len(r) for r in raws) <= OFFLOAD_BYTES:
+                return serialized_answer(resp, raws, stream)
+            return await asyncio.to_thread(serialized_answer, resp, raws, stream)
+        if sum(a.nbytes for a in outputs.values()) <= OFFLOAD_BYTES:
+            return serialized_answer(*response_parts(model, version, req, outputs), stream)
 
         def made() -> bytes:
             return serialized_answer(*response_parts(model, version, req, outputs), stream)
