@@ -166,12 +166,18 @@ def closed_by_peer(s: socket.socket) -> bool:
         return True
 
 
-def loop_stalls(d: DaemonProcess) -> float:
-    """How many event-loop stalls over lifecycle.loop_stall_ms the daemon has counted."""
+def sample(d: DaemonProcess, series: str) -> float:
+    """The value of the one metric sample whose line starts with ``series`` (name and labels,
+    as the exposition writes them): an error if the daemon does not expose it."""
     with d.client(timeout=10) as c:
         _, body, _ = c.request("GET", "/metrics")
-    (line,) = [x for x in body.decode().splitlines() if x.startswith("edged_loop_stalls_total ")]
-    return float(line.split()[1])
+    (line,) = [x for x in body.decode().splitlines() if x.startswith(series + " ")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def loop_stalls(d: DaemonProcess) -> float:
+    """How many event-loop stalls over lifecycle.loop_stall_ms the daemon has counted."""
+    return sample(d, "edged_loop_stalls_total")
 
 
 def while_held(d: DaemonProcess, wedge: Path, model: str, count: int, send: Callable[[], list[Any]]) -> list[Any]:

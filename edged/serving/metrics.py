@@ -195,6 +195,10 @@ def _add_with_defaults(
             family.add_metric([name, value], values.get((name, value), 0.0))
 
 
+# Why the gRPC socket's relay closes a connection (edged/transports/grpc/peers.py).
+GRPC_CLOSE_REASONS = ("bodies_in_flight", "read_timeout", "messages_per_read", "answer_not_taken")
+
+
 class Metrics:
     def __init__(self, transports: Iterable[str] = ("http",)) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -211,6 +215,16 @@ class Metrics:
             "edged_loop_lag_max_seconds", "Worst event-loop lateness over the last interval", registry=r
         )
         self.loop_stalls = Counter("edged_loop_stalls", "Event-loop stalls over lifecycle.loop_stall_ms", registry=r)
+        # Connections the gRPC socket's relay closed, by the bound they passed: every reason from
+        # the first scrape.
+        self.grpc_closed = Counter(
+            "edged_grpc_connections_closed",
+            "gRPC socket connections closed for passing a bound",
+            ["reason"],
+            registry=r,
+        )
+        for reason in GRPC_CLOSE_REASONS:
+            self.grpc_closed.labels(reason)
         self.stats: dict[str, ModelStats] = {}
         self._source: QueueSource | None = None
         self._lock = threading.Lock()

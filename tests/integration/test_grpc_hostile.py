@@ -21,7 +21,15 @@ import pytest
 
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.proto import grpc_service_pb2_grpc as pbg
-from tests.helpers import DaemonProcess, closed_by_peer, grpc_call_headers, running, wait_for, write_config
+from tests.helpers import (
+    DaemonProcess,
+    closed_by_peer,
+    grpc_call_headers,
+    running,
+    sample,
+    wait_for,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -204,7 +212,8 @@ class WindowlessPeer:
 def test_unary_calls_to_a_peer_that_takes_no_data_are_cut_off(served: tuple[DaemonProcess, Path]) -> None:
     """Both of grpc_max_streams' slots taken by unary calls whose answers cannot be delivered:
     each is cancelled after grpc_write_timeout_s and other clients are served again."""
-    _, path = served
+    d, path = served
+    cut_before = sample(d, 'edged_grpc_connections_closed_total{reason="answer_not_taken"}')
     peer = WindowlessPeer(path)
     try:
         calls = [peer.call("ServerLive") for _ in range(2)]
@@ -218,6 +227,7 @@ def test_unary_calls_to_a_peer_that_takes_no_data_are_cut_off(served: tuple[Daem
         with ch:
             live = wait_for(lambda: stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live, 30, what="a free slot")
             assert live
+        assert sample(d, 'edged_grpc_connections_closed_total{reason="answer_not_taken"}') > cut_before
     finally:
         peer.close()
 

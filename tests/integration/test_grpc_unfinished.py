@@ -19,7 +19,7 @@ import pytest
 
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.proto import grpc_service_pb2_grpc as pbg
-from tests.helpers import DaemonProcess, grpc_call_headers, wait_for, write_config
+from tests.helpers import DaemonProcess, grpc_call_headers, sample, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -150,6 +150,8 @@ def test_unfinished_messages_past_the_bodies_budget_close_their_connection(
     patient: tuple[DaemonProcess, Path],
 ) -> None:
     d, path = patient
+    for reason in ("bodies_in_flight", "read_timeout", "messages_per_read", "answer_not_taken"):
+        assert sample(d, f'edged_grpc_connections_closed_total{{reason="{reason}"}}') == 0
     peer = Opener(path)
     try:
         streams = [peer.open(7 * MiB) for _ in range(4)]
@@ -162,12 +164,13 @@ def test_unfinished_messages_past_the_bodies_budget_close_their_connection(
         assert peer.why == "closed by the daemon", peer.why
         assert _live(path)
         wait_for(lambda: "server.bodies_in_flight" in d.log(), 10, what="the closing logged")
+        assert sample(d, 'edged_grpc_connections_closed_total{reason="bodies_in_flight"}') == 1
     finally:
         peer.close()
 
 
 def test_a_message_that_stops_arriving_closes_its_connection(hasty: tuple[DaemonProcess, Path]) -> None:
-    _, path = hasty
+    d, path = hasty
     peer = Opener(path)
     try:
         sid = peer.open(MiB)
@@ -177,5 +180,6 @@ def test_a_message_that_stops_arriving_closes_its_connection(hasty: tuple[Daemon
         waited = time.monotonic() - began
         assert 1.5 < waited < 10, waited  # read_timeout_s = 2, swept every half second
         assert _live(path)
+        assert sample(d, 'edged_grpc_connections_closed_total{reason="read_timeout"}') == 1
     finally:
         peer.close()

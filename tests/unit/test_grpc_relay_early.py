@@ -25,7 +25,7 @@ class FakeTransport:
 
 def test_reading_pauses_at_the_early_limit_and_resumes_once_flushed() -> None:
     # grpcio's side (what it reads is not counted): a flood before the client's side connects.
-    pipe, client = _Pipe(Unfinished(BodyBudget(1 << 30)), False, lambda why: None), FakeTransport()
+    pipe, client = _Pipe(Unfinished(BodyBudget(1 << 30)), False, lambda why, reason: None), FakeTransport()
     pipe.connection_made(client)  # type: ignore[arg-type]
     pipe.data_received(b"x" * (_EARLY_MAX - 1))
     assert not client.paused

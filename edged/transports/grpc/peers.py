@@ -48,7 +48,7 @@ class _Pipe(asyncio.Protocol):
     """One direction's reader; it writes into the other side's transport. ``track``: the
     connection's unfinished messages, fed what this side reads (``inbound``: the client's side)."""
 
-    def __init__(self, track: Unfinished, inbound: bool, refused: Callable[[str], None]) -> None:
+    def __init__(self, track: Unfinished, inbound: bool, refused: Callable[[str, str], None]) -> None:
         self.track, self.inbound, self.refused = track, inbound, refused
         # uvloop's transports are not asyncio.Transport subclasses: typed by what is used.
         self.transport: Any = None
@@ -69,7 +69,7 @@ class _Pipe(asyncio.Protocol):
             for side in (self, self.other):
                 if side is not None and side.transport is not None:
                     side.transport.close()
-            self.refused(self.track.over)
+            self.refused(self.track.over, self.track.reason)
             return
         other = self.other.transport if self.other is not None else None
         if other is None:
@@ -109,9 +109,16 @@ class UnixRelay:
     """The public gRPC Unix socket: accepts, records the peer, relays to grpcio's socket."""
 
     def __init__(
-        self, sock: socket.socket, max_connections: int, per_peer: int, bodies: BodyBudget, read_timeout_s: float
+        self,
+        sock: socket.socket,
+        max_connections: int,
+        per_peer: int,
+        bodies: BodyBudget,
+        read_timeout_s: float,
+        closed: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.sock = sock
+        self.counted = closed  # a connection closed for passing a bound, by reason (the metric)
         self.bodies = bodies
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
@@ -144,6 +151,13 @@ class UnixRelay:
                 side.transport.close()
         return True
 
+    def cut_stalled(self, name: str) -> bool:
+        """``cut`` for a call whose peer took no answer within server.grpc_write_timeout_s."""
+        done = self.cut(name)
+        if done:
+            self.counted("answer_not_taken")
+        return done
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._task = loop.create_task(self._accept(loop))
         self._sweeper = loop.create_task(self._sweep())
@@ -162,14 +176,16 @@ class UnixRelay:
                             path,
                             f"a request message did not arrive whole within {self.read_timeout_s:g} s "
                             "(server.read_timeout_s)",
+                            "read_timeout",
                         )
             except Exception as e:  # the sweep outlives any one connection's trouble
                 _noisy.note(logging.ERROR, "sweep", "gRPC socket: sweeping unfinished messages failed: %r", e)
 
-    def _refuse(self, path: str, why: str) -> None:
+    def _refuse(self, path: str, why: str, reason: str) -> None:
         peer = self.peers.get(path)
         uid = peer.uid if peer is not None else "?"
         self.cut("unix:" + path)
+        self.counted(reason)
         _noisy.note(logging.WARNING, "unfinished", "gRPC socket: closed a connection of uid %s: %s", uid, why)
 
     async def _accept(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -215,7 +231,7 @@ class UnixRelay:
             os.unlink(path)
             self.peers[path] = peer
             track = Unfinished(self.bodies)
-            a = _Pipe(track, True, lambda why: self._refuse(path, why))
+            a = _Pipe(track, True, lambda why, reason: self._refuse(path, why, reason))
             b = _Pipe(track, False, a.refused)
             a.other, b.other = b, a
             # Entered before the client's side starts reading: its first read may close it.

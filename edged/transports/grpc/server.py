@@ -97,9 +97,17 @@ class GrpcServer:
     async def start(self, unix: socket.socket | None, loop: Any) -> None:
         if unix is not None:
             s = self.control.service.registry.cfg.server
-            self.relay = UnixRelay(unix, s.max_connections, s.max_connections_per_peer, self.bodies, s.read_timeout_s)
+            closed = self.control.service.metrics.grpc_closed
+            self.relay = UnixRelay(
+                unix,
+                s.max_connections,
+                s.max_connections_per_peer,
+                self.bodies,
+                s.read_timeout_s,
+                lambda reason: closed.labels(reason).inc(),
+            )
             self._peer_of = self.relay.peer
-            self.inference.cut = self.relay.cut
+            self.inference.cut = self.relay.cut_stalled
             self.server.add_insecure_port("unix:" + self.relay.inner)
         for text, (host, port) in self.tcp:
             bound = _add_port(self.server, host, port, text)

@@ -116,7 +116,7 @@ class Frames:
 class Unfinished:
     """One relayed connection's unfinished request messages, held within the shared budget."""
 
-    __slots__ = ("budget", "held", "inbound", "open", "outbound", "over", "stepped", "streams")
+    __slots__ = ("budget", "held", "inbound", "open", "outbound", "over", "reason", "stepped", "streams")
 
     def __init__(self, budget: BodyBudget) -> None:
         self.budget = budget
@@ -129,6 +129,7 @@ class Unfinished:
         self.stepped = 0  # messages read in the current read
         self.held = 0  # taken from the budget
         self.over = ""  # why the connection must close ("" while it may stay)
+        self.reason = ""  # which bound, for the metric: "bodies_in_flight" or "messages_per_read"
 
     def client_sent(self, data: bytes) -> bool:
         """Read what the client sent; False once the connection holds more than it may."""
@@ -138,6 +139,7 @@ class Unfinished:
         self.inbound.feed(data, self, inbound=True)
         if self.stepped > MESSAGES_PER_READ and not self.over:
             self.over = f"more than {MESSAGES_PER_READ} request messages in one read"
+            self.reason = "messages_per_read"
         return not self.over
 
     def opened(self, sid: int) -> None:
@@ -199,7 +201,7 @@ class Unfinished:
             try:
                 self.budget.take(added)
             except BodyBudgetError as e:
-                self.over = e.message
+                self.over, self.reason = e.message, "bodies_in_flight"
                 return False
         elif added < 0:
             self.budget.give(-added)
