@@ -27,6 +27,7 @@ FAMILIES = {
     "edged_model_footprint_bytes",
     "edged_dropped",
     "edged_builds",
+    "edged_grpc_connections_closed",
 }
 
 
