@@ -109,10 +109,14 @@ def test_a_refused_read_takes_nothing_and_gives_back_only_what_was_taken() -> No
     assert budget.used == 95_000
 
 
-def test_a_flood_of_empty_messages_in_one_read_is_refused() -> None:
+def test_a_flood_of_empty_messages_or_frames_in_one_read_is_refused() -> None:
     track = Unfinished(BodyBudget(1 << 30))
-    flood = message(0) * 3000
+    flood = message(0) * 9000
     assert not track.client_sent(opening() + headers(1) + data(1, flood[:16384]) + data(1, flood[16384:]))
-    assert "request messages in one read" in track.over
+    assert "frames and request messages in one read" in track.over and track.reason == "frames_per_read"
+    frames = Unfinished(BodyBudget(1 << 30))
+    assert not frames.client_sent(opening() + headers(1) + data(1, b"") * 9000)
+    assert frames.reason == "frames_per_read"
     ok = Unfinished(BodyBudget(1 << 30))
-    assert ok.client_sent(opening() + headers(1) + data(1, message(0) * 1000, end=True))
+    assert ok.client_sent(opening() + headers(1) + data(1, message(0) * 3000, end=True))
+    assert ok.client_sent(headers(3) + data(3, b"") * 3000 + data(3, message(10), end=True))
