@@ -113,7 +113,7 @@ class ModelLoads:
         if request.files and len(held) >= self.max_uploads:
             raise ForbiddenError(
                 f"failed to load '{name}': {len(held)} models already serve uploaded files, "
-                f"server.model_uploads = {self.max_uploads}; load one of them without a config first"
+                f"server.model_uploads = {self.max_uploads}; unload one of them first"
             )
 
     def _prepare(self, name: str, request: LoadRequest) -> Override:

@@ -139,9 +139,11 @@ class Reloader:
 
     async def reload(self) -> bool:
         async with self._lock:
+            # A stat per watched path (every model version of a repository): off the loop, and
+            # before systemd hears of the reload, so a cancellation here leaves nothing to undo.
+            seen = await asyncio.to_thread(lambda: {p: _stamp(p) for p in self._paths()})
             systemd.reloading("reloading configuration")
             started = time.monotonic()
-            seen = {p: _stamp(p) for p in self._paths()}
             try:
                 await self._reload()
             except EdgedError as e:
