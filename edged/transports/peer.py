@@ -118,6 +118,19 @@ def parse_address(text: str, key: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def tcp_socket(host: str, port: int, text: str, key: str) -> socket.socket:
+    """A listening, non-blocking TCP socket on ``host``:``port`` (``text`` as configured under
+    ``server.<key>``), or a ConfigError that says why not. No SO_REUSEPORT: a second daemon on the
+    same port fails here rather than sharing its connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=256)
+    except OSError as e:
+        raise ConfigError(f"server.{key}: cannot listen on {text}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

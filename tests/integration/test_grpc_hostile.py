@@ -232,18 +232,24 @@ def test_unary_calls_to_a_peer_that_takes_no_data_are_cut_off(served: tuple[Daem
         peer.close()
 
 
-def test_tcp_connections_past_max_connections_are_closed(tmp_path: Path, model_dir: Path) -> None:
-    """Connections that never send a call cannot take every descriptor: past server.max_connections
-    (and the relay's slack) on one gRPC listener, grpcio closes each new one at once, while the
-    Unix socket serves as before; once they go, TCP serves again."""
-    cap = 4 + 16  # max_connections + server.py's _CLOSING_SLACK
+def test_tcp_connections_past_a_peers_share_are_closed(tmp_path: Path, model_dir: Path) -> None:
+    """Connections that never send a call cannot take every descriptor, nor every connection of
+    the gRPC listeners: one TCP address holds at most server.max_connections_per_peer of them,
+    each one past it is closed at once, while the Unix socket serves as before; once they go,
+    TCP serves again."""
+    cap = 4  # server.max_connections_per_peer
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cfg = write_config(
         tmp_path / "edged.toml",
         {
-            "server": {"socket": str(tmp_path / "edged.sock"), "max_connections": 4, "grpc_tcp": [f"127.0.0.1:{port}"]},
+            "server": {
+                "socket": str(tmp_path / "edged.sock"),
+                "max_connections": 8,
+                "max_connections_per_peer": cap,
+                "grpc_tcp": [f"127.0.0.1:{port}"],
+            },
             "cache": {"dir": str(tmp_path / "cache")},
             "models.tiny": {"path": str(model_dir / "tiny.onnx")},
         },

@@ -1,7 +1,8 @@
-"""Request messages that never finish are bounded on the gRPC socket as HTTP bodies are: what
-grpcio buffers of them counts against server.bodies_in_flight, and one must arrive whole within
-server.read_timeout_s. A raw HTTP/2 peer (h2) opens messages that announce more than it sends,
-against a real daemon; past either bound its connection is closed, and everyone else is served."""
+"""Request messages that never finish are bounded on the gRPC listeners (the Unix socket and
+TCP) as HTTP bodies are: what grpcio buffers of them counts against server.bodies_in_flight, and
+one must arrive whole within server.read_timeout_s. A raw HTTP/2 peer (h2) opens messages that
+announce more than it sends, against a real daemon; past either bound its connection is closed,
+and everyone else is served."""
 
 from __future__ import annotations
 
@@ -26,7 +27,16 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 
 
-def _daemon(tmp: Path, model_dir: Path, read_timeout_s: float) -> DaemonProcess:
+Address = Path | tuple[str, int]  # the gRPC Unix socket, or a grpc_tcp listener
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _daemon(tmp: Path, model_dir: Path, read_timeout_s: float, port: int) -> DaemonProcess:
     cfg = write_config(
         tmp / "edged.toml",
         {
@@ -35,6 +45,7 @@ def _daemon(tmp: Path, model_dir: Path, read_timeout_s: float) -> DaemonProcess:
                 "max_body": "8MiB",
                 "bodies_in_flight": "16MiB",
                 "read_timeout_s": read_timeout_s,
+                "grpc_tcp": [f"127.0.0.1:{port}"],
             },
             "cache": {"dir": str(tmp / "cache")},
             "build": {"block_ready": True},
@@ -44,19 +55,23 @@ def _daemon(tmp: Path, model_dir: Path, read_timeout_s: float) -> DaemonProcess:
     return DaemonProcess(cfg, tmp / "edged.sock", tmp / "edged.log").start()
 
 
-@pytest.fixture
-def patient(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Path]]:
-    """A daemon whose read time-out is far off: only the budget closes connections."""
-    d = _daemon(tmp_path, model_dir, 120.0)
-    yield d, tmp_path / "edged.sock.grpc"
+@pytest.fixture(params=["unix", "tcp"])
+def patient(request: pytest.FixtureRequest, tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Address]]:
+    """A daemon whose read time-out is far off: only the budget closes connections; its Unix
+    socket or its TCP listener."""
+    port = _free_port()
+    d = _daemon(tmp_path, model_dir, 120.0, port)
+    yield d, tmp_path / "edged.sock.grpc" if request.param == "unix" else ("127.0.0.1", port)
     assert d.stop() == 0, d.log()
 
 
 @pytest.fixture
-def hasty(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Path]]:
-    """A daemon that waits 2 s for a message to arrive whole."""
-    d = _daemon(tmp_path, model_dir, 2.0)
-    yield d, tmp_path / "edged.sock.grpc"
+def hasty(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Address]]:
+    """A daemon that waits 2 s for a message to arrive whole (over TCP: the Unix socket is
+    the same relay)."""
+    port = _free_port()
+    d = _daemon(tmp_path, model_dir, 2.0, port)
+    yield d, ("127.0.0.1", port)
     assert d.stop() == 0, d.log()
 
 
@@ -64,9 +79,12 @@ class Opener:
     """A raw HTTP/2 client that starts ModelInfer messages announcing ``announced`` bytes and
     sends parts of them, never the whole, as far as the server's flow control lets it."""
 
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(str(path))
+    def __init__(self, address: Address) -> None:
+        if isinstance(address, Path):
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(str(address))
+        else:
+            self.sock = socket.create_connection(address)
         self.sock.settimeout(0.05)
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.h2.initiate_connection()
@@ -141,13 +159,14 @@ class Opener:
         self.sock.close()
 
 
-def _live(path: Path) -> bool:
-    with grpc.insecure_channel(f"unix:{path}", options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+def _live(address: Address) -> bool:
+    target = f"unix:{address}" if isinstance(address, Path) else "{}:{}".format(*address)
+    with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
         return bool(pbg.GRPCInferenceServiceStub(ch).ServerLive(pb.ServerLiveRequest(), timeout=10).live)
 
 
 def test_unfinished_messages_past_the_bodies_budget_close_their_connection(
-    patient: tuple[DaemonProcess, Path],
+    patient: tuple[DaemonProcess, Address],
 ) -> None:
     d, path = patient
     for reason in ("bodies_in_flight", "read_timeout", "frames_per_read", "answer_not_taken"):
@@ -169,7 +188,7 @@ def test_unfinished_messages_past_the_bodies_budget_close_their_connection(
         peer.close()
 
 
-def test_a_message_that_stops_arriving_closes_its_connection(hasty: tuple[DaemonProcess, Path]) -> None:
+def test_a_message_that_stops_arriving_closes_its_connection(hasty: tuple[DaemonProcess, Address]) -> None:
     d, path = hasty
     peer = Opener(path)
     try:

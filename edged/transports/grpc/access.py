@@ -14,15 +14,18 @@ from edged.transports.peer import Peer, in_group
 class Access:
     def __init__(self, token: bytes | None, peer_of: Callable[[str], Peer | None], admin_gid: int | None) -> None:
         self.token = None if token is None else b"Bearer " + token
+        # The Unix peer of a call, by ``context.peer()`` (the relay's record, peers.py); None for
+        # a call that came over TCP.
         self.peer_of = peer_of
         self.admin_gid = admin_gid
 
     def check(self, context: Any) -> Peer | None:
         """The call's Unix peer (None over TCP); over TCP with a token set, the token or
-        unauthorized, as HTTP's TCP listeners answer."""
-        name = context.peer()
-        if name.startswith("unix:"):
-            return self.peer_of(name)
+        unauthorized, as HTTP's TCP listeners answer. A call the relay does not know as a Unix
+        peer's is held to TCP's rule."""
+        peer = self.peer_of(context.peer())
+        if peer is not None:
+            return peer
         if self.token is not None:
             given = b""
             for key, value in context.invocation_metadata() or ():

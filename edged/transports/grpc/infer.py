@@ -96,8 +96,9 @@ class Inference:
         max_body: int,
     ) -> None:
         self.service, self.regions, self.access = service, regions, access
-        # Closes the connection of a call's peer (the Unix relay's cut, once it runs).
+        # Closes the connection of a call's peer, and names it for the logs (the relay's, peers.py).
         self.cut: Callable[[str], bool] = lambda peer: False
+        self.label: Callable[[str], str] = lambda peer: peer
         self.max_body = max_body
         self.stream_requests, self.write_s = stream_requests, write_s
         self.accepting = True
@@ -240,10 +241,10 @@ class Inference:
 
     async def _write(self, ctx: Ctx, resp: bytes) -> None:
         """``resp`` (a serialized ModelStreamInferResponse) written within
-        server.grpc_write_timeout_s. A peer that takes none has its connection closed where the
-        relay holds it (the Unix socket): grpcio can neither cancel a call whose write is pending
-        nor send it a status, so only a closed connection frees the call. On TCP the write is
-        cancelled and the stream ended as far as grpcio allows."""
+        server.grpc_write_timeout_s. A peer that takes none has its connection closed by the
+        relay: grpcio can neither cancel a call whose write is pending nor send it a status, so
+        only a closed connection frees the call. Where the relay does not know the call (it has
+        just closed), the write is cancelled and the stream ended as far as grpcio allows."""
         write = asyncio.ensure_future(ctx.write(resp))
         # A failure after a cut is expected (the call is gone): retrieved, not logged by asyncio.
         write.add_done_callback(lambda w: w.cancelled() or w.exception())
@@ -261,18 +262,20 @@ class Inference:
 
     def watch(self, ctx: Ctx) -> None:
         """Bound the delivery of a unary answer, which grpcio writes after the handler returns:
-        a call not done within server.grpc_write_timeout_s has its connection cut (the Unix
-        socket). A timer and a done-callback per call: the answer's write itself is grpcio's."""
+        a call not done within server.grpc_write_timeout_s has its connection cut. A timer and
+        a done-callback per call: the answer's write itself is grpcio's."""
         # The callback runs once grpcio has finished the call (context.done() already reads
         # True when the handler returns, delivered or not).
         timer = asyncio.get_running_loop().call_later(self.write_s, self._stalled, ctx)
         ctx.add_done_callback(lambda _: timer.cancel())
 
     def _stalled(self, ctx: Ctx) -> bool:
-        """Cut the connection of a call whose peer takes no data, logged; False on TCP."""
+        """Cut the connection of a call whose peer takes no data, logged; False where the relay
+        knows no such connection."""
         peer = ctx.peer()
+        who = self.label(peer)  # before the cut, which forgets the connection
         cut = self.cut(peer)  # the close happens on the loop's next turns: logged first
-        _stalls.note(logging.WARNING, "stalled", "gRPC peer %s: %s", peer, _stalled_words(self.write_s, cut))
+        _stalls.note(logging.WARNING, "stalled", "gRPC peer %s: %s", who, _stalled_words(self.write_s, cut))
         return cut
 
     def _generates(self, msg: pb.ModelInferRequest) -> bool:

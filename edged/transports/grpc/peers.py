@@ -1,18 +1,21 @@
-"""Who is on the other end of a gRPC call on the Unix socket.
+"""Who is on the other end of a gRPC call, and what its connection may hold.
 
-grpcio exposes no peer credentials and takes no accepted descriptor, so edged accepts on the
-public Unix socket itself, reads the client's SO_PEERCRED (transports/peer.py) and relays the
-connection's bytes to grpcio's own socket in a private directory (mode 0700). Each relayed
-connection is bound to a path of its own there before it connects: grpcio reports that path as
-the call's peer (``context.peer()`` = ``unix:<path>``), which names the client's credentials
-here. A path is unlinked once connected (the name stays the socket's) and forgotten when the
-connection closes, so a call's identity is the kernel's record of its client, as on HTTP.
+grpcio exposes no peer credentials, takes no accepted descriptor and takes no memory quota, so
+edged accepts every gRPC connection itself, on the public Unix socket and on the ``grpc_tcp``
+addresses, and relays its bytes to grpcio's own socket in a private directory (mode 0700). Each
+relayed connection is bound to a path of its own there before it connects: grpcio reports that
+path as the call's peer (``context.peer()`` = ``unix:<path>``), which names the connection's
+client here: on the Unix socket the kernel's record of it (SO_PEERCRED, transports/peer.py), as
+on HTTP; on TCP its address, whose calls must then carry the listener's token. A path is unlinked
+once connected (the name stays the socket's) and forgotten when the connection closes.
+
 The relay applies back-pressure both ways (a side whose buffer fills pauses reading the other).
-It holds the connections to ``server.max_connections``, and each user (uid) to its share,
-``server.max_connections_per_peer``, as HTTP's Unix socket does: one user cannot take them all.
-It also reads the frames it passes, to hold what grpcio buffers of request messages under way
-within ``server.bodies_in_flight`` and ``server.read_timeout_s`` (unfinished.py): a connection past
-either is closed.
+It holds the connections to ``server.max_connections`` over all its listeners, and each peer (a
+uid on the Unix socket, a remote address on TCP) to its share, ``server.max_connections_per_peer``,
+as HTTP does: one peer cannot take them all. It also reads the frames it passes, to hold what
+grpcio buffers of request messages under way within ``server.bodies_in_flight`` and
+``server.read_timeout_s`` (unfinished.py): a connection past either is closed. grpcio itself
+would grant each of a connection's streams the whole message its prefix announces.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from edged.ratelog import RateLimitedLog
@@ -105,39 +109,53 @@ class _Pipe(asyncio.Protocol):
         self.early_bytes = 0
 
 
-class UnixRelay:
-    """The public gRPC Unix socket: accepts, records the peer, relays to grpcio's socket."""
+@dataclass(frozen=True, slots=True)
+class Client:
+    """Who a relayed connection serves: its Unix peer (None on TCP), a name for the logs, and the
+    key of its share of the connections (the uid, or the TCP address's host)."""
+
+    peer: Peer | None
+    label: str
+    share: tuple[str, object]
+
+
+class Relay:
+    """The public gRPC listeners: accepts, records the client, relays to grpcio's socket."""
 
     def __init__(
         self,
-        sock: socket.socket,
         max_connections: int,
         per_peer: int,
         bodies: BodyBudget,
         read_timeout_s: float,
         closed: Callable[[str], None] = lambda reason: None,
     ) -> None:
-        self.sock = sock
         self.counted = closed  # a connection closed for passing a bound, by reason (the metric)
         self.bodies = bodies
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self.per_peer = min(per_peer, max_connections)
-        self._by_uid: Counter[int] = Counter()  # connections relayed or being set up, per user
+        self.listeners: list[socket.socket] = []
+        self._held: Counter[tuple[str, object]] = Counter()  # connections relayed or being set up, per share
         self.dir = tempfile.mkdtemp(prefix="edged-grpc-")  # mode 0700: only this user reaches grpcio
         self.inner = os.path.join(self.dir, "s")
-        self.peers: dict[str, Peer] = {}
+        self.clients: dict[str, Client] = {}
         self._names = itertools.count()
-        self._task: asyncio.Task[None] | None = None
-        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._open: set[Any] = set()
         self._pipes: dict[str, _Pipe] = {}  # by path: the client's side of each connection
 
-    def peer(self, name: str) -> Peer | None:
+    def listen(self, sock: socket.socket) -> None:
+        """Relay the connections of ``sock`` (a listening Unix or TCP socket) once started."""
+        self.listeners.append(sock)
+
+    def client(self, name: str) -> Client | None:
         """The client of a call whose ``context.peer()`` is ``name``."""
-        if not name.startswith("unix:"):
-            return None
-        return self.peers.get(name[5:])
+        return self.clients.get(name[5:]) if name.startswith("unix:") else None
+
+    def label(self, name: str) -> str:
+        client = self.client(name)
+        return client.label if client is not None else name
 
     def cut(self, name: str) -> bool:
         """Close the connection of the call whose ``context.peer()`` is ``name``: grpcio then
@@ -159,8 +177,13 @@ class UnixRelay:
         return done
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._task = loop.create_task(self._accept(loop))
-        self._sweeper = loop.create_task(self._sweep())
+        self._tasks = [loop.create_task(self._accept(loop, sock)) for sock in self.listeners]
+        self._tasks.append(loop.create_task(self._sweep()))
+
+    def stop_listening(self) -> None:
+        """No new connections (the calls in flight go on)."""
+        for sock in self.listeners:
+            sock.close()
 
     async def _sweep(self) -> None:
         """Close the connections whose oldest unfinished message began read_timeout_s ago."""
@@ -179,75 +202,89 @@ class UnixRelay:
                             "read_timeout",
                         )
             except Exception as e:  # the sweep outlives any one connection's trouble
-                _noisy.note(logging.ERROR, "sweep", "gRPC socket: sweeping unfinished messages failed: %r", e)
+                _noisy.note(logging.ERROR, "sweep", "gRPC: sweeping unfinished messages failed: %r", e)
 
     def _refuse(self, path: str, why: str, reason: str) -> None:
-        peer = self.peers.get(path)
-        uid = peer.uid if peer is not None else "?"
+        client = self.clients.get(path)
         self.cut("unix:" + path)
         self.counted(reason)
-        _noisy.note(logging.WARNING, "unfinished", "gRPC socket: closed a connection of uid %s: %s", uid, why)
+        who = client.label if client is not None else "a client"
+        _noisy.note(logging.WARNING, "unfinished", "gRPC: closed the connection of %s: %s", who, why)
 
-    async def _accept(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
         while True:
             try:
-                client, _ = await loop.sock_accept(self.sock)
+                conn, _ = await loop.sock_accept(sock)
             except OSError as e:  # EMFILE and the like: pause a little rather than spin
-                _noisy.note(logging.WARNING, "accept", "gRPC socket accept failed: %s", e)
+                if sock.fileno() < 0:
+                    return  # stopped listening
+                _noisy.note(logging.WARNING, "accept", "gRPC accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            held = self._by_uid.total()  # set up or being set up
+            held = self._held.total()  # set up or being set up
             if held >= self.max_connections:
-                _noisy.note(logging.WARNING, "full", "gRPC socket: %d connections, refusing more", held)
-                client.close()
+                _noisy.note(logging.WARNING, "full", "gRPC: %d connections, refusing more", held)
+                conn.close()
                 continue
-            loop.create_task(self._relay(loop, client))
+            loop.create_task(self._relay(loop, conn))
 
-    async def _relay(self, loop: asyncio.AbstractEventLoop, client: socket.socket) -> None:
-        peer = None
+    def _admitted(self, conn: socket.socket) -> Client | None:
+        """The connection's client, its share taken; None (logged) past its share."""
+        if conn.family == socket.AF_UNIX:
+            peer = peer_of(conn)
+            assert peer is not None
+            client = Client(peer, f"uid {peer.uid} (pid {peer.pid})", ("uid", peer.uid))
+        else:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # answers are small writes
+            host, port = conn.getpeername()[:2]
+            client = Client(None, f"tcp {host}:{port}", ("host", host))
+        if self._held[client.share] >= self.per_peer:
+            _noisy.note(
+                logging.WARNING,
+                "share",
+                "gRPC: %s %s holds %d connections, its share (server.max_connections_per_peer); refusing more",
+                *client.share,
+                self._held[client.share],
+            )
+            close_peer(client.peer)
+            return None
+        self._held[client.share] += 1  # before any await: concurrent accepts see it
+        return client
+
+    async def _relay(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        client = None
         a: _Pipe | None = None
         path = os.path.join(self.dir, f"c{next(self._names)}")
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            peer = peer_of(client)
-            assert peer is not None
-            if self._by_uid[peer.uid] >= self.per_peer:
-                _noisy.note(
-                    logging.WARNING,
-                    "share",
-                    "gRPC socket: uid %d holds %d connections, its share (server.max_connections_per_peer); "
-                    "refusing more",
-                    peer.uid,
-                    self._by_uid[peer.uid],
-                )
-                close_peer(peer)
-                client.close()
+            client = self._admitted(conn)
+            if client is None:
+                conn.close()
                 inner.close()
                 return
-            self._by_uid[peer.uid] += 1  # before any await: concurrent accepts see it
             inner.setblocking(False)
             inner.bind(path)
             await loop.sock_connect(inner, self.inner)
             os.unlink(path)
-            self.peers[path] = peer
+            self.clients[path] = client
             track = Unfinished(self.bodies)
             a = _Pipe(track, True, lambda why, reason: self._refuse(path, why, reason))
             b = _Pipe(track, False, a.refused)
             a.other, b.other = b, a
             # Entered before the client's side starts reading: its first read may close it.
             self._pipes[path] = a
-            a.on_close.append(lambda: self._closed(path, peer, a))
+            a.on_close.append(lambda: self._closed(path, client, a))
             a.on_close.append(track.release)
             await loop.create_unix_connection(lambda: b, sock=inner)
-            await loop.connect_accepted_socket(lambda: a, client)
+            await loop.connect_accepted_socket(lambda: a, conn)
         except Exception as e:
-            _noisy.note(logging.WARNING, "relay", "gRPC socket: cannot relay a connection: %s", e)
+            _noisy.note(logging.WARNING, "relay", "gRPC: cannot relay a connection: %s", e)
             if a is not None and self._pipes.get(path) is a:
                 del self._pipes[path]
                 a.track.release()
-            self._forget(path, peer)
+            self._forget(path, client)
             inner.close()
-            client.close()
+            conn.close()
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return
@@ -258,28 +295,28 @@ class UnixRelay:
         a.flush_to(b.transport)
         self._open.add(a.transport)
 
-    def _closed(self, path: str, peer: Peer | None, pipe: _Pipe) -> None:
+    def _closed(self, path: str, client: Client | None, pipe: _Pipe) -> None:
         if pipe.transport is not None:
             self._open.discard(pipe.transport)
         if self._pipes.get(path) is pipe:
             del self._pipes[path]
-        self._forget(path, peer)
+        self._forget(path, client)
 
-    def _forget(self, path: str, peer: Peer | None) -> None:
+    def _forget(self, path: str, client: Client | None) -> None:
         """Once per connection that got past its share: on its close, or when it could not be set up."""
-        if self.peers.get(path) is peer:
-            self.peers.pop(path, None)
-        if peer is not None:
-            self._by_uid[peer.uid] -= 1
-            if not self._by_uid[peer.uid]:
-                del self._by_uid[peer.uid]
-        close_peer(peer)
+        if client is None:
+            return
+        if self.clients.get(path) is client:
+            self.clients.pop(path, None)
+        self._held[client.share] -= 1
+        if not self._held[client.share]:
+            del self._held[client.share]
+        close_peer(client.peer)
 
     def close(self) -> None:
-        for task in (self._task, self._sweeper):
-            if task is not None:
-                task.cancel()
-        self.sock.close()
+        for task in self._tasks:
+            task.cancel()
+        self.stop_listening()
         for transport in list(self._open):
             transport.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""The gRPC listeners: grpcio's asyncio server on the daemon's loop, behind the Unix relay
-(peers.py) and on the ``[server] grpc_tcp`` addresses, with edged's bounds.
+"""The gRPC listeners: grpcio's asyncio server on the daemon's loop, behind the relay
+(peers.py) that accepts on the Unix socket and the ``[server] grpc_tcp`` addresses, with
+edged's bounds.
 
 - ``grpc.max_receive_message_length`` = ``server.max_body`` + ``server.max_json``: a larger
   message is refused by grpcio before it is parsed (RESOURCE_EXHAUSTED); one between the two is
@@ -10,16 +11,14 @@
   is delivered, so peers that take no data held every slot, and on a loaded machine it stopped
   taking new calls at the limit, which then waited out their deadlines instead of being refused.
   A unary answer grpcio cannot deliver within ``server.grpc_write_timeout_s`` has its connection
-  cut (``Inference.watch``). Each connection's HTTP/2 stream count is held to the same number
+  cut (``Inference.watch``, through the relay). Each connection's HTTP/2 stream count is held to the same number
   through SETTINGS_MAX_CONCURRENT_STREAMS, so a client past it on one connection waits for a
   stream of its own connection to end (HTTP/2's rule, kept by the client);
-- ``grpc.max_allowed_incoming_connections``: each listener holds at most ``server.max_connections``
-  + _CLOSING_SLACK connections (grpcio closes one more as soon as it is accepted), so connections
-  that never send a call cannot take every descriptor of the daemon, and with them its other
-  listeners. grpcio counts per listener: TCP peers cannot take the Unix relay's. The slack is the
-  relay's: it holds its own clients to ``server.max_connections``, and a connection it has just
-  closed may still count in grpcio for a moment;
-- ``grpc.so_reuseport`` off: a second daemon cannot share a TCP port silently.
+- the relay holds the connections to ``server.max_connections`` and each peer to its share,
+  and their messages under way to ``server.bodies_in_flight`` (peers.py); grpcio's own socket,
+  which only the relay reaches, takes ``server.max_connections`` + _CLOSING_SLACK (a connection
+  the relay has just closed may still count in grpcio for a moment);
+- the TCP sockets are edged's, bound without SO_REUSEPORT: a second daemon cannot share a port.
 """
 
 from __future__ import annotations
@@ -39,9 +38,9 @@ from edged.transports.budget import BodyBudget
 from edged.transports.grpc.access import Access
 from edged.transports.grpc.control import Control
 from edged.transports.grpc.infer import Inference
-from edged.transports.grpc.peers import UnixRelay
+from edged.transports.grpc.peers import Relay
 from edged.transports.grpc.status import abort
-from edged.transports.peer import is_loopback, parse_address, read_token
+from edged.transports.peer import Peer, is_loopback, parse_address, read_token, tcp_socket
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.proto import grpc_service_pb2 as pb
 
@@ -71,60 +70,63 @@ class GrpcServer:
         admin_gid: int | None,
         bodies: BodyBudget | None = None,
     ) -> None:
-        s = cfg.server
+        s = self.settings = cfg.server
         self.bodies = bodies if bodies is not None else BodyBudget(parse_size(s.bodies_in_flight))
         token = read_token(s.tcp_token_file) if s.tcp_token_file else None
-        self.relay: UnixRelay | None = None
         self.tcp = [_checked_address(addr, token) for addr in s.grpc_tcp]
-        self._peer_of: Callable[[str], Any] = lambda name: None
-        self.access = Access(token, lambda name: self._peer_of(name), admin_gid)
+        closed = service.metrics.grpc_closed
+        self.relay = Relay(
+            s.max_connections,
+            s.max_connections_per_peer,
+            self.bodies,
+            s.read_timeout_s,
+            lambda reason: closed.labels(reason).inc(),
+        )
+        self.access = Access(token, self._peer_of, admin_gid)
         self.control = Control(service, regions, self.access)
         max_body = parse_size(s.max_body)
         self.inference = Inference(
             service, regions, self.access, s.grpc_stream_requests, s.grpc_write_timeout_s, max_body
         )
+        self.inference.cut = self.relay.cut_stalled
+        self.inference.label = self.relay.label
         options = [
             ("grpc.max_receive_message_length", max_body + parse_size(s.max_json)),
             ("grpc.max_send_message_length", -1),
             ("grpc.max_concurrent_streams", s.grpc_max_streams),
             ("grpc.max_allowed_incoming_connections", s.max_connections + _CLOSING_SLACK),
-            ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options)
         _register(self.server, self.control, self.inference, _Slots(s.grpc_max_streams))
         self.ports: list[int] = []
 
+    def _peer_of(self, name: str) -> Peer | None:
+        client = self.relay.client(name)
+        return client.peer if client is not None else None
+
     async def start(self, unix: socket.socket | None, loop: Any) -> None:
-        if unix is not None:
-            s = self.control.service.registry.cfg.server
-            closed = self.control.service.metrics.grpc_closed
-            self.relay = UnixRelay(
-                unix,
-                s.max_connections,
-                s.max_connections_per_peer,
-                self.bodies,
-                s.read_timeout_s,
-                lambda reason: closed.labels(reason).inc(),
-            )
-            self._peer_of = self.relay.peer
-            self.inference.cut = self.relay.cut_stalled
-            self.server.add_insecure_port("unix:" + self.relay.inner)
-        for text, (host, port) in self.tcp:
-            bound = _add_port(self.server, host, port, text)
-            self.ports.append(bound)
-        await self.server.start()
-        if self.relay is not None:
-            self.relay.start(loop)
+        try:
+            if unix is not None:
+                self.relay.listen(unix)
+            for text, (host, port) in self.tcp:
+                sock = tcp_socket(host, port, text, "grpc_tcp")
+                self.relay.listen(sock)
+                self.ports.append(sock.getsockname()[1])
+            if not self.server.add_insecure_port("unix:" + self.relay.inner):
+                raise ConfigError(f"gRPC: cannot listen on {self.relay.inner}")
+            await self.server.start()
+        except BaseException:
+            self.relay.close()
+            raise
+        self.relay.start(loop)
 
     def stop_accepting(self) -> None:
         self.inference.accepting = False
 
     async def stop(self, grace_s: float) -> None:
-        if self.relay is not None:
-            self.relay.sock.close()  # no new connections while the calls in flight finish
+        self.relay.stop_listening()  # no new connections while the calls in flight finish
         await self.server.stop(grace_s)
-        if self.relay is not None:
-            self.relay.close()
+        self.relay.close()
 
 
 def _checked_address(text: str, token: bytes | None) -> tuple[str, tuple[str, int]]:
@@ -135,17 +137,6 @@ def _checked_address(text: str, token: bytes | None) -> tuple[str, tuple[str, in
             "calls must carry a bearer token"
         )
     return text, (host, port)
-
-
-def _add_port(server: grpc.aio.Server, host: str, port: int, text: str) -> int:
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(target)
-    except RuntimeError as e:
-        raise ConfigError(f"server.grpc_tcp: cannot listen on {text}: {e}") from None
-    if not bound:
-        raise ConfigError(f"server.grpc_tcp: cannot listen on {text}")
-    return bound
 
 
 def _register(server: grpc.aio.Server, control: Control, inference: Inference, slots: _Slots) -> None:

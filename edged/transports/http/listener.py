@@ -31,7 +31,7 @@ from edged.host import systemd
 from edged.paths import fd_socket_for
 from edged.transports.http.connection import EdgedProtocol, check_uvicorn
 from edged.transports.http.slots import ConnectionLimits, ConnectionSlots
-from edged.transports.peer import ListenerAccess, parse_address, read_token
+from edged.transports.peer import ListenerAccess, parse_address, read_token, tcp_socket
 from edged.transports.peer import is_loopback as is_loopback
 
 log = logging.getLogger(__name__)
@@ -58,12 +58,7 @@ def _tcp(text: str, key: str, token: bytes | None, metrics_only: bool) -> Listen
             f"server.{key}: {text} is not a loopback address; set server.tcp_token_file so that "
             "requests must carry a bearer token"
         )
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host, port), family=family, backlog=256)
-    except OSError as e:
-        raise ConfigError(f"server.{key}: cannot listen on {text}: {e.strerror}") from None
-    sock.setblocking(False)
+    sock = tcp_socket(host, port, text, key)
     what = "metrics and health only" if metrics_only else "the API"
     # Once a token file is set it guards every TCP listener, loopback included: any local user can
     # connect to 127.0.0.1, also one outside the Unix socket's group.
