@@ -480,7 +480,10 @@ def _finish(parsed: ParsedBody, plan: _RequestPlan, req: InferRequest, shm: ShmR
 
 
 def decode_document(
-    doc: Mapping[str, Any], parts: Sequence[bytes], shm: ShmResolver | None, limits: Limits = DEFAULT_LIMITS
+    doc: Mapping[str, Any],
+    parts: Sequence[bytes | memoryview],
+    shm: ShmResolver | None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> InferRequest:
     """A request whose document is parsed already (gRPC's ModelInferRequest, edged/wire/kserve.py)
     and whose binary inputs each come in a buffer of their own (raw_input_contents), in the order
@@ -497,8 +500,10 @@ def check_within(plan: _RequestPlan, limits: Limits) -> None:
         plan.within[0] = limits
 
 
-def decode_planned(plan: _RequestPlan, rid: str, parts: Sequence[bytes], shm: ShmResolver | None) -> InferRequest:
-    """``decode_document`` with its plan made (or remembered: ``kserve.PLANS``) already."""
+def decode_planned(
+    plan: _RequestPlan, rid: str, parts: Sequence[bytes | memoryview], shm: ShmResolver | None
+) -> InferRequest:
+    """``decode_document`` with its plan made (or remembered: ``kserve_wire.WIRE_PLANS``) already."""
     req = InferRequest(rid, {}, None, plan.binary_all, dict(plan.parameters))
     layout = plan.layout
     sizes = layout is not None and len(parts) == len(layout)

@@ -10,15 +10,15 @@ access); typed contents become one array per input.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from google.protobuf.message import Message
 
 from edged.errors import BadRequestError
-from edged.wire.decode import PlanCache, check_within, decode_planned, plan_document
 from edged.wire.encode import to_shm
+from edged.wire.kserve_wire import framed
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import (
     InferRequest,
@@ -28,7 +28,6 @@ from edged.wire.tensors import (
     parse_dtype,
     tensor_bytes,
 )
-from edged.wire.validate import Limits
 
 # The typed field of InferTensorContents that holds each datatype's values (FP16 and BF16 have
 # none: they travel as raw contents only).
@@ -119,8 +118,8 @@ def typed_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> np.ndarray 
 
 
 def request_document(
-    msg: pb.ModelInferRequest, raws: list[bytes] | None = None
-) -> tuple[dict[str, Any], list[bytes], int]:
+    msg: pb.ModelInferRequest, raws: Sequence[bytes | memoryview] | None = None
+) -> tuple[dict[str, Any], Sequence[bytes | memoryview], int]:
     """(the request as an infer document, the raw input contents in order, the number of
     typed values): what ``decode.decode_document`` plans and decodes. ``raws``: the message's raw
     contents taken out already (protobuf copies a bytes field on every access)."""
@@ -163,58 +162,6 @@ def request_document(
     return doc, raws, typed
 
 
-# Plans of requests whose inputs are all raw contents of their shape's size, with no parameters
-# anywhere (every request of Triton's clients and the generated stubs without shared memory):
-# the names, datatypes, shapes and outputs are the same in every request of a client, so the
-# request is planned once (16 us a request on the 2-core machine) and then decoded as views of
-# its raw contents. The id and the bytes are per request, and never part of the key.
-PLANS = PlanCache(1 << 20, 8192)
-
-
-def plan_key(msg: pb.ModelInferRequest) -> bytes | None:
-    """What every such request of one client shares, each name length-prefixed (no two
-    different requests give one key); None for a request that is not of that kind."""
-    if msg.parameters or len(msg.raw_input_contents) != len(msg.inputs):
-        return None
-    parts = []
-    for t in msg.inputs:
-        if t.parameters or t.HasField("contents"):
-            return None
-        parts.append(f"{len(t.name)}:{t.name}{len(t.datatype)}:{t.datatype}{list(t.shape)}")
-    for o in msg.outputs:
-        if o.parameters:
-            return None
-        parts.append(f"{len(o.name)}>{o.name}")
-    return "".join(parts).encode()
-
-
-def planned_request(
-    msg: pb.ModelInferRequest, shm: Any, limits: Limits, raws: list[bytes] | None = None
-) -> InferRequest | None:
-    """The request decoded by its remembered plan (made and remembered on its first sight);
-    None where it is not of the kind remembered, or its raw contents are not its shapes' sizes
-    (``request_document`` and ``decode_document`` then decode it and say what is wrong).
-    ``raws`` as for ``request_document``."""
-    key = plan_key(msg)
-    if key is None:
-        return None
-    if raws is None:
-        raws = list(msg.raw_input_contents)
-    plan = PLANS.get(key)
-    if plan is None:
-        doc, _, _ = request_document(msg, raws)
-        doc.pop("id", None)
-        plan = plan_document(doc, limits)
-        if plan.layout is None:
-            return None
-        PLANS.put(key, plan)
-    assert plan.layout is not None  # only such plans are remembered
-    if any(len(raw) != end - start for raw, (_, _, _, start, end) in zip(raws, plan.layout)):
-        return None
-    check_within(plan, limits)
-    return decode_planned(plan, msg.id, raws, shm)
-
-
 def _output_doc(o: pb.ModelInferRequest.InferRequestedOutputTensor) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": o.name}
     if o.parameters:
@@ -251,12 +198,6 @@ def response_parts(
     return resp, raws
 
 
-# The wire keys (field number << 3 | length-delimited) of ModelInferResponse.raw_output_contents
-# (6) and ModelStreamInferResponse.infer_response (2).
-_RAW_OUTPUT_KEY = bytes([6 << 3 | 2])
-_STREAM_RESPONSE_KEY = bytes([2 << 3 | 2])
-
-
 def serialized_answer(resp: pb.ModelInferResponse, raws: list[bytes | memoryview], stream: bool) -> bytes:
     """``resp`` with ``raws`` as its raw_output_contents, serialized, as a ModelStreamInferResponse's
     ``infer_response`` when ``stream``: the bytes protobuf's SerializeToString gives for the whole
@@ -264,23 +205,7 @@ def serialized_answer(resp: pb.ModelInferResponse, raws: list[bytes | memoryview
     empty, is left out). protobuf serializes only the small head here. Its encoder copies a large
     bytes field into buffers it grows and copies again, all under the GIL (about 0.5 s for 64 MiB
     here); each raw content is framed as the field it is (key, length, bytes) and joined in one copy."""
-    parts: list[bytes | memoryview] = [resp.SerializeToString()]
-    if any(len(r) for r in raws):
-        for r in raws:
-            parts += [_RAW_OUTPUT_KEY, varint(len(r)), r]
-    if stream:
-        parts[:0] = [_STREAM_RESPONSE_KEY, varint(sum(len(p) for p in parts))]
-    return b"".join(parts)
-
-
-def varint(n: int) -> bytes:
-    """protobuf's base-128 varint: seven bits a byte, low first, the high bit on all but the last."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return framed([resp.SerializeToString()], raws, stream)
 
 
 def to_message(doc: Mapping[str, Any], cls: type[Message]) -> Message:

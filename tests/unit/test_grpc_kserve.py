@@ -13,8 +13,8 @@ from edged.wire.kserve import (
     request_document,
     response_parts,
     serialized_answer,
-    varint,
 )
+from edged.wire.kserve_wire import varint
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, OutputRequest
 

@@ -9,10 +9,12 @@ with ``triton_final_response`` (decoupled, as Triton's vLLM and TensorRT-LLM bac
 any other model answers each request once. A response the peer does not take within
 ``server.grpc_write_timeout_s`` ends the stream.
 
-Nothing whose cost grows with a message runs on the event loop. protobuf (upb) copies a bytes
-field on every access and ``ByteSize`` serializes the whole message, so the raw contents are taken
-from the message once, on the parsing thread for a large message, and its size is the length of
-the bytes grpcio handed over. A large message that is not decoded by its client's plan (typed
+Nothing whose cost grows with a message runs on the event loop. A request is read at the wire
+where it can be (wire/kserve_wire.py: its raw contents are views of the bytes grpcio handed over,
+and a request whose input and output records were planned before is decoded without protobuf);
+any other is parsed by protobuf, which copies a bytes field on every access, so its raw contents
+are taken from the message once. Either happens on a thread for a large message, and a message's
+size is the length of its bytes. A large message that is not decoded by its client's plan (typed
 contents, a language model's prompt) is decoded on a thread too, and a large answer is encoded
 and serialized on one: the inference RPCs hand grpcio their answers as bytes (server.py).
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +50,14 @@ from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.decode import decode_document
 from edged.wire.encode import OFFLOAD_BYTES
 from edged.wire.kserve import (
-    planned_request,
     request_document,
     response_parts,
     serialized_answer,
     set_parameter,
 )
+from edged.wire.kserve_wire import WIRE_PLANS, WireRequest, read_request
+from edged.wire.kserve_wire import answer as wire_answer
+from edged.wire.kserve_wire import planned as wire_planned
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, serialize_bytes
 from edged.wire.validate import DEFAULT_LIMITS, Limits, check_counts
@@ -68,14 +72,59 @@ _TRANSPORT = "grpc"
 _FIELDS_ON_LOOP = 16 * 1024
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Parsed:
-    """A ModelInferRequest with its raw contents taken out once, and its size on the wire."""
+    """A ModelInferRequest as received: its names and counts, its raw contents taken out once,
+    its size on the wire; read at the wire (``wire``) or parsed by protobuf (``msg``), and
+    parsed by protobuf on demand (``message``) where it was read at the wire."""
 
-    msg: pb.ModelInferRequest
-    raws: list[bytes]
+    data: bytes
+    name: str
+    version: str
+    id: str
+    inputs: int
+    outputs: int
+    raws: Sequence[bytes | memoryview]
     size: int
     fields: int  # the bytes of everything but the raw contents: typed values, names, parameters
+    wire: WireRequest | None = None
+    msg: pb.ModelInferRequest | None = None
+
+    @classmethod
+    def read(cls, data: bytes) -> Parsed:
+        """Read at the wire where it can be, else parsed; a large message whose records have no
+        plan yet is parsed here too (this runs on a thread for a large one)."""
+        wire = read_request(data)
+        if wire is None:
+            return cls.of(data, _parse(data))
+        p = cls(data, wire.name, wire.version, wire.id, wire.inputs, wire.outputs, wire.raws, len(data), 0, wire)
+        p.fields = len(data) - sum(len(r) for r in wire.raws)
+        if p.large and WIRE_PLANS.get(wire.key) is None:
+            p.msg = _parse(data)
+        return p
+
+    @classmethod
+    def of(cls, data: bytes, msg: pb.ModelInferRequest) -> Parsed:
+        raws = list(msg.raw_input_contents)
+        fields = len(data) - sum(map(len, raws))
+        return cls(
+            data,
+            msg.model_name,
+            msg.model_version,
+            msg.id,
+            len(msg.inputs),
+            len(msg.outputs),
+            raws,
+            len(data),
+            fields,
+            None,
+            msg,
+        )
+
+    def message(self) -> pb.ModelInferRequest:
+        if self.msg is None:
+            self.msg = _parse(self.data)
+        return self.msg
 
     @property
     def large(self) -> bool:
@@ -113,29 +162,23 @@ class Inference:
         return await asyncio.to_thread(self.parsed, data)
 
     def parsed(self, data: bytes) -> Parsed:
-        """The message grpcio hands over as bytes (server.py): parsed here, so that one over
+        """The message grpcio hands over as bytes (server.py): read here, so that one over
         server.max_body or one that is not a ModelInferRequest gets edged's code and words."""
         if len(data) > self.max_body:
             raise PayloadTooLargeError(
                 f"the message of {len(data)} bytes exceeds the limit of {self.max_body} (server.max_body)"
             )
-        try:
-            msg = pb.ModelInferRequest.FromString(data)
-        except DecodeError as e:
-            raise BadRequestError(f"the message is not a ModelInferRequest: {e}") from None
-        raws = list(msg.raw_input_contents)
-        return Parsed(msg, raws, len(data), len(data) - sum(map(len, raws)))
+        return Parsed.read(data)
 
     async def one(self, p: Parsed, peer: Peer | None, stream: bool) -> bytes:
         """The answer to one request, serialized: a ModelInferResponse, or a
         ModelStreamInferResponse holding it when ``stream``."""
         svc = self.service
         shm = LazyShm(self.regions, peer)
-        msg = p.msg
-        name = msg.model_name
+        name = p.name
         try:
             req, received = await self._decode(p, shm)
-            name = svc.resolve(msg.model_name, msg.model_version)
+            name = svc.resolve(p.name, p.version)
             # At once where nothing was awaited since the lookup (as HTTP's route does): the
             # decoder's plan (req.shapes) then spares the model's check of the same shapes.
             waited = shm.held is not None or bool(req.pending)
@@ -178,29 +221,32 @@ class Inference:
                 return serialized_answer(resp, raws, stream)
             return await asyncio.to_thread(serialized_answer, resp, raws, stream)
         if sum(a.nbytes for a in outputs.values()) <= OFFLOAD_BYTES:
-            return serialized_answer(*response_parts(model, version, req, outputs), stream)
+            return wire_answer(model, version, req, outputs, stream) or serialized_answer(
+                *response_parts(model, version, req, outputs), stream
+            )
 
         def made() -> bytes:
-            return serialized_answer(*response_parts(model, version, req, outputs), stream)
+            return wire_answer(model, version, req, outputs, stream) or serialized_answer(
+                *response_parts(model, version, req, outputs), stream
+            )
 
         return await asyncio.to_thread(made)
 
     async def _decode(self, p: Parsed, shm: LazyShm) -> tuple[InferRequest, int]:
         """The request's inputs, ready for the model, and when it was taken (perf_counter_ns)."""
         svc = self.service
-        msg = p.msg
-        name = msg.model_name
+        name = p.name
         try:
             if not self.accepting:
                 raise ShuttingDownError("edged is shutting down")
-            name = svc.resolve(msg.model_name, msg.model_version)
+            name = svc.resolve(p.name, p.version)
             received = time.perf_counter_ns()
             plan = svc.plan_for(svc.model(name))
             _check_size(p, plan.limits.json_bytes)
             # Before anything walks the tensor lists (the plan's key, the document): a message of
             # a million empty input headers is 4 MiB, and walking it held the loop for 1.5 s.
-            check_counts(len(msg.inputs), len(msg.outputs), plan.limits)
-            planned = planned_request(msg, shm.input, plan.limits, p.raws)
+            check_counts(p.inputs, p.outputs, plan.limits)
+            planned = None if p.wire is None else wire_planned(p.wire, p.message, shm.input, plan.limits, _document)
             if planned is not None:
                 req = planned
             elif p.large:
@@ -230,7 +276,7 @@ class Inference:
                 )
             try:
                 p = await self.parsed_off_loop(data)
-                if self._generates(p.msg):
+                if self._generates(p.name):
                     await self._generate(p, ctx)
                 else:
                     await self._write(ctx, await self.one(p, peer, stream=True))
@@ -278,19 +324,18 @@ class Inference:
         _stalls.note(logging.WARNING, "stalled", "gRPC peer %s: %s", who, _stalled_words(self.write_s, cut))
         return cut
 
-    def _generates(self, msg: pb.ModelInferRequest) -> bool:
-        rt = self.service.registry.models.get(msg.model_name)
+    def _generates(self, name: str) -> bool:
+        rt = self.service.registry.models.get(name)
         return rt is not None and gen.is_language_model(rt.cfg)
 
     async def _generate(self, p: Parsed, ctx: Ctx) -> None:
-        msg = p.msg
-        name = self.service.resolve(msg.model_name, msg.model_version)
+        name = self.service.resolve(p.name, p.version)
         prompt, body = await asyncio.to_thread(_generation_request, p) if p.large else _generation_request(p)
         job = gen.make_job(self.service.model(name).cfg, body, gen.request_timeout(self.service, name), prompt=prompt)
         model, version = self.service.versions().served(name)
-        async for piece in gen.stream(self.service, name, job, msg.id, _TRANSPORT):
-            await self._write(ctx, _text_response(model, version, msg.id, piece, final=False))
-        await self._write(ctx, _text_response(model, version, msg.id, None, final=True))
+        async for piece in gen.stream(self.service, name, job, p.id, _TRANSPORT):
+            await self._write(ctx, _text_response(model, version, p.id, piece, final=False))
+        await self._write(ctx, _text_response(model, version, p.id, None, final=True))
 
 
 def _check_size(p: Parsed, json_bytes: int) -> None:
@@ -307,8 +352,19 @@ def _check_size(p: Parsed, json_bytes: int) -> None:
 def _decoded(p: Parsed, shm: Any, limits: Limits = DEFAULT_LIMITS) -> InferRequest:
     """A request that no plan decodes, through the shared decoder (its typed contents become
     arrays here: on a thread for a large message)."""
-    doc, raws, _ = request_document(p.msg, p.raws)
+    doc, raws, _ = request_document(p.message(), p.raws)
     return decode_document(doc, raws, shm, limits)
+
+
+def _document(msg: pb.ModelInferRequest, raws: Sequence[bytes | memoryview]) -> dict[str, Any]:
+    return request_document(msg, raws)[0]
+
+
+def _parse(data: bytes) -> pb.ModelInferRequest:
+    try:
+        return pb.ModelInferRequest.FromString(data)
+    except DecodeError as e:
+        raise BadRequestError(f"the message is not a ModelInferRequest: {e}") from None
 
 
 def _streamed_error(message: str) -> bytes:
