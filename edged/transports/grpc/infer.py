@@ -153,7 +153,8 @@ class Inference:
         self.accepting = True
 
     async def ModelInfer(self, data: bytes, ctx: Ctx) -> bytes:
-        return await self.one(await self.parsed_off_loop(data), self.access.check(ctx), stream=False)
+        p = self.parsed(data) if len(data) <= OFFLOAD_BYTES else await asyncio.to_thread(self.parsed, data)
+        return await self.one(p, self.access.check(ctx), stream=False)
 
     async def parsed_off_loop(self, data: bytes) -> Parsed:
         """``parsed``, on a thread for a message above OFFLOAD_BYTES."""

@@ -159,11 +159,11 @@ def _register(server: grpc.aio.Server, control: Control, inference: Inference, s
         # Messages that may be large reach their handler as bytes, parsed after its checks (and
         # off the loop): inference requests, and a load that brings a model's files.
         request = None if raw or name in _RAW_CONTROL else getattr(pb, method.input_type.name).FromString
-        rpc = _wrapped(impl, name, None if raw else control.access)
+        access = None if raw else control.access
         if method.client_streaming:
-            kind, handler = grpc.stream_stream_rpc_method_handler, slots.held(rpc)
+            kind, handler = grpc.stream_stream_rpc_method_handler, slots.held(impl, name, access)
         else:
-            kind, handler = grpc.unary_unary_rpc_method_handler, slots.held(rpc, inference.watch)
+            kind, handler = grpc.unary_unary_rpc_method_handler, slots.held(impl, name, access, inference.watch)
         handlers[name] = kind(
             handler,
             request_deserializer=request,
@@ -181,9 +181,17 @@ class _Slots:
         self.limit, self.active = limit, 0
 
     def held(
-        self, handler: Callable[..., Awaitable[Any]], then: Callable[[Any], None] | None = None
+        self,
+        impl: Callable[..., Awaitable[Any]],
+        name: str,
+        access: Access | None,
+        then: Callable[[Any], None] | None = None,
     ) -> Callable[..., Awaitable[Any]]:
-        """``handler`` within the limit; ``then(context)`` once it has returned an answer."""
+        """The RPC ``name`` answered by ``impl`` within the limit, with the access check
+        (infer.py's RPCs check for themselves: they keep the peer) and every exception caught:
+        the cancellation and grpcio's own abort pass, the rest end the RPC with their status
+        (abort raises); ``then(context)`` once it has returned an answer. One coroutine per call:
+        on the way of every inference request."""
 
         async def call(request: Any, context: Any) -> Any:
             if self.active >= self.limit:
@@ -191,34 +199,21 @@ class _Slots:
                     f"{self.active} gRPC calls are in progress, the most at once (server.grpc_max_streams): "
                     "retry when one has ended"
                 )
-                await abort(context, full, handler.__name__)
+                await abort(context, full, name)
             self.active += 1
             try:
-                answer = await handler(request, context)
+                if access is not None:
+                    access.check(context)
+                answer = await impl(request, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except BaseException as e:
+                await abort(context, e, name)
             finally:
                 self.active -= 1
             if then is not None:
                 then(context)
             return answer
 
-        call.__name__ = handler.__name__
+        call.__name__ = name
         return call
-
-
-def _wrapped(impl: Callable[..., Awaitable[Any]], name: str, access: Access | None) -> Callable[..., Awaitable[Any]]:
-    """``impl`` with the access check (infer.py's RPCs check for themselves: they keep the peer)
-    and every exception caught: the cancellation and grpcio's own abort pass, the rest end the
-    RPC with their status (abort raises)."""
-
-    async def rpc(request: Any, context: Any) -> Any:
-        try:
-            if access is not None:
-                access.check(context)
-            return await impl(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except BaseException as e:
-            await abort(context, e, name)
-
-    rpc.__name__ = name
-    return rpc
