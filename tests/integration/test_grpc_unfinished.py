@@ -16,6 +16,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
 import pytest
 
 from edged.wire.proto import grpc_service_pb2 as pb
@@ -79,7 +80,7 @@ class Opener:
     """A raw HTTP/2 client that starts ModelInfer messages announcing ``announced`` bytes and
     sends parts of them, never the whole, as far as the server's flow control lets it."""
 
-    def __init__(self, address: Address) -> None:
+    def __init__(self, address: Address, answers_window: int | None = None) -> None:
         if isinstance(address, Path):
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.connect(str(address))
@@ -88,6 +89,8 @@ class Opener:
         self.sock.settimeout(0.05)
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.h2.initiate_connection()
+        if answers_window is not None:  # the window this client grants the daemon's answers
+            self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: answers_window})
         self.closed = False
         self.why = ""
         self.sent = 0
@@ -200,5 +203,59 @@ def test_a_message_that_stops_arriving_closes_its_connection(hasty: tuple[Daemon
         assert 1.5 < waited < 10, waited  # read_timeout_s = 2, swept every half second
         assert _live(path)
         assert sample(d, 'edged_grpc_connections_closed_total{reason="read_timeout"}') == 1
+    finally:
+        peer.close()
+
+
+@pytest.fixture
+def busy(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Address]]:
+    """A daemon that waits 2 s for a message to arrive whole and 8 s for a stream's answer to be
+    taken, with room for a 64 MiB message."""
+    port = _free_port()
+    cfg = write_config(
+        tmp_path / "edged.toml",
+        {
+            "server": {
+                "socket": str(tmp_path / "edged.sock"),
+                "max_body": "96MiB",
+                "bodies_in_flight": "128MiB",
+                "read_timeout_s": 2.0,
+                "grpc_write_timeout_s": 8.0,
+                "grpc_tcp": [f"127.0.0.1:{port}"],
+            },
+            "cache": {"dir": str(tmp_path / "cache")},
+            "build": {"block_ready": True},
+            "models.tiny": {"path": str(model_dir / "tiny.onnx")},
+        },
+    )
+    d = DaemonProcess(cfg, tmp_path / "edged.sock", tmp_path / "edged.log").start()
+    yield d, ("127.0.0.1", port)
+    assert d.stop() == 0, d.log()
+
+
+def test_a_message_waiting_on_a_busy_streams_window_is_not_timed_out(busy: tuple[DaemonProcess, Address]) -> None:
+    """grpcio lets a large stream message in only as the stream's handler reads. Here the handler
+    is held writing the stream's first answer (the client grants its answers no window): the
+    second request, 64 MiB, stops arriving once grpcio's window for it is spent, through no
+    fault of its client, and the connection outlives read_timeout_s (2 s) by far, until the
+    answer's own time-out ends it."""
+    d, address = busy
+    peer = Opener(address, answers_window=0)
+    try:
+        sid = peer.h2.get_next_available_stream_id()
+        peer.h2.send_headers(sid, grpc_call_headers("ModelStreamInfer"))
+        first = pb.ModelInferRequest(model_name="tiny")
+        first.inputs.add(name="x", datatype="FP32", shape=[1, 16])
+        first.raw_input_contents.append(b"\0" * 64)
+        body = first.SerializeToString()
+        peer.h2.send_data(sid, b"\0" + len(body).to_bytes(4, "big") + body)
+        peer.h2.send_data(sid, b"\0" + (64 * MiB).to_bytes(4, "big"))
+        peer._flush()
+        began = time.monotonic()
+        while time.monotonic() - began < 5 and not peer.closed:
+            peer.send(sid, 64 * MiB)
+        assert not peer.closed, (peer.why, peer.sent)
+        assert 0 < peer.sent < 64 * MiB  # grpcio let part of it in, then waited on its handler
+        assert sample(d, 'edged_grpc_connections_closed_total{reason="read_timeout"}') == 0
     finally:
         peer.close()

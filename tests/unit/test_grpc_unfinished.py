@@ -1,4 +1,4 @@
-"""The Unix relay's count of request messages under way (edged/transports/grpc/unfinished.py),
+"""The gRPC relay's count of request messages under way (edged/transports/grpc/unfinished.py),
 fed real HTTP/2 frames (hyperframe, h2's framing library) in every split a socket may deliver."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from hyperframe.frame import DataFrame, HeadersFrame, RstStreamFrame, SettingsFrame
+from hyperframe.frame import DataFrame, HeadersFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from edged.transports.budget import BodyBudget
+from edged.transports.grpc import unfinished
 from edged.transports.grpc.unfinished import PREFACE, Unfinished
 
 
@@ -120,3 +121,57 @@ def test_a_flood_of_empty_messages_or_frames_in_one_read_is_refused() -> None:
     ok = Unfinished(BodyBudget(1 << 30))
     assert ok.client_sent(opening() + headers(1) + data(1, message(0) * 3000, end=True))
     assert ok.client_sent(headers(3) + data(3, b"") * 3000 + data(3, message(10), end=True))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def window_update(sid: int, increment: int) -> bytes:
+    return bytes(WindowUpdateFrame(sid, increment).serialize())
+
+
+def test_a_message_waiting_on_grpcios_window_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpcio lets a large stream message in only as its handler reads: while the client may send
+    nothing more (its stream's window spent), the message's time stops, and goes on once grpcio
+    opens the window again."""
+    clock = Clock()
+    monkeypatch.setattr(unfinished.time, "monotonic", clock)
+    track = Unfinished(BodyBudget(1 << 30))
+    settings = SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1000})
+    track.server_sent(bytes(settings.serialize()))
+    assert track.client_sent(opening() + headers(1) + data(1, message(995, announced=5000)))
+    assert track.oldest() is None  # the stream's window is spent: the client waits on grpcio
+    clock.now += 60
+    track.server_sent(window_update(1, 2000))
+    assert track.oldest() == 1060.0  # its time goes on from where it stopped
+    assert track.client_sent(data(1, b"m" * 500))
+    clock.now += 5
+    assert track.oldest() == 1060.0
+
+
+def test_a_spent_connection_window_stops_every_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(unfinished.time, "monotonic", clock)
+    track = Unfinished(BodyBudget(1 << 30))
+    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1 << 20}).serialize()))
+    one = message(40_000, announced=1 << 20)
+    two = message(65_535 - len(one) - 5, announced=1 << 20)
+    assert track.client_sent(opening() + headers(1) + data(1, one) + headers(3) + data(3, two))
+    assert track.window == 0 and track.oldest() is None
+    clock.now += 100
+    track.server_sent(window_update(0, 1 << 20))
+    assert track.oldest() == 1100.0
+
+
+def test_a_client_past_its_window_is_timed_as_ever(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(unfinished.time, "monotonic", clock)
+    track = Unfinished(BodyBudget(1 << 30))
+    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 100}).serialize()))
+    assert track.client_sent(opening() + headers(1) + data(1, message(200, announced=5000)))
+    assert track.oldest() == 1000.0

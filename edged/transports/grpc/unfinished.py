@@ -11,7 +11,13 @@ budget HTTP's request bodies draw on, and a message must arrive whole within
 connection past either; grpcio then drops all it held for it.
 
 Only what the client sends is counted; what grpcio answers is read for the frames that end a
-stream (RST_STREAM, trailers), after which grpcio holds nothing of it.
+stream (RST_STREAM, trailers), after which grpcio holds nothing of it, and for the flow-control
+windows it grants (SETTINGS_INITIAL_WINDOW_SIZE, WINDOW_UPDATE; RFC 9113 §6.9). A message's time
+stops while its client may send nothing more of it, its stream's or the connection's window
+spent: grpcio lets a large stream message in only as the stream's handler reads, so one behind a
+busy handler waits on grpcio, not on its client (measured: of a 64 MiB message sent while the
+handler was busy, a bare grpcio server took 18 MiB at once and the rest once it read; edged's,
+about 4.5 MiB).
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ from edged.errors import BodyBudgetError
 from edged.transports.budget import BodyBudget
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # what a client sends before its first frame
-DATA, HEADERS, RST_STREAM = 0x0, 0x1, 0x3
+DATA, HEADERS, RST_STREAM, SETTINGS, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x8
+INITIAL_WINDOW_SIZE = 0x4  # the SETTINGS parameter
+DEFAULT_WINDOW = 65_535  # a window's size until SETTINGS or WINDOW_UPDATE say otherwise
 END_STREAM, PADDED = 0x1, 0x8
 PREFIX = 5  # gRPC's message prefix: a compressed flag and a 4-byte length
 # A frame header: a 24-bit length (as 8 + 16 bits), its type, flags and stream id.
 _HEADER = struct.Struct(">BHBBI")
 _LENGTH = struct.Struct(">I")  # a message prefix's length, after its flag byte
+_SETTING = struct.Struct(">HI")  # a SETTINGS parameter: its id and value
 # Frames and messages one read may carry: each costs the loop a step of Python (a few hundred
 # ns), and a flood of empty frames or 5-byte messages would otherwise be 30,000-50,000 steps per
 # read, 10-20 ms. A read of whole 16 KiB DATA frames takes 16 frames; 2,048 small pipelined
@@ -39,23 +48,25 @@ STEPS_PER_READ = 8192
 class _Message:
     """The message under way on one stream."""
 
-    __slots__ = ("held", "left", "need", "prefix", "since")
+    __slots__ = ("blocked_at", "held", "left", "need", "prefix", "since")
 
     def __init__(self) -> None:
         self.need = PREFIX  # prefix bytes still to come (0: the body is coming)
         self.prefix = b""
         self.left = 0  # body bytes still to come
         self.held = 0  # bytes of it received
-        self.since = 0.0  # when its first byte came
+        self.since = 0.0  # when its first byte came, moved on by the time its client was blocked
+        self.blocked_at = 0.0  # since when its client may send nothing (0: it may)
 
 
 class Frames:
     """Walks one direction's HTTP/2 frames as they pass, in any split; ``on_frame`` hears each
     frame's header, ``on_data`` each piece of a DATA frame's payload that is not padding."""
 
-    __slots__ = ("data_left", "flags", "head", "kind", "left", "padded", "sid", "skip")
+    __slots__ = ("data_left", "flags", "head", "kind", "left", "padded", "payload", "sid", "skip")
 
     def __init__(self, preface: bool) -> None:
+        self.payload: bytearray | None = None  # a window-setting frame's payload, as it comes
         self.skip = len(PREFACE) if preface else 0
         self.head = b""  # a frame header split across reads
         self.left = 0  # payload bytes of the current frame still to come
@@ -87,6 +98,10 @@ class Frames:
                 if kind == DATA:
                     self.padded = bool(flags & PADDED) and self.left > 0
                     self.data_left = 0 if self.padded else self.left
+                    if inbound:
+                        conn.consumed(self.sid, self.left)  # padding counts against the windows too
+                elif not inbound and (kind == WINDOW_UPDATE or (kind == SETTINGS and not flags & 0x1)):
+                    self.payload = bytearray()  # grpcio's own frames: a few bytes each
                 elif kind == RST_STREAM or (kind == HEADERS and flags & END_STREAM and not inbound):
                     conn.end(self.sid)  # reset by either side, or answered with its trailers
                 elif kind == HEADERS and inbound and not flags & END_STREAM:
@@ -103,6 +118,8 @@ class Frames:
                     self._frame_done(conn, inbound)
                 continue
             take = min(self.left, n - i)
+            if self.payload is not None:
+                self.payload += data[i : i + take]
             if self.data_left and inbound:
                 d = min(self.data_left, take)
                 conn.data(self.sid, data, i, i + d)
@@ -113,14 +130,33 @@ class Frames:
                 self._frame_done(conn, inbound)
 
     def _frame_done(self, conn: Unfinished, inbound: bool) -> None:
-        if inbound and self.kind == DATA and self.flags & END_STREAM:
-            conn.end(self.sid)  # the client's last message: whole, or never to be
+        if self.payload is not None:
+            payload, self.payload = bytes(self.payload), None
+            conn.granted(self.kind, self.sid, payload)
+        elif inbound and self.kind == DATA:
+            if self.flags & END_STREAM:
+                conn.end(self.sid)  # the client's last message: whole, or never to be
+            else:
+                conn.check_blocked(self.sid)
 
 
 class Unfinished:
     """One relayed connection's unfinished request messages, held within the shared budget."""
 
-    __slots__ = ("budget", "held", "inbound", "open", "outbound", "over", "reason", "stepped", "streams")
+    __slots__ = (
+        "budget",
+        "held",
+        "inbound",
+        "initial",
+        "open",
+        "outbound",
+        "over",
+        "reason",
+        "stepped",
+        "streams",
+        "window",
+        "windows",
+    )
 
     def __init__(self, budget: BodyBudget) -> None:
         self.budget = budget
@@ -130,6 +166,10 @@ class Unfinished:
         # Streams the client opened and neither side has ended: DATA on any other stream is
         # dropped by grpcio (RFC 9113 5.1), so it is not counted either.
         self.open: set[int] = set()
+        # What the client may still send, as grpcio grants it: on the connection, on each open
+        # stream, and what a new stream starts with.
+        self.window = self.initial = DEFAULT_WINDOW
+        self.windows: dict[int, int] = {}
         self.stepped = 0  # frames and messages read in the current read
         self.held = 0  # taken from the budget
         self.over = ""  # why the connection must close ("" while it may stay)
@@ -148,6 +188,57 @@ class Unfinished:
 
     def opened(self, sid: int) -> None:
         self.open.add(sid)
+        self.windows[sid] = self.initial
+
+    # --- flow control: a message's time stops while its client may send nothing ---
+
+    def consumed(self, sid: int, n: int) -> None:
+        """A DATA frame of ``n`` bytes (padding included) from the client on ``sid``."""
+        self.window -= n
+        if sid in self.windows:
+            self.windows[sid] -= n
+
+    def granted(self, kind: int, sid: int, payload: bytes) -> None:
+        """grpcio's SETTINGS or WINDOW_UPDATE frame: the windows it opens."""
+        if kind == SETTINGS:
+            for j in range(0, len(payload) - 5, 6):
+                key, value = _SETTING.unpack_from(payload, j)
+                if key == INITIAL_WINDOW_SIZE:  # applies to every open stream (RFC 9113 §6.9.2)
+                    delta, self.initial = value - self.initial, value
+                    for open_sid in self.windows:
+                        self.windows[open_sid] += delta
+        elif len(payload) >= 4:
+            increment = _LENGTH.unpack_from(payload)[0] & 0x7FFFFFFF
+            if sid == 0:
+                self.window += increment
+            elif sid in self.windows:
+                self.windows[sid] += increment
+        if self.streams:
+            now = time.monotonic()
+            for msg_sid, msg in self.streams.items():
+                self._block(msg_sid, msg, now)
+
+    def check_blocked(self, sid: int) -> None:
+        """After a DATA frame: whether its stream's message may go on (every stream's, once the
+        connection's window is spent)."""
+        if self.window == 0:
+            now = time.monotonic()
+            for msg_sid, msg in self.streams.items():
+                self._block(msg_sid, msg, now)
+            return
+        msg = self.streams.get(sid)
+        if msg is not None:
+            self._block(sid, msg, time.monotonic())
+
+    def _block(self, sid: int, msg: _Message, now: float) -> None:
+        # Spent exactly: a client that sends past a window is not waiting on grpcio (which ends
+        # such a connection), so its time runs on.
+        blocked = self.window == 0 or self.windows.get(sid, 1) == 0
+        if blocked and not msg.blocked_at and msg.held:
+            msg.blocked_at = now
+        elif not blocked and msg.blocked_at:
+            msg.since += now - msg.blocked_at
+            msg.blocked_at = 0.0
 
     def server_sent(self, data: bytes) -> None:
         self.outbound.feed(data, self, inbound=False)
@@ -195,6 +286,7 @@ class Unfinished:
 
     def end(self, sid: int) -> None:
         self.open.discard(sid)
+        self.windows.pop(sid, None)
         msg = self.streams.pop(sid, None)
         if msg is not None and msg.held:
             self._count(-msg.held)
@@ -213,8 +305,9 @@ class Unfinished:
         return True
 
     def oldest(self) -> float | None:
-        """When the oldest unfinished message began (None: there is none)."""
-        times = [m.since for m in self.streams.values() if m.held]
+        """When the oldest unfinished message whose client may send more of it began, less the
+        time its client could not (None: there is none)."""
+        times = [m.since for m in self.streams.values() if m.held and not m.blocked_at]
         return min(times) if times else None
 
     def release(self) -> None:
@@ -224,3 +317,4 @@ class Unfinished:
         self.held = 0
         self.streams.clear()
         self.open.clear()
+        self.windows.clear()
