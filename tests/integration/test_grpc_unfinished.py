@@ -37,7 +37,8 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _daemon(tmp: Path, model_dir: Path, read_timeout_s: float, port: int) -> DaemonProcess:
+def _daemon(tmp: Path, model_dir: Path, read_timeout_s: float, port: int, **server: object) -> DaemonProcess:
+    """``server``: keys of the [server] table beyond (or in place of) these."""
     cfg = write_config(
         tmp / "edged.toml",
         {
@@ -47,6 +48,7 @@ def _daemon(tmp: Path, model_dir: Path, read_timeout_s: float, port: int) -> Dae
                 "bodies_in_flight": "16MiB",
                 "read_timeout_s": read_timeout_s,
                 "grpc_tcp": [f"127.0.0.1:{port}"],
+                **server,
             },
             "cache": {"dir": str(tmp / "cache")},
             "build": {"block_ready": True},
@@ -212,23 +214,7 @@ def busy(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Addre
     """A daemon that waits 2 s for a message to arrive whole and 8 s for a stream's answer to be
     taken, with room for a 64 MiB message."""
     port = _free_port()
-    cfg = write_config(
-        tmp_path / "edged.toml",
-        {
-            "server": {
-                "socket": str(tmp_path / "edged.sock"),
-                "max_body": "96MiB",
-                "bodies_in_flight": "128MiB",
-                "read_timeout_s": 2.0,
-                "grpc_write_timeout_s": 8.0,
-                "grpc_tcp": [f"127.0.0.1:{port}"],
-            },
-            "cache": {"dir": str(tmp_path / "cache")},
-            "build": {"block_ready": True},
-            "models.tiny": {"path": str(model_dir / "tiny.onnx")},
-        },
-    )
-    d = DaemonProcess(cfg, tmp_path / "edged.sock", tmp_path / "edged.log").start()
+    d = _daemon(tmp_path, model_dir, 2.0, port, max_body="96MiB", bodies_in_flight="128MiB", grpc_write_timeout_s=8.0)
     yield d, ("127.0.0.1", port)
     assert d.stop() == 0, d.log()
 
