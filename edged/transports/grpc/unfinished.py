@@ -226,9 +226,9 @@ class Unfinished:
             for msg_sid, msg in self.streams.items():
                 self._block(msg_sid, msg, now)
             return
-        msg = self.streams.get(sid)
-        if msg is not None:
-            self._block(sid, msg, time.monotonic())
+        one = self.streams.get(sid)
+        if one is not None:
+            self._block(sid, one, time.monotonic())
 
     def _block(self, sid: int, msg: _Message, now: float) -> None:
         # Spent exactly: a client that sends past a window is not waiting on grpcio (which ends
