@@ -11,9 +11,9 @@ edged's bounds.
   is delivered, so peers that take no data held every slot, and on a loaded machine it stopped
   taking new calls at the limit, which then waited out their deadlines instead of being refused.
   A unary answer grpcio cannot deliver within ``server.grpc_write_timeout_s`` has its connection
-  cut (``Inference.watch``, through the relay). Each connection's HTTP/2 stream count is held to the same number
-  through SETTINGS_MAX_CONCURRENT_STREAMS, so a client past it on one connection waits for a
-  stream of its own connection to end (HTTP/2's rule, kept by the client);
+  cut (``Inference.watch``, through the relay). Each connection's HTTP/2 stream count is held to
+  the same number through SETTINGS_MAX_CONCURRENT_STREAMS, so a client past it on one connection
+  waits for a stream of its own connection to end (HTTP/2's rule, kept by the client);
 - the relay holds the connections to ``server.max_connections`` and each peer to its share,
   and their messages under way to ``server.bodies_in_flight`` (peers.py); grpcio's own socket,
   which only the relay reaches, takes ``server.max_connections`` + _CLOSING_SLACK (a connection
@@ -70,7 +70,7 @@ class GrpcServer:
         admin_gid: int | None,
         bodies: BodyBudget | None = None,
     ) -> None:
-        s = self.settings = cfg.server
+        s = cfg.server
         self.bodies = bodies if bodies is not None else BodyBudget(parse_size(s.bodies_in_flight))
         token = read_token(s.tcp_token_file) if s.tcp_token_file else None
         self.tcp = [_checked_address(addr, token) for addr in s.grpc_tcp]
