@@ -260,6 +260,10 @@ def load_json(header: memoryview | bytes) -> Any:
             raise BadRequestError(f"malformed JSON: {e2}") from None
 
 
+# What other wire modules hold a plan as (kserve_wire.py keeps one found on a worker thread).
+RequestPlan = _RequestPlan
+
+
 def _plan(header: memoryview | bytes, limits: Limits) -> _RequestPlan:
     return plan_document(load_json(header), limits)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edged.wire.decode import PlanCache, check_within, decode_planned, plan_document
+from edged.wire.decode import PlanCache, RequestPlan, check_within, decode_planned, plan_document
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, ShmResolver, datatype_of, is_bytes, tensor_bytes
 from edged.wire.validate import Limits
@@ -75,7 +75,8 @@ def read_request(data: bytes) -> WireRequest | None:
     while pos < end:
         fields += 1
         key = data[pos]
-        if fields > MAX_FIELDS or key & 0x87 != 2:  # a one-byte key of a length-delimited field
+        # A one-byte key of a length-delimited field, numbered from 1 (0 is no field number).
+        if fields > MAX_FIELDS or key & 0x87 != 2 or key < 8:
             return None
         start = pos
         pos += 1
@@ -121,12 +122,15 @@ def planned(
     shm: ShmResolver | None,
     limits: Limits,
     document: Callable[[pb.ModelInferRequest, Sequence[bytes | memoryview]], dict[str, object]],
+    plan: RequestPlan | None = None,
 ) -> InferRequest | None:
     """The request decoded by the plan of its records (made from ``message()`` on their first
     sight, when its inputs are all raw contents of their shapes' sizes: ``document`` gives the
     document to plan); None where it is not of that kind or its raw contents are not its
-    shapes' sizes (the full decoder then says what is wrong)."""
-    plan = WIRE_PLANS.get(wire.key)
+    shapes' sizes (the full decoder then says what is wrong). ``plan``: the one found for its
+    records already (where a large request was read on a thread)."""
+    if plan is None:
+        plan = WIRE_PLANS.get(wire.key)
     if plan is None:
         msg = message()
         if len(msg.raw_input_contents) != len(msg.inputs) or any(

@@ -232,12 +232,18 @@ def test_unary_calls_to_a_peer_that_takes_no_data_are_cut_off(served: tuple[Daem
         peer.close()
 
 
-def test_tcp_connections_past_a_peers_share_are_closed(tmp_path: Path, model_dir: Path) -> None:
-    """Connections that never send a call cannot take every descriptor, nor every connection of
-    the gRPC listeners: one TCP address holds at most server.max_connections_per_peer of them,
-    each one past it is closed at once, while the Unix socket serves as before; once they go,
-    TCP serves again."""
-    cap = 4  # server.max_connections_per_peer
+def _hog(source: str, port: int) -> socket.socket:
+    """A TCP connection from ``source`` (an address of the loopback network) that sends nothing."""
+    return socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+
+
+def test_tcp_connections_past_a_peers_share_or_their_pool_are_closed(tmp_path: Path, model_dir: Path) -> None:
+    """Connections that never send a call (no token is asked before one) cannot take every
+    descriptor, nor the Unix socket's connections: one TCP address holds at most
+    server.max_connections_per_peer of them, a TCP listener at most server.max_connections, each
+    one past either is closed at once, and the Unix socket, a pool of its own, serves as before;
+    once they go, TCP serves again."""
+    share, pool = 4, 6  # server.max_connections_per_peer, server.max_connections
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -246,8 +252,8 @@ def test_tcp_connections_past_a_peers_share_are_closed(tmp_path: Path, model_dir
         {
             "server": {
                 "socket": str(tmp_path / "edged.sock"),
-                "max_connections": 8,
-                "max_connections_per_peer": cap,
+                "max_connections": pool,
+                "max_connections_per_peer": share,
                 "grpc_tcp": [f"127.0.0.1:{port}"],
             },
             "cache": {"dir": str(tmp_path / "cache")},
@@ -255,10 +261,13 @@ def test_tcp_connections_past_a_peers_share_are_closed(tmp_path: Path, model_dir
         },
     )
     with running(cfg, tmp_path / "edged.sock", tmp_path / "edged.log") as d:
-        hogs = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap + 3)]
+        first = [_hog("127.0.0.1", port) for _ in range(share + 2)]
+        wait_for(lambda: sum(map(closed_by_peer, first)) >= 2, 30, what="the connections past the share closed")
+        second = [_hog("127.0.0.2", port) for _ in range(3)]  # the pool has room for two more
+        hogs = first + second
         try:
-            wait_for(lambda: sum(map(closed_by_peer, hogs)) >= 3, 30, what="the connections past the cap closed")
-            assert not any(map(closed_by_peer, hogs[:cap])), "a connection within the cap was closed"
+            wait_for(lambda: sum(map(closed_by_peer, second)) >= 1, 30, what="the connection past the pool closed")
+            assert not any(map(closed_by_peer, first[:share] + second[:2])), "a connection within the limits closed"
             ch, stub = _stub(tmp_path / "edged.sock.grpc")
             with ch:
                 assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live

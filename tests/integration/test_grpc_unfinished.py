@@ -6,7 +6,10 @@ and everyone else is served."""
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,5 +246,80 @@ def test_a_message_waiting_on_a_busy_streams_window_is_not_timed_out(busy: tuple
         assert not peer.closed, (peer.why, peer.sent)
         assert 0 < peer.sent < 64 * MiB  # grpcio let part of it in, then waited on its handler
         assert sample(d, 'edged_grpc_connections_closed_total{reason="read_timeout"}') == 0
+    finally:
+        peer.close()
+
+
+@pytest.fixture
+def tight(tmp_path: Path, model_dir: Path) -> Iterator[tuple[DaemonProcess, Address]]:
+    """A daemon whose gRPC messages under way share an 8 MiB budget and must arrive within 2 s."""
+    d = _daemon(tmp_path, model_dir, 2.0, _free_port(), max_body="4MiB", bodies_in_flight="8MiB")
+    yield d, tmp_path / "edged.sock.grpc"
+    assert d.stop() == 0, d.log()
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes the kernel holds for ``sock`` that it has not read."""
+    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+
+
+def test_a_client_that_reads_nothing_cannot_hold_the_budget(tight: tuple[DaemonProcess, Address]) -> None:
+    """A client that stops reading its answers makes the relay stop reading grpcio's side, window
+    grants included: a window that then looks spent proves nothing, so its unfinished message is
+    timed as ever, and the connection dropped at the time-out (though its client reads nothing)
+    gives the budget back at once, counted once."""
+    d, address = tight
+    peer = Opener(address)
+    try:
+        peer.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+        peer.h2.increment_flow_control_window(2**30)
+        peer._flush()
+        # Calls with 64 KiB answers, never read: they pile up in the relay, which stops reading grpcio.
+        req = pb.ModelInferRequest(model_name="tiny")
+        req.inputs.add(name="x", datatype="FP32", shape=[4096, 16])
+        req.raw_input_contents.append(b"\0" * (4096 * 64))
+        body = req.SerializeToString()
+        call = b"\0" + len(body).to_bytes(4, "big") + body
+        sids = []
+        for _ in range(24):  # all but their last byte, reading what grpcio sends meanwhile
+            sid = peer.h2.get_next_available_stream_id()
+            peer.h2.send_headers(sid, grpc_call_headers("ModelInfer"))
+            sent = 0
+            while sent < len(call) - 1:
+                room = min(peer.h2.local_flow_control_window(sid), len(call) - 1 - sent, 16384)
+                if room <= 0:
+                    peer.pump(0.02)
+                    continue
+                peer.h2.send_data(sid, call[sent : sent + room])
+                sent += room
+                peer._flush()
+            sids.append(sid)
+        for sid in sids:  # then the last bytes, and no more reading
+            peer.h2.send_data(sid, call[-1:], end_stream=True)
+        peer._flush()
+        # The answers fill what the kernel holds for the client, and then the relay's buffer.
+        wait_for(lambda: _unread(peer.sock) > 128 * 1024, 30, what="answers left unread")
+        # A message sent exactly up to the window the client last saw, and no more.
+        sid = peer.h2.get_next_available_stream_id()
+        peer.h2.send_headers(sid, grpc_call_headers("ModelInfer"))
+        window = peer.h2.local_flow_control_window(sid)
+        stuck = b"\0" + (11 * MiB).to_bytes(4, "big") + b"m" * (window - 5)
+        for i in range(0, window, 16384):
+            peer.h2.send_data(sid, stuck[i : i + 16384])
+            peer._flush()
+        reason = 'edged_grpc_connections_closed_total{reason="read_timeout"}'
+        # Within read_timeout_s and a sweep, well before the 6 s a clock may stop for in all.
+        wait_for(lambda: sample(d, reason) >= 1, 6, what="the unfinished message timed out")
+        time.sleep(1.5)  # three sweeps: a dropped connection is not closed (and counted) again
+        assert sample(d, reason) == 1
+        with d.client(timeout=10) as c:  # the budget is free again: a body near it is taken
+            doc = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,16],"data":[' + b",".join([b"0"] * 16) + b"]}]}"
+            status, _, _ = c.request(
+                "POST",
+                "/v2/models/tiny/infer",
+                body=doc + b" " * (3900 << 10),
+                headers={"Content-Type": "application/json"},
+            )
+        assert status == 200
     finally:
         peer.close()

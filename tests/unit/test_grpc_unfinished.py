@@ -145,9 +145,10 @@ def test_a_message_waiting_on_grpcios_window_is_not_timed(monkeypatch: pytest.Mo
     settings = SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1000})
     track.server_sent(bytes(settings.serialize()))
     assert track.client_sent(opening() + headers(1) + data(1, message(995, announced=5000)))
-    assert track.oldest() is None  # the stream's window is spent: the client waits on grpcio
     clock.now += 60
+    assert track.oldest() == 1060.0  # the stream's window is spent: the client waits on grpcio
     track.server_sent(window_update(1, 2000))
+    clock.now += 1
     assert track.oldest() == 1060.0  # its time goes on from where it stopped
     assert track.client_sent(data(1, b"m" * 500))
     clock.now += 5
@@ -162,9 +163,11 @@ def test_a_spent_connection_window_stops_every_message(monkeypatch: pytest.Monke
     one = message(40_000, announced=1 << 20)
     two = message(65_535 - len(one) - 5, announced=1 << 20)
     assert track.client_sent(opening() + headers(1) + data(1, one) + headers(3) + data(3, two))
-    assert track.window == 0 and track.oldest() is None
+    assert track.window == 0
     clock.now += 100
+    assert track.oldest() == 1100.0  # both stopped
     track.server_sent(window_update(0, 1 << 20))
+    clock.now += 1
     assert track.oldest() == 1100.0
 
 
@@ -175,3 +178,58 @@ def test_a_client_past_its_window_is_timed_as_ever(monkeypatch: pytest.MonkeyPat
     track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 100}).serialize()))
     assert track.client_sent(opening() + headers(1) + data(1, message(200, announced=5000)))
     assert track.oldest() == 1000.0
+
+
+def test_a_clock_stops_for_at_most_max_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(unfinished.time, "monotonic", clock)
+    track = Unfinished(BodyBudget(1 << 30), max_paused_s=90)
+    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1000}).serialize()))
+    assert track.client_sent(opening() + headers(1) + data(1, message(995, announced=5000)))
+    clock.now += 60
+    assert track.oldest() == 1060.0
+    clock.now += 1000
+    assert track.oldest() == 1090.0  # stopped for 90 s of the 1060, no more
+    track.server_sent(window_update(1, 2000))
+    assert track.oldest() == 1090.0
+
+
+def test_a_clock_runs_while_the_relay_reads_nothing_from_grpcio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that takes no answers makes the relay stop reading grpcio's side, window grants
+    included: a window seen spent then proves nothing, and the message is timed."""
+    clock = Clock()
+    monkeypatch.setattr(unfinished.time, "monotonic", clock)
+    track = Unfinished(BodyBudget(1 << 30))
+    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1000}).serialize()))
+    assert track.client_sent(opening() + headers(1) + data(1, message(995, announced=5000)))
+    clock.now += 10
+    assert track.oldest() == 1010.0
+    track.reading_server(False)
+    clock.now += 50
+    assert track.oldest() == 1010.0  # its time runs again from here
+    track.reading_server(True)
+    clock.now += 5
+    assert track.oldest() == 1015.0
+
+
+def test_empty_frames_at_a_spent_window_cost_one_streams_check_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    real = Unfinished._block
+
+    def counted(self: Unfinished, sid: int, msg: object, now: float) -> None:
+        nonlocal calls
+        calls += 1
+        real(self, sid, msg, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Unfinished, "_block", counted)
+    track = Unfinished(BodyBudget(1 << 30))
+    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1 << 20}).serialize()))
+    stream = opening()
+    sids = range(1, 2 * 200, 2)
+    for sid in sids:
+        stream += headers(sid) + data(sid, message(100, announced=1 << 20))
+    stream += data(1, b"m" * (65_535 - 105 * len(sids)))
+    assert track.client_sent(stream) and track.window == 0
+    calls = 0
+    assert track.client_sent(b"".join(data(1, b"") for _ in range(4000)))
+    assert calls <= 4000

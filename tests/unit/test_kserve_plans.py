@@ -120,6 +120,7 @@ def test_messages_the_reading_does_not_take_are_left_to_protobuf() -> None:
         good[:-3],  # a field cut short
         b"\x0a\x02\xff\xfe",  # a model name that is not UTF-8
         b"\x08\x01",  # a varint field: no field of ModelInferRequest is one
+        good + b"\x02\x04evil",  # field number 0, which protobuf refuses
         b"\x0a\xff\xff\xff\xff\xff\x01",  # a length of more than five bytes
     ):
         assert read_request(data) is None

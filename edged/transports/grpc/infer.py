@@ -47,7 +47,7 @@ from edged.transports.grpc.access import Access
 from edged.transports.peer import Peer
 from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry
-from edged.wire.decode import decode_document
+from edged.wire.decode import RequestPlan, decode_document
 from edged.wire.encode import OFFLOAD_BYTES
 from edged.wire.kserve import (
     request_document,
@@ -89,6 +89,7 @@ class Parsed:
     fields: int  # the bytes of everything but the raw contents: typed values, names, parameters
     wire: WireRequest | None = None
     msg: pb.ModelInferRequest | None = None
+    plan: RequestPlan | None = None  # its records' plan, where it was looked up on the reading thread
 
     @classmethod
     def read(cls, data: bytes) -> Parsed:
@@ -99,8 +100,10 @@ class Parsed:
             return cls.of(data, _parse(data))
         fields = len(data) - sum(len(r) for r in wire.raws)
         p = cls(data, wire.name, wire.version, wire.id, wire.inputs, wire.outputs, wire.raws, len(data), fields, wire)
-        if p.large and WIRE_PLANS.get(wire.key) is None:
-            p.msg = _parse(data)
+        if p.large:  # on a thread: the plan kept for the loop, or the message parsed here
+            p.plan = WIRE_PLANS.get(wire.key)
+            if p.plan is None:
+                p.msg = _parse(data)
         return p
 
     @classmethod
@@ -248,7 +251,9 @@ class Inference:
             # Before anything walks the tensor lists (the plan's key, the document): a message of
             # a million empty input headers is 4 MiB, and walking it held the loop for 1.5 s.
             check_counts(p.inputs, p.outputs, plan.limits)
-            planned = None if p.wire is None else wire_planned(p.wire, p.message, shm.input, plan.limits, _document)
+            planned = None
+            if p.wire is not None:
+                planned = wire_planned(p.wire, p.message, shm.input, plan.limits, _document, p.plan)
             if planned is not None:
                 req = planned
             elif p.large:

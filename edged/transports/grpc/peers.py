@@ -10,9 +10,10 @@ on HTTP; on TCP its address, whose calls must then carry the listener's token. A
 once connected (the name stays the socket's) and forgotten when the connection closes.
 
 The relay applies back-pressure both ways (a side whose buffer fills pauses reading the other).
-It holds the connections to ``server.max_connections`` over all its listeners, and each peer (a
-uid on the Unix socket, a remote address on TCP) to its share, ``server.max_connections_per_peer``,
-as HTTP does: one peer cannot take them all. It also reads the frames it passes, to hold what
+It holds each listener to ``server.max_connections`` connections (peers of a TCP port show their
+token only with a call, so they cannot be let take the Unix socket's), and each peer (a uid on the
+Unix socket, a remote address on TCP) to its share, ``server.max_connections_per_peer``: one peer
+cannot take them all. It also reads the frames it passes, to hold what
 grpcio buffers of request messages under way within ``server.bodies_in_flight`` and
 ``server.read_timeout_s`` (unfinished.py): a connection past either is closed. grpcio itself
 would grant each of a connection's streams the whole message its prefix announces.
@@ -46,6 +47,12 @@ _noisy = RateLimitedLog(log)
 # What one side may send before the other is connected: an HTTP/2 preface and its first frames
 # are a few KiB; more waits in the kernel's socket buffer.
 _EARLY_MAX = 256 << 10
+# How long the side left of a connection whose other side closed may take to write what it
+# holds before it is dropped: a peer that reads nothing keeps no descriptor.
+_CLOSE_GRACE_S = 5.0
+# A message's read time-out may stop, while grpcio holds it back, for this many times
+# server.read_timeout_s in all (unfinished.py).
+_PAUSE_FACTOR = 3
 
 
 class _Pipe(asyncio.Protocol):
@@ -68,11 +75,9 @@ class _Pipe(asyncio.Protocol):
         if not self.inbound:
             self.track.server_sent(data)
         elif not self.track.client_sent(data):
-            # Closed here, not through the relay's table: the first read may come before the
+            # Dropped here, not through the relay's table: the first read may come before the
             # connection is entered there.
-            for side in (self, self.other):
-                if side is not None and side.transport is not None:
-                    side.transport.close()
+            self.drop()
             self.refused(self.track.over, self.track.reason)
             return
         other = self.other.transport if self.other is not None else None
@@ -88,14 +93,28 @@ class _Pipe(asyncio.Protocol):
     def pause_writing(self) -> None:  # our writes pile up: stop reading what feeds them
         if self.other is not None and self.other.transport is not None:
             self.other.transport.pause_reading()
+            if self.inbound:  # grpcio's side unread: its window grants unseen too
+                self.track.reading_server(False)
 
     def resume_writing(self) -> None:
         if self.other is not None and self.other.transport is not None:
             self.other.transport.resume_reading()
+            if self.inbound:
+                self.track.reading_server(True)
+
+    def drop(self) -> None:
+        """Both sides closed at once, what they hold unwritten dropped: a peer past a bound, or
+        one that takes no data, would otherwise keep its connection while its buffer waits."""
+        for side in (self, self.other):
+            if side is not None and side.transport is not None:
+                side.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.other is not None and self.other.transport is not None:
-            self.other.transport.close()
+        other = self.other.transport if self.other is not None else None
+        if other is not None and not other.is_closing():
+            other.close()  # what it holds is written first, within the grace
+            asyncio.get_running_loop().call_later(_CLOSE_GRACE_S, other.abort)
+        # Shared by both sides: whichever goes first frees what the connection held.
         for done in self.on_close:
             done()  # type: ignore[operator]
         self.on_close.clear()
@@ -111,12 +130,14 @@ class _Pipe(asyncio.Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Client:
-    """Who a relayed connection serves: its Unix peer (None on TCP), a name for the logs, and the
-    key of its share of the connections (the uid, or the TCP address's host)."""
+    """Who a relayed connection serves: its Unix peer (None on TCP), a name for the logs, the
+    key of its share of the connections (the uid, or the TCP address's host), and the listener
+    it came through (each holds its own ``max_connections``)."""
 
     peer: Peer | None
     label: str
     share: tuple[str, object]
+    listener: int
 
 
 class Relay:
@@ -137,6 +158,7 @@ class Relay:
         self.per_peer = min(per_peer, max_connections)
         self.listeners: list[socket.socket] = []
         self._held: Counter[tuple[str, object]] = Counter()  # connections relayed or being set up, per share
+        self._pools: Counter[int] = Counter()  # the same, per listener
         self.dir = tempfile.mkdtemp(prefix="edged-grpc-")  # mode 0700: only this user reaches grpcio
         self.inner = os.path.join(self.dir, "s")
         self.clients: dict[str, Client] = {}
@@ -158,15 +180,14 @@ class Relay:
         return client.label if client is not None else name
 
     def cut(self, name: str) -> bool:
-        """Close the connection of the call whose ``context.peer()`` is ``name``: grpcio then
+        """Drop the connection of the call whose ``context.peer()`` is ``name``: grpcio then
         ends every call of it, pending writes included (it has no other way to drop a call whose
-        answer a peer does not take). False if ``name`` is no connection of this relay."""
+        answer a peer does not take). False if ``name`` is no connection of this relay, or one
+        being dropped already."""
         pipe = self._pipes.get(name[5:]) if name.startswith("unix:") else None
-        if pipe is None:
+        if pipe is None or pipe.transport is None or pipe.transport.is_closing():
             return False
-        for side in (pipe, pipe.other):
-            if side is not None and side.transport is not None:
-                side.transport.close()
+        pipe.drop()
         return True
 
     def cut_stalled(self, name: str) -> bool:
@@ -177,7 +198,7 @@ class Relay:
         return done
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._tasks = [loop.create_task(self._accept(loop, sock)) for sock in self.listeners]
+        self._tasks = [loop.create_task(self._accept(loop, sock, i)) for i, sock in enumerate(self.listeners)]
         self._tasks.append(loop.create_task(self._sweep()))
 
     def stop_listening(self) -> None:
@@ -194,8 +215,8 @@ class Relay:
                 late = time.monotonic() - self.read_timeout_s
                 for path, pipe in list(self._pipes.items()):
                     began = pipe.track.oldest()
-                    if began is not None and began < late:
-                        self._refuse(
+                    if began is not None and began < late and self.cut("unix:" + path):
+                        self._refused(
                             path,
                             f"a request message did not arrive whole within {self.read_timeout_s:g} s "
                             "(server.read_timeout_s)",
@@ -204,14 +225,14 @@ class Relay:
             except Exception as e:  # the sweep outlives any one connection's trouble
                 _noisy.note(logging.ERROR, "sweep", "gRPC: sweeping unfinished messages failed: %r", e)
 
-    def _refuse(self, path: str, why: str, reason: str) -> None:
+    def _refused(self, path: str, why: str, reason: str) -> None:
+        """A connection dropped for passing a bound: counted and logged."""
         client = self.clients.get(path)
-        self.cut("unix:" + path)
         self.counted(reason)
         who = client.label if client is not None else "a client"
         _noisy.note(logging.WARNING, "unfinished", "gRPC: closed the connection of %s: %s", who, why)
 
-    async def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    async def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, listener: int) -> None:
         while True:
             try:
                 conn, _ = await loop.sock_accept(sock)
@@ -221,23 +242,25 @@ class Relay:
                 _noisy.note(logging.WARNING, "accept", "gRPC accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            held = self._held.total()  # set up or being set up
+            # Each listener its own pool, as grpcio's own listeners had: peers of a TCP port, who
+            # show their token only with a call, cannot take the Unix socket's connections.
+            held = self._pools[listener]  # set up or being set up
             if held >= self.max_connections:
-                _noisy.note(logging.WARNING, "full", "gRPC: %d connections, refusing more", held)
+                _noisy.note(logging.WARNING, "full", "gRPC: %d connections on one listener, refusing more", held)
                 conn.close()
                 continue
-            loop.create_task(self._relay(loop, conn))
+            loop.create_task(self._relay(loop, conn, listener))
 
-    def _admitted(self, conn: socket.socket) -> Client | None:
+    def _admitted(self, conn: socket.socket, listener: int) -> Client | None:
         """The connection's client, its share taken; None (logged) past its share."""
         if conn.family == socket.AF_UNIX:
             peer = peer_of(conn)
             assert peer is not None
-            client = Client(peer, f"uid {peer.uid} (pid {peer.pid})", ("uid", peer.uid))
+            client = Client(peer, f"uid {peer.uid} (pid {peer.pid})", ("uid", peer.uid), listener)
         else:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # answers are small writes
             host, port = conn.getpeername()[:2]
-            client = Client(None, f"tcp {host}:{port}", ("host", host))
+            client = Client(None, f"tcp {host}:{port}", ("host", host), listener)
         if self._held[client.share] >= self.per_peer:
             _noisy.note(
                 logging.WARNING,
@@ -249,15 +272,16 @@ class Relay:
             close_peer(client.peer)
             return None
         self._held[client.share] += 1  # before any await: concurrent accepts see it
+        self._pools[listener] += 1
         return client
 
-    async def _relay(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    async def _relay(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, listener: int) -> None:
         client = None
         a: _Pipe | None = None
         path = os.path.join(self.dir, f"c{next(self._names)}")
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            client = self._admitted(conn)
+            client = self._admitted(conn, listener)
             if client is None:
                 conn.close()
                 inner.close()
@@ -267,10 +291,11 @@ class Relay:
             await loop.sock_connect(inner, self.inner)
             os.unlink(path)
             self.clients[path] = client
-            track = Unfinished(self.bodies)
-            a = _Pipe(track, True, lambda why, reason: self._refuse(path, why, reason))
+            track = Unfinished(self.bodies, _PAUSE_FACTOR * self.read_timeout_s)
+            a = _Pipe(track, True, lambda why, reason: self._refused(path, why, reason))
             b = _Pipe(track, False, a.refused)
             a.other, b.other = b, a
+            b.on_close = a.on_close  # whichever side goes first frees what the connection held
             # Entered before the client's side starts reading: its first read may close it.
             self._pipes[path] = a
             a.on_close.append(lambda: self._closed(path, client, a))
@@ -311,6 +336,7 @@ class Relay:
         self._held[client.share] -= 1
         if not self._held[client.share]:
             del self._held[client.share]
+        self._pools[client.listener] -= 1
         close_peer(client.peer)
 
     def close(self) -> None:

@@ -14,10 +14,11 @@ Only what the client sends is counted; what grpcio answers is read for the frame
 stream (RST_STREAM, trailers), after which grpcio holds nothing of it, and for the flow-control
 windows it grants (SETTINGS_INITIAL_WINDOW_SIZE, WINDOW_UPDATE; RFC 9113 §6.9). A message's time
 stops while its client may send nothing more of it, its stream's or the connection's window
-spent: grpcio lets a large stream message in only as the stream's handler reads, so one behind a
-busy handler waits on grpcio, not on its client (measured: of a 64 MiB message sent while the
-handler was busy, a bare grpcio server took 18 MiB at once and the rest once it read; edged's,
-about 4.5 MiB).
+spent, for at most ``max_paused_s`` in all; it runs whenever the relay is not reading what grpcio
+sends (a client that takes no answers holds back the windows grpcio grants too). grpcio lets a
+large stream message in only as the stream's handler reads, so one behind a busy handler waits
+on grpcio, not on its client (measured: of a 64 MiB message sent while the handler was busy, a
+bare grpcio server took 18 MiB at once and the rest once it read; edged's, about 4.5 MiB).
 """
 
 from __future__ import annotations
@@ -48,14 +49,15 @@ STEPS_PER_READ = 8192
 class _Message:
     """The message under way on one stream."""
 
-    __slots__ = ("blocked_at", "held", "left", "need", "prefix", "since")
+    __slots__ = ("blocked_at", "first", "held", "left", "need", "prefix", "since")
 
     def __init__(self) -> None:
         self.need = PREFIX  # prefix bytes still to come (0: the body is coming)
         self.prefix = b""
         self.left = 0  # body bytes still to come
         self.held = 0  # bytes of it received
-        self.since = 0.0  # when its first byte came, moved on by the time its client was blocked
+        self.first = 0.0  # when its first byte came
+        self.since = 0.0  # the same, moved on by the time its client was blocked
         self.blocked_at = 0.0  # since when its client may send nothing (0: it may)
 
 
@@ -144,22 +146,26 @@ class Unfinished:
     """One relayed connection's unfinished request messages, held within the shared budget."""
 
     __slots__ = (
+        "blocked",
         "budget",
         "held",
         "inbound",
         "initial",
+        "max_paused",
         "open",
         "outbound",
         "over",
         "reason",
+        "server_read",
         "stepped",
         "streams",
         "window",
         "windows",
     )
 
-    def __init__(self, budget: BodyBudget) -> None:
+    def __init__(self, budget: BodyBudget, max_paused_s: float = float("inf")) -> None:
         self.budget = budget
+        self.max_paused = max_paused_s  # how long a message's clock may stop, in all
         self.inbound = Frames(preface=True)
         self.outbound = Frames(preface=False)
         self.streams: dict[int, _Message] = {}
@@ -170,6 +176,8 @@ class Unfinished:
         # stream, and what a new stream starts with.
         self.window = self.initial = DEFAULT_WINDOW
         self.windows: dict[int, int] = {}
+        self.blocked = False  # the connection's window is spent
+        self.server_read = True  # the relay reads what grpcio sends (its window grants among it)
         self.stepped = 0  # frames and messages read in the current read
         self.held = 0  # taken from the budget
         self.over = ""  # why the connection must close ("" while it may stay)
@@ -211,20 +219,34 @@ class Unfinished:
             increment = _LENGTH.unpack_from(payload)[0] & 0x7FFFFFFF
             if sid == 0:
                 self.window += increment
+                self.blocked = self.window == 0
             elif sid in self.windows:
                 self.windows[sid] += increment
+                one = self.streams.get(sid)
+                if one is not None and not (self.blocked and one.blocked_at):
+                    self._block(sid, one, time.monotonic())
+                return
+        self._block_all()
+
+    def reading_server(self, reading: bool) -> None:
+        """Whether the relay reads what grpcio sends: while it does not, no window it grants is
+        seen, so no message's clock stops."""
+        self.server_read = reading
+        self._block_all()
+
+    def _block_all(self) -> None:
         if self.streams:
             now = time.monotonic()
-            for msg_sid, msg in self.streams.items():
-                self._block(msg_sid, msg, now)
+            for sid, msg in self.streams.items():
+                self._block(sid, msg, now)
 
     def check_blocked(self, sid: int) -> None:
-        """After a DATA frame: whether its stream's message may go on (every stream's, once the
-        connection's window is spent)."""
-        if self.window == 0:
-            now = time.monotonic()
-            for msg_sid, msg in self.streams.items():
-                self._block(msg_sid, msg, now)
+        """After a DATA frame: whether its stream's message may go on (every stream's, when the
+        connection's window has just been spent: each frame costs one stream's check at most,
+        whatever the number of streams)."""
+        if (self.window == 0) != self.blocked:
+            self.blocked = not self.blocked
+            self._block_all()
             return
         one = self.streams.get(sid)
         if one is not None:
@@ -233,11 +255,11 @@ class Unfinished:
     def _block(self, sid: int, msg: _Message, now: float) -> None:
         # Spent exactly: a client that sends past a window is not waiting on grpcio (which ends
         # such a connection), so its time runs on.
-        blocked = self.window == 0 or self.windows.get(sid, 1) == 0
+        blocked = self.server_read and (self.window == 0 or self.windows.get(sid, 1) == 0)
         if blocked and not msg.blocked_at and msg.held:
             msg.blocked_at = now
         elif not blocked and msg.blocked_at:
-            msg.since += now - msg.blocked_at
+            msg.since = min(msg.since + now - msg.blocked_at, msg.first + self.max_paused)
             msg.blocked_at = 0.0
 
     def server_sent(self, data: bytes) -> None:
@@ -263,7 +285,7 @@ class Unfinished:
         added = 0
         while j < m:
             if not msg.held:
-                msg.since = time.monotonic()
+                msg.since = msg.first = time.monotonic()
             if msg.need:
                 k = min(msg.need, m - j)
                 msg.prefix += buf[j : j + k]
@@ -305,9 +327,14 @@ class Unfinished:
         return True
 
     def oldest(self) -> float | None:
-        """When the oldest unfinished message whose client may send more of it began, less the
-        time its client could not (None: there is none)."""
-        times = [m.since for m in self.streams.values() if m.held and not m.blocked_at]
+        """When the oldest unfinished message began, less the time its client could send nothing
+        more of it (at most ``max_paused_s``; None: there is none)."""
+        now = time.monotonic()
+        times = [
+            min(m.since + now - m.blocked_at, m.first + self.max_paused) if m.blocked_at else m.since
+            for m in self.streams.values()
+            if m.held
+        ]
         return min(times) if times else None
 
     def release(self) -> None:
