@@ -196,7 +196,7 @@ def _add_with_defaults(
 
 
 # Why the gRPC socket's relay closes a connection (edged/transports/grpc/peers.py).
-GRPC_CLOSE_REASONS = ("bodies_in_flight", "read_timeout", "frames_per_read", "answer_not_taken")
+GRPC_CLOSE_REASONS = ("bodies_in_flight", "read_timeout", "frames_per_read", "answer_not_taken", "no_call")
 
 
 class Metrics:

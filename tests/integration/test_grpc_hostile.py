@@ -278,3 +278,52 @@ def test_tcp_connections_past_a_peers_share_or_their_pool_are_closed(tmp_path: P
             live = pbg.GRPCInferenceServiceStub(tcp).ServerLive
             assert wait_for(lambda: live(pb.ServerLiveRequest(), timeout=5).live, 30, what="TCP served again")
         assert d.stop() == 0, d.log()
+
+
+def test_tcp_connections_without_an_authorised_call_are_closed(tmp_path: Path, model_dir: Path) -> None:
+    """A TCP connection shows its token only with a call: one that makes no authorised call
+    within server.read_timeout_s of connecting (none at all, or with a wrong token) is closed, as
+    an HTTP connection without a request is; one whose call was authorised stays."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token = tmp_path / "token"
+    token.write_text("grpc-hostile-token-0123456789")
+    token.chmod(0o600)
+    cfg = write_config(
+        tmp_path / "edged.toml",
+        {
+            "server": {
+                "socket": str(tmp_path / "edged.sock"),
+                "read_timeout_s": 2.0,
+                "grpc_tcp": [f"127.0.0.1:{port}"],
+                "tcp_token_file": str(token),
+            },
+            "cache": {"dir": str(tmp_path / "cache")},
+            "models.tiny": {"path": str(model_dir / "tiny.onnx")},
+        },
+    )
+    closed = 'edged_grpc_connections_closed_total{reason="no_call"}'
+    own = [("grpc.use_local_subchannel_pool", 1)]  # a connection per channel
+    with running(cfg, tmp_path / "edged.sock", tmp_path / "edged.log") as d:
+        idle = _hog("127.0.0.1", port)
+        wrong = grpc.insecure_channel(f"127.0.0.1:{port}", options=own)
+        right = grpc.insecure_channel(f"127.0.0.1:{port}", options=own)
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                pbg.GRPCInferenceServiceStub(wrong).ServerLive(
+                    pb.ServerLiveRequest(), timeout=10, metadata=[("authorization", "Bearer nope")]
+                )
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            live = pbg.GRPCInferenceServiceStub(right).ServerLive
+            auth = [("authorization", "Bearer grpc-hostile-token-0123456789")]
+            assert live(pb.ServerLiveRequest(), timeout=10, metadata=auth).live
+            wait_for(lambda: closed_by_peer(idle), 20, what="the connection that never called closed")
+            wait_for(lambda: sample(d, closed) >= 2, 20, what="the wrong token's connection closed")
+            time.sleep(2.5)  # a time-out and more: the authorised connection is not closed with them
+            assert sample(d, closed) == 2
+        finally:
+            idle.close()
+            wrong.close()
+            right.close()
+        assert d.stop() == 0, d.log()

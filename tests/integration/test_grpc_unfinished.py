@@ -177,7 +177,7 @@ def test_unfinished_messages_past_the_bodies_budget_close_their_connection(
     patient: tuple[DaemonProcess, Address],
 ) -> None:
     d, path = patient
-    for reason in ("bodies_in_flight", "read_timeout", "frames_per_read", "answer_not_taken"):
+    for reason in ("bodies_in_flight", "read_timeout", "frames_per_read", "answer_not_taken", "no_call"):
         assert sample(d, f'edged_grpc_connections_closed_total{{reason="{reason}"}}') == 0
     peer = Opener(path)
     try:

@@ -12,18 +12,26 @@ from edged.transports.peer import Peer, in_group
 
 
 class Access:
-    def __init__(self, token: bytes | None, peer_of: Callable[[str], Peer | None], admin_gid: int | None) -> None:
+    def __init__(
+        self,
+        token: bytes | None,
+        peer_of: Callable[[str], Peer | None],
+        admin_gid: int | None,
+        called: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self.token = None if token is None else b"Bearer " + token
         # The Unix peer of a call, by ``context.peer()`` (the relay's record, peers.py); None for
         # a call that came over TCP.
         self.peer_of = peer_of
         self.admin_gid = admin_gid
+        self.called = called  # told of each authorised call over TCP (the relay keeps its connection)
 
     def check(self, context: Any) -> Peer | None:
         """The call's Unix peer (None over TCP); over TCP with a token set, the token or
         unauthorized, as HTTP's TCP listeners answer. A call the relay does not know as a Unix
         peer's is held to TCP's rule."""
-        peer = self.peer_of(context.peer())
+        name = context.peer()
+        peer = self.peer_of(name)
         if peer is not None:
             return peer
         if self.token is not None:
@@ -33,6 +41,7 @@ class Access:
                     given = value.encode("latin-1") if isinstance(value, str) else value
             if not hmac.compare_digest(given, self.token):
                 raise UnauthorizedError("this listener needs 'authorization: Bearer <token>' (server.tcp_token_file)")
+        self.called(name)
         return None
 
     async def admin(self, peer: Peer | None, what: str) -> None:

@@ -13,7 +13,9 @@ The relay applies back-pressure both ways (a side whose buffer fills pauses read
 It holds each listener to ``server.max_connections`` connections (peers of a TCP port show their
 token only with a call, so they cannot be let take the Unix socket's), and each peer (a uid on the
 Unix socket, a remote address on TCP) to its share, ``server.max_connections_per_peer``: one peer
-cannot take them all. It also reads the frames it passes, to hold what
+cannot take them all. A TCP connection must make its first authorised call within
+``server.read_timeout_s`` of connecting, as an HTTP connection must send its first request: peers
+without the token cannot hold a listener's connections. It also reads the frames it passes, to hold what
 grpcio buffers of request messages under way within ``server.bodies_in_flight`` and
 ``server.read_timeout_s`` (unfinished.py): a connection past either is closed. grpcio itself
 would grant each of a connection's streams the whole message its prefix announces.
@@ -166,6 +168,8 @@ class Relay:
         self._tasks: list[asyncio.Task[None]] = []
         self._open: set[Any] = set()
         self._pipes: dict[str, _Pipe] = {}  # by path: the client's side of each connection
+        # TCP connections that have made no authorised call yet, by path: when each opened.
+        self._untried: dict[str, float] = {}
 
     def listen(self, sock: socket.socket) -> None:
         """Relay the connections of ``sock`` (a listening Unix or TCP socket) once started."""
@@ -190,6 +194,11 @@ class Relay:
         pipe.drop()
         return True
 
+    def called(self, name: str) -> None:
+        """The connection of ``name`` made an authorised call (its first, on TCP, lets it stay)."""
+        if self._untried:
+            self._untried.pop(name[5:], None)
+
     def cut_stalled(self, name: str) -> bool:
         """``cut`` for a call whose peer took no answer within server.grpc_write_timeout_s."""
         done = self.cut(name)
@@ -213,6 +222,16 @@ class Relay:
             await asyncio.sleep(every)
             try:
                 late = time.monotonic() - self.read_timeout_s
+                for path, opened in list(self._untried.items()):
+                    pipe = self._pipes.get(path)
+                    # One whose message is under way is the read time-out's (below) to judge.
+                    if opened < late and pipe is not None and pipe.track.oldest() is None and self.cut("unix:" + path):
+                        self._refused(
+                            path,
+                            f"no authorised call within {self.read_timeout_s:g} s of connecting "
+                            "(server.read_timeout_s)",
+                            "no_call",
+                        )
                 for path, pipe in list(self._pipes.items()):
                     began = pipe.track.oldest()
                     if began is not None and began < late and self.cut("unix:" + path):
@@ -291,6 +310,8 @@ class Relay:
             await loop.sock_connect(inner, self.inner)
             os.unlink(path)
             self.clients[path] = client
+            if client.peer is None:  # TCP: a token is shown only with a call
+                self._untried[path] = time.monotonic()
             track = Unfinished(self.bodies, _PAUSE_FACTOR * self.read_timeout_s)
             a = _Pipe(track, True, lambda why, reason: self._refused(path, why, reason))
             b = _Pipe(track, False, a.refused)
@@ -329,6 +350,7 @@ class Relay:
 
     def _forget(self, path: str, client: Client | None) -> None:
         """Once per connection that got past its share: on its close, or when it could not be set up."""
+        self._untried.pop(path, None)
         if client is None:
             return
         if self.clients.get(path) is client:

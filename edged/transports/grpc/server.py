@@ -82,7 +82,7 @@ class GrpcServer:
             s.read_timeout_s,
             lambda reason: closed.labels(reason).inc(),
         )
-        self.access = Access(token, self._peer_of, admin_gid)
+        self.access = Access(token, self._peer_of, admin_gid, self.relay.called)
         self.control = Control(service, regions, self.access)
         max_body = parse_size(s.max_body)
         self.inference = Inference(
