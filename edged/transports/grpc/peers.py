@@ -216,16 +216,19 @@ class Relay:
             sock.close()
 
     async def _sweep(self) -> None:
-        """Close the connections whose oldest unfinished message began read_timeout_s ago."""
+        """Close the connections whose oldest unfinished message began read_timeout_s ago, and
+        the TCP ones that have made no authorised call read_timeout_s after they opened."""
         every = min(1.0, self.read_timeout_s / 4)
         while True:
             await asyncio.sleep(every)
             try:
                 late = time.monotonic() - self.read_timeout_s
                 for path, opened in list(self._untried.items()):
+                    if opened >= late:
+                        break  # the rest opened later still (a dict keeps their order)
                     pipe = self._pipes.get(path)
                     # One whose message is under way is the read time-out's (below) to judge.
-                    if opened < late and pipe is not None and pipe.track.oldest() is None and self.cut("unix:" + path):
+                    if pipe is not None and pipe.track.oldest() is None and self.cut("unix:" + path):
                         self._refused(
                             path,
                             f"no authorised call within {self.read_timeout_s:g} s of connecting "
