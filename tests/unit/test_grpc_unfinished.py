@@ -135,15 +135,26 @@ def window_update(sid: int, increment: int) -> bytes:
     return bytes(WindowUpdateFrame(sid, increment).serialize())
 
 
-def test_a_message_waiting_on_grpcios_window_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The clock unfinished.py reads, at 1000.0 until a test moves it."""
+    fake = Clock()
+    monkeypatch.setattr(unfinished.time, "monotonic", fake)
+    return fake
+
+
+def granting(initial: int, max_paused_s: float = float("inf")) -> Unfinished:
+    """A connection's count, grpcio having set each stream's window to ``initial``."""
+    track = Unfinished(BodyBudget(1 << 30), max_paused_s)
+    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: initial}).serialize()))
+    return track
+
+
+def test_a_message_waiting_on_grpcios_window_is_not_timed(clock: Clock) -> None:
     """grpcio lets a large stream message in only as its handler reads: while the client may send
     nothing more (its stream's window spent), the message's time stops, and goes on once grpcio
     opens the window again."""
-    clock = Clock()
-    monkeypatch.setattr(unfinished.time, "monotonic", clock)
-    track = Unfinished(BodyBudget(1 << 30))
-    settings = SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1000})
-    track.server_sent(bytes(settings.serialize()))
+    track = granting(1000)
     assert track.client_sent(opening() + headers(1) + data(1, message(995, announced=5000)))
     clock.now += 60
     assert track.oldest() == 1060.0  # the stream's window is spent: the client waits on grpcio
@@ -155,11 +166,8 @@ def test_a_message_waiting_on_grpcios_window_is_not_timed(monkeypatch: pytest.Mo
     assert track.oldest() == 1060.0
 
 
-def test_a_spent_connection_window_stops_every_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = Clock()
-    monkeypatch.setattr(unfinished.time, "monotonic", clock)
-    track = Unfinished(BodyBudget(1 << 30))
-    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1 << 20}).serialize()))
+def test_a_spent_connection_window_stops_every_message(clock: Clock) -> None:
+    track = granting(1 << 20)
     one = message(40_000, announced=1 << 20)
     two = message(65_535 - len(one) - 5, announced=1 << 20)
     assert track.client_sent(opening() + headers(1) + data(1, one) + headers(3) + data(3, two))
@@ -171,20 +179,14 @@ def test_a_spent_connection_window_stops_every_message(monkeypatch: pytest.Monke
     assert track.oldest() == 1100.0
 
 
-def test_a_client_past_its_window_is_timed_as_ever(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = Clock()
-    monkeypatch.setattr(unfinished.time, "monotonic", clock)
-    track = Unfinished(BodyBudget(1 << 30))
-    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 100}).serialize()))
+def test_a_client_past_its_window_is_timed_as_ever(clock: Clock) -> None:
+    track = granting(100)
     assert track.client_sent(opening() + headers(1) + data(1, message(200, announced=5000)))
     assert track.oldest() == 1000.0
 
 
-def test_a_clock_stops_for_at_most_max_paused(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = Clock()
-    monkeypatch.setattr(unfinished.time, "monotonic", clock)
-    track = Unfinished(BodyBudget(1 << 30), max_paused_s=90)
-    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1000}).serialize()))
+def test_a_clock_stops_for_at_most_max_paused(clock: Clock) -> None:
+    track = granting(1000, max_paused_s=90)
     assert track.client_sent(opening() + headers(1) + data(1, message(995, announced=5000)))
     clock.now += 60
     assert track.oldest() == 1060.0
@@ -194,13 +196,10 @@ def test_a_clock_stops_for_at_most_max_paused(monkeypatch: pytest.MonkeyPatch) -
     assert track.oldest() == 1090.0
 
 
-def test_a_clock_runs_while_the_relay_reads_nothing_from_grpcio(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_clock_runs_while_the_relay_reads_nothing_from_grpcio(clock: Clock) -> None:
     """A client that takes no answers makes the relay stop reading grpcio's side, window grants
     included: a window seen spent then proves nothing, and the message is timed."""
-    clock = Clock()
-    monkeypatch.setattr(unfinished.time, "monotonic", clock)
-    track = Unfinished(BodyBudget(1 << 30))
-    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1000}).serialize()))
+    track = granting(1000)
     assert track.client_sent(opening() + headers(1) + data(1, message(995, announced=5000)))
     clock.now += 10
     assert track.oldest() == 1010.0
@@ -222,8 +221,7 @@ def test_empty_frames_at_a_spent_window_cost_one_streams_check_each(monkeypatch:
         real(self, sid, msg, now)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Unfinished, "_block", counted)
-    track = Unfinished(BodyBudget(1 << 30))
-    track.server_sent(bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 1 << 20}).serialize()))
+    track = granting(1 << 20)
     stream = opening()
     sids = range(1, 2 * 200, 2)
     for sid in sids:

@@ -328,12 +328,19 @@ class Relay:
             await loop.connect_accepted_socket(lambda: a, conn)
         except Exception as e:
             _noisy.note(logging.WARNING, "relay", "gRPC: cannot relay a connection: %s", e)
-            if a is not None and self._pipes.get(path) is a:
-                del self._pipes[path]
+            if a is not None:
+                # Freed here, once: a side already connected must not free it again as it goes.
+                a.on_close.clear()
                 a.track.release()
+                if self._pipes.get(path) is a:
+                    del self._pipes[path]
+                for side in (a, a.other):
+                    if side is not None and side.transport is not None:
+                        side.transport.abort()
             self._forget(path, client)
-            inner.close()
-            conn.close()
+            with contextlib.suppress(OSError):  # a transport may own (and have closed) them already
+                inner.close()
+                conn.close()
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return

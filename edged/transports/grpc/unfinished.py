@@ -215,18 +215,18 @@ class Unfinished:
                     delta, self.initial = value - self.initial, value
                     for open_sid in self.windows:
                         self.windows[open_sid] += delta
+            self._block_all()
         elif len(payload) >= 4:
             increment = _LENGTH.unpack_from(payload)[0] & 0x7FFFFFFF
-            if sid == 0:
+            if sid == 0:  # grpcio's own frame, a few per window's worth of data: every message re-checked
                 self.window += increment
                 self.blocked = self.window == 0
+                self._block_all()
             elif sid in self.windows:
                 self.windows[sid] += increment
                 one = self.streams.get(sid)
-                if one is not None and not (self.blocked and one.blocked_at):
+                if one is not None:
                     self._block(sid, one, time.monotonic())
-                return
-        self._block_all()
 
     def reading_server(self, reading: bool) -> None:
         """Whether the relay reads what grpcio sends: while it does not, no window it grants is
@@ -244,13 +244,20 @@ class Unfinished:
         """After a DATA frame: whether its stream's message may go on (every stream's, when the
         connection's window has just been spent: each frame costs one stream's check at most,
         whatever the number of streams)."""
-        if (self.window == 0) != self.blocked:
-            self.blocked = not self.blocked
-            self._block_all()
+        if self._connection_changed():
             return
         one = self.streams.get(sid)
         if one is not None:
             self._block(sid, one, time.monotonic())
+
+    def _connection_changed(self) -> bool:
+        """Every stream's message re-checked where the connection's window has just been spent
+        or opened again (and only then: whatever the frames, a stream's check each at most)."""
+        if (self.window == 0) == self.blocked:
+            return False
+        self.blocked = not self.blocked
+        self._block_all()
+        return True
 
     def _block(self, sid: int, msg: _Message, now: float) -> None:
         # Spent exactly: a client that sends past a window is not waiting on grpcio (which ends
