@@ -307,11 +307,21 @@ def test_a_client_that_reads_nothing_cannot_hold_the_budget(tight: tuple[DaemonP
         for i in range(0, window, 16384):
             peer.h2.send_data(sid, stuck[i : i + 16384])
             peer._flush()
-        reason = 'edged_grpc_connections_closed_total{reason="read_timeout"}'
-        # Within read_timeout_s and a sweep, well before the 6 s a clock may stop for in all.
-        wait_for(lambda: sample(d, reason) >= 1, 6, what="the unfinished message timed out")
+
+        def closed() -> float:
+            return sum(
+                sample(d, f'edged_grpc_connections_closed_total{{reason="{why}"}}')
+                for why in ("read_timeout", "answer_not_taken", "bodies_in_flight")
+            )
+
+        # Where the relay stops reading grpcio's side, the message is timed out (read_timeout_s
+        # and a sweep). Where the kernel takes the answers instead, the relay may see the window
+        # spent while grpcio grants no more: then the clock stops for 6 s at most. Where the
+        # calls' last bytes come late, their messages under way and this one pass the budget.
+        # Whichever bound it meets, the connection goes, and is counted once.
+        wait_for(lambda: closed() >= 1, 20, what="the connection dropped")
         time.sleep(1.5)  # three sweeps: a dropped connection is not closed (and counted) again
-        assert sample(d, reason) == 1
+        assert closed() == 1
         with d.client(timeout=10) as c:  # the budget is free again: a body near it is taken
             doc = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,16],"data":[' + b",".join([b"0"] * 16) + b"]}]}"
             status, _, _ = c.request(
