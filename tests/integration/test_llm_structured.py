@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from tests.integration.test_llm import (
     smollm2,
     tcp_port,
 )
+from tests.integration.test_llm_sampling import _token_id
 
 pytestmark = pytest.mark.integration
 
@@ -90,6 +92,33 @@ def test_json_schema_gives_its_required_keys_and_types(openai_client: Any, tempe
     assert isinstance(doc["name"], str) and len(doc["name"]) <= 12
     assert isinstance(doc["age"], int)
     assert isinstance(doc["pets"], list) and len(doc["pets"]) <= 2 and all(isinstance(p, str) for p in doc["pets"])
+
+
+def test_a_schema_string_never_holds_a_raw_control_character(openai_client: Any, smollm2: Path) -> None:
+    # The newline pushed as hard as a bias can: a grammar that lets a string hold it gives text no
+    # JSON parser takes, in the string and in a pattern's '.'.
+    newline = _token_id(smollm2, "\n")
+    schema = {
+        "type": "object",
+        "properties": {
+            "note": {"type": "string", "maxLength": 12},
+            "code": {"type": "string", "pattern": "^a..$"},
+        },
+        "required": ["note", "code"],
+        "additionalProperties": False,
+    }
+    out = openai_client.chat.completions.create(
+        model="llm",
+        messages=[{"role": "user", "content": "Write a poem as JSON."}],
+        max_tokens=60,
+        temperature=0,
+        logit_bias={str(newline): 100},
+        response_format=_schema(schema),
+    )
+    text = out.choices[0].message.content
+    doc = json.loads(text)
+    assert set(doc) == {"note", "code"} and doc["code"].startswith("a") and len(doc["code"]) == 3, text
+    assert not any(ord(ch) < 0x20 for ch in doc["note"] + doc["code"]), text
 
 
 # --- logprobs ----------------------------------------------------------------------------------

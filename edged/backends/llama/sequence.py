@@ -172,9 +172,33 @@ def grammar_of(response_format: tuple[str, str] | None) -> str:
     if kind == "json_object":
         return str(JSON_GBNF)
     try:
-        return str(json_schema_to_gbnf(schema))
+        return json_safe(str(json_schema_to_gbnf(schema)))
     except Exception as e:  # the converter refuses with assertions, and KeyError, ValueError...
         raise InvalidInputError(f"'response_format' schema is not one llama.cpp can follow: {e}") from e
+
+
+# llama-cpp-python's schema converter lets a string's character, and a pattern's '.', be any
+# character, where JSON forbids raw control characters in a string and a raw '"' or '\\' ends or
+# escapes it: a schema's string came back holding a raw newline, which no JSON parser takes.
+# Those two rules, recognised by their exact bodies (a property's rule may be named "char" too),
+# get the character class llama.cpp's own JSON grammar uses.
+_JSON_STRING_CHAR = r'[^"\\\x7F\x00-\x1F]'
+_UNSAFE_BODIES = {
+    r'[^"\\] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])': _JSON_STRING_CHAR
+    + r' | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])',
+    r"[^\x0A\x0D]": _JSON_STRING_CHAR,
+}
+
+
+def json_safe(grammar: str) -> str:
+    """``grammar`` with the converter's string characters limited to what JSON lets a string hold."""
+    lines = []
+    for line in grammar.splitlines():
+        name, sep, body = line.partition(" ::= ")
+        if sep and body in _UNSAFE_BODIES:
+            line = f"{name} ::= {_UNSAFE_BODIES[body]}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def logprob_entry(logits: np.ndarray, token: int, top: int, piece: Any) -> dict[str, Any]:
