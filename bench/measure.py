@@ -14,6 +14,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -33,6 +34,10 @@ FLOOR_COPIES = "in-process+copies"
 # The same, on a session with edged's serving options (its pool parked after every run, as a
 # daemon's is): the floor of a server that may not leave a pool spinning between requests.
 FLOOR_PARKED = "in-process+copies, pool parked"
+# The parked floor with its copy in, run and copy out on a worker thread the caller hands each
+# request to and waits for (two thread wake-ups, as run_in_executor's): the floor of a server that
+# keeps its event loop free during a frame's run, as edged must.
+FLOOR_WORKER = "in-process+copies, on a worker"
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,9 @@ def floor_runner(sess: Any, spec: ModelSpec, x: np.ndarray, conc: int) -> Runner
     return run
 
 
-def copies_floor_runner(sess: Any, spec: ModelSpec, x: np.ndarray) -> Runner:
-    """``floor_runner`` at c=1 with the copies a frame through a POSIX object costs (FLOOR_COPIES)."""
+def copies_floor_runner(sess: Any, spec: ModelSpec, x: np.ndarray, worker: bool = False) -> Runner:
+    """``floor_runner`` at c=1 with the copies a frame through a POSIX object costs (FLOOR_COPIES);
+    ``worker``: the server's part handed to a thread of its own each request (FLOOR_WORKER)."""
     src = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
     outs = [spec.outputs[0]]
     answer_bytes = np.asarray(sess.run(outs, {spec.input: x})[0]).nbytes
@@ -85,19 +91,30 @@ def copies_floor_runner(sess: Any, spec: ModelSpec, x: np.ndarray) -> Runner:
     buf = np.empty(src.nbytes, np.uint8)
     tensor = buf.view(x.dtype).reshape(x.shape)
 
+    def serve() -> None:
+        os.preadv(fd, [buf], 0)  # the server's copy in
+        out = sess.run(outs, {spec.input: tensor})[0]
+        os.pwrite(fd, np.ascontiguousarray(out).data, src.nbytes)  # the answer's copy out
+
     def run(max_requests: int, max_seconds: float) -> tuple[list[float], float]:
+        pool = ThreadPoolExecutor(1) if worker else None
         t0 = time.perf_counter()
         until = t0 + max_seconds
         times: list[float] = []
-        for _ in range(max_requests):
-            t = time.perf_counter()
-            np.copyto(view[: src.nbytes], src)  # the producer
-            os.preadv(fd, [buf], 0)  # the server's copy in
-            out = sess.run(outs, {spec.input: tensor})[0]
-            os.pwrite(fd, np.ascontiguousarray(out).data, src.nbytes)  # the answer's copy out
-            times.append(time.perf_counter() - t)
-            if t > until:
-                break
+        try:
+            for _ in range(max_requests):
+                t = time.perf_counter()
+                np.copyto(view[: src.nbytes], src)  # the producer
+                if pool is None:
+                    serve()
+                else:
+                    pool.submit(serve).result()
+                times.append(time.perf_counter() - t)
+                if t > until:
+                    break
+        finally:
+            if pool is not None:
+                pool.shutdown()
         return times, time.perf_counter() - t0
 
     return run

@@ -30,6 +30,11 @@ Daemons serving the same model, interleaved with the in-process floor, at concur
     into the work folder, first on the daemon's PYTHONPATH), configured as the first edged lane
     is: a before/after of a change to edged's code in one interleaved run.
 
+For a frame model with the ``posix`` lane, the in-process floor is also measured with the copies a
+POSIX object costs (``in-process+copies``), on a session whose pool parks after each run as a
+daemon's does (``pool parked``), and with that parked floor's copies and run handed to a worker
+thread each request (``on a worker``: the two wake-ups of a server that keeps its loop free).
+
 For a frame model, the first edged lane is also measured with the frame already in its sealed
 memfd region (``frame in place``: the producer writes it there, no copy inside the timing), and
 with the answer written into the same region too (``answer in place``: only JSON headers cross
@@ -60,6 +65,7 @@ from bench.measure import (
     FLOOR,
     FLOOR_COPIES,
     FLOOR_PARKED,
+    FLOOR_WORKER,
     Budget,
     Lane,
     Runner,
@@ -320,6 +326,7 @@ def _segment(
         runs[(FLOOR_COPIES, 1)] = Lane(copies_floor_runner(sess, spec, x), budget)
         parked = session(spec, SERVING_CONFIG)
         runs[(FLOOR_PARKED, 1)] = Lane(copies_floor_runner(parked, spec, x), budget)
+        runs[(FLOOR_WORKER, 1)] = Lane(copies_floor_runner(parked, spec, x, worker=True), budget)
     for s in servers:
         if s.answers:  # the echo and the limit lanes answer nothing the model computed
             check(s, spec, x, want)

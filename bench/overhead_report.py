@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.measure import FLOOR, FLOOR_COPIES, FLOOR_PARKED, Series
+from bench.measure import FLOOR, FLOOR_COPIES, FLOOR_PARKED, FLOOR_WORKER, Series
 from bench.models import ModelSpec
 from bench.peers import machine
 from bench.stages import hops
@@ -30,6 +30,7 @@ def report(
     floors = {c: series.summary() for c, series in results.get(FLOOR, {}).items()}
     copied = {c: series.summary() for c, series in results.get(FLOOR_COPIES, {}).items()}
     parked = {c: series.summary() for c, series in results.get(FLOOR_PARKED, {}).items()}
+    handed = {c: series.summary() for c, series in results.get(FLOOR_WORKER, {}).items()}
     for name, by_conc in results.items():
         for c, series in by_conc.items():
             d = series.summary()
@@ -46,6 +47,10 @@ def report(
             if pool is not None and pool["p50_ms"] > 0 and name not in (FLOOR_COPIES, FLOOR_PARKED):
                 d["p50_over_parked"] = d["p50_ms"] / pool["p50_ms"]
                 ratio += f"  {d['p50_over_parked']:6.3f}x parked"
+            hop = handed.get(c)
+            if hop is not None and hop["p50_ms"] > 0 and name not in (FLOOR_COPIES, FLOOR_PARKED, FLOOR_WORKER):
+                d["p50_over_worker"] = d["p50_ms"] / hop["p50_ms"]
+                ratio += f"  {d['p50_over_worker']:6.3f}x on a worker"
             print(
                 f"{spec.name} {name:23} c={c}  p50 {d['p50_ms']:.4f} ms  p90 {d['p90_ms']:.4f}  "
                 f"p99 {d['p99_ms']:.4f} ms  {d['throughput_rps']:8.0f} req/s{ratio}",
