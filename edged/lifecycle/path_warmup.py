@@ -76,8 +76,10 @@ def _bodies(
         params: dict[str, Any] = {"binary_data_output": True}
         if tag is not None:
             params["warmup"] = tag
-        doc: dict[str, Any] = {"id": "warmup"} if ident else {}
-        doc.update({"inputs": binary_meta, "parameters": params, **extra})
+        doc: dict[str, Any] = {"inputs": binary_meta, "parameters": params}
+        if ident:  # where edged's client writes it: its numbered requests find the id's template
+            doc["id"] = "warmup"
+        doc.update(extra)
         header = orjson.dumps(doc)
         bodies.append((header + data, len(header)))
     if all(a.size <= _JSON_LIMIT for a in inputs.values()):

@@ -30,6 +30,7 @@ from edged.wire.encode import Part as Part
 from edged.wire.encode import encode_infer as encode_infer
 from edged.wire.encode import encode_infer_async as encode_infer_async
 from edged.wire.encode import encode_infer_parts as encode_infer_parts
+from edged.wire.request_ids import ID_MEMBER, TEMPLATES, cut, request_id, without_id
 from edged.wire.tensors import NUMPY_TO_V2 as NUMPY_TO_V2
 from edged.wire.tensors import V2_TO_NUMPY as V2_TO_NUMPY
 from edged.wire.tensors import InferRequest as InferRequest
@@ -289,7 +290,7 @@ def plan_document(doc: Any, limits: Limits) -> _RequestPlan:
     if outputs_raw is not None:
         outputs = tuple(_decode_output(o, binary_all, i) for i, o in enumerate(outputs_raw))
         _unique([o.name for o in outputs], "output")
-    return _RequestPlan(_request_id(doc.get("id", "")), binary_all, params, inputs, outputs, _layout(inputs))
+    return _RequestPlan(request_id(doc.get("id", "")), binary_all, params, inputs, outputs, _layout(inputs))
 
 
 def _layout(inputs: tuple[_InputPlan, ...]) -> tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...] | None:
@@ -303,12 +304,6 @@ def _layout(inputs: tuple[_InputPlan, ...]) -> tuple[tuple[str, np.dtype[Any], t
         layout.append((p.name, p.dtype, p.shape, start, start + p.size))
         start += p.size
     return tuple(layout)
-
-
-def _request_id(rid: Any) -> str:
-    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise BadRequestError("'id' must be a string")
-    return str(rid)
 
 
 class PlanCache:
@@ -343,6 +338,11 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
+    def distinct(self) -> int:
+        """How many plans it holds: one may be cached under its header and its id's template."""
+        with self._lock:
+            return len({id(plan) for plan in self._plans.values()})
+
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
@@ -362,6 +362,7 @@ class ParsedBody:
     binary: memoryview
     arrays: dict[str, np.ndarray]
     id: str | None = None  # the request's id where the plan was cached without it
+    template: bytes | None = None  # the key of the header's id template, cached with the plan too
 
 
 def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limits = DEFAULT_LIMITS) -> ParsedBody:
@@ -378,19 +379,22 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
         raise BadRequestError(f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)")
     header = view[:header_length]
     # A header starting with a NUL byte is no JSON: never looked up, so that no client can
-    # reach the plans cached without their id (_ID_LESS) by sending such a key itself.
+    # reach the plans cached under keys made without their id (request_ids) by sending one.
     key = header.tobytes() if header_length <= PLANS.max_header and bytes(header[:1]) != b"\x00" else None
     if plain and key is not None and _DATA_MEMBER in key:
         key = None
-    cached = PLANS.get(key) if key is not None else None
+    cached, rid, where = _cached(key)
+    template = None
     within = cached is not None and cached.within[0] is limits  # the same header seen by this model
     if not within:  # before parsing: its object count is bounded by this model's limits
         check_json_size(body, header_length, limits)
     if cached is None:
-        found = _without_id(key) if key is not None and _ID_MEMBER in key else None
+        found = without_id(key) if key is not None and ID_MEMBER in key else None
         if found is None:
             plan = _plan(header, limits)
         else:
+            if where is not None and key is not None:  # before planning: the probe reads the document
+                template = TEMPLATES.template_of(key, where, found[2])
             key, rid, doc = found
             cached = PLANS.get(key)
             plan = cached if cached is not None else plan_document(doc, limits)
@@ -402,43 +406,30 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
         plan, key = cached, None
     binary = view[header_length:]
     if plan.layout is not None:  # no JSON data, no BYTES: nothing to read here
-        return ParsedBody(plan, key, binary, {}, rid)
+        return ParsedBody(plan, key, binary, {}, rid, template)
     arrays = {
         p.name: from_json_data(p.data, p.dtype, p.shape, f"input '{p.name}'") for p in plan.inputs if p.kind == "json"
     }
     decode_binary_bytes(plan, binary, arrays)
-    return ParsedBody(plan, key, binary, arrays, rid)
+    return ParsedBody(plan, key, binary, arrays, rid, template)
 
 
-_ID_MEMBER = b'"id"'
 _DATA_MEMBER = b'"data"'  # a plain JSON request with its values inline: planned each time
-_ID_LESS = b"\x00without id:"  # headers starting with a NUL byte are never looked up (parse_body)
 
 
-def _without_id(header: bytes) -> tuple[bytes, str, dict[str, Any]] | None:
-    """A header with a top-level "id": (the cache key of the rest, the id, the rest parsed).
-    Clients that number their requests (tritonclient's request_id, edged.client's) send a new
-    header each time: keyed whole, every request was planned again (31 us on the 2-core machine)
-    and each filled the cache, pushing other clients' plans out. None where the header is not
-    such a document, or holds NaN or Infinity (read by the standard library, not written back
-    the same): the normal path plans it (and reports what is wrong with it)."""
-    if b"NaN" in header or b"Infinity" in header:
-        return None
-    try:
-        doc = orjson.loads(header)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(doc, dict) or "id" not in doc:
-        return None
-    try:
-        rid = _request_id(doc.pop("id"))
-    except BadRequestError:  # planned whole, so that its errors come in their usual order
-        return None
-    try:
-        rest = orjson.dumps(doc)
-    except orjson.JSONEncodeError:  # nested deeper than orjson writes (254; it reads 1024)
-        return None
-    return _ID_LESS + rest, rid, doc
+def _cached(key: bytes | None) -> tuple[_RequestPlan | None, str | None, tuple[bytes, str, int, int] | None]:
+    """The plan of a header seen before: (the plan, the request's id where the plan was found
+    by the template around it, where the id's value stands for a template to be made)."""
+    if key is None:
+        return None, None, None
+    cached = PLANS.get(key)
+    if cached is not None or ID_MEMBER not in key:
+        return cached, None, None
+    where = cut(key)
+    if where is None:
+        return None, None, None
+    cached = PLANS.get(where[0])
+    return (cached, where[1], None) if cached is not None else (None, None, where)
 
 
 def finish_decode(parsed: ParsedBody, shm: ShmResolver | None = None) -> InferRequest:
@@ -475,6 +466,8 @@ def _finish(parsed: ParsedBody, plan: _RequestPlan, req: InferRequest, shm: ShmR
     """A request whose inputs decoded: its plan remembered, its outputs its own."""
     if parsed.key is not None:
         PLANS.put(parsed.key, plan)
+    if parsed.template is not None:
+        PLANS.put(parsed.template, plan)
     req.outputs = [o.copy() for o in plan.outputs] if plan.outputs is not None else None
     if shm is None and req.outputs:  # as for inputs: never an answer silently inline instead
         for o in req.outputs:

@@ -1,0 +1,144 @@
+"""A numbered client's headers, the same but for the id, are read through the template around the
+id's value (edged/wire/request_ids.py): parsed once, then matched byte for byte. Every request
+read through a template must decode as the parsed path decodes it (a fresh cache, the same
+bytes), ids and errors alike, and a cut that is not the top-level id's value is never a template."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from edged.errors import BadRequestError
+from edged.wire import decode, request_ids
+from edged.wire.decode import PLANS, decode_infer
+
+INPUT: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+
+
+@pytest.fixture(autouse=True)
+def empty_cache() -> Iterator[None]:
+    PLANS.clear()
+    yield
+    PLANS.clear()
+
+
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The headers the parsed path read (request_ids.without_id, the real one, counted)."""
+    seen: list[bytes] = []
+    real = request_ids.without_id
+
+    def counted(header: bytes) -> Any:
+        seen.append(header)
+        return real(header)
+
+    monkeypatch.setattr(decode, "without_id", counted)
+    return seen
+
+
+def _decoded(header: bytes) -> tuple[str, Any]:
+    """The request's id and its inputs' layout, or the error it is refused with."""
+    try:
+        req = decode_infer(header + b"\0" * 4, len(header))
+    except BadRequestError as e:
+        return "refused", str(e)
+    return req.id, sorted((k, v.dtype.str, v.shape) for k, v in req.inputs.items())
+
+
+def _fresh(header: bytes) -> tuple[str, Any]:
+    """The same header decoded with nothing cached: the parsed path alone."""
+    kept = list(PLANS._plans.items())
+    PLANS.clear()
+    try:
+        return _decoded(header)
+    finally:
+        PLANS.clear()
+        for key, plan in kept:
+            PLANS.put(key, plan)
+
+
+def test_a_numbered_client_is_parsed_once_then_read_through_its_template(parses: list[bytes]) -> None:
+    # tritonclient writes json.dumps's ", " and ": " (and escapes what is not ASCII: such an id
+    # is parsed each time), edged.client orjson's compact form.
+    styles = [
+        lambda rid: json.dumps({"id": rid, "inputs": [INPUT]}).encode(),
+        lambda rid: orjson.dumps({"inputs": [INPUT], "id": rid}),
+    ]
+    for style, escaped in zip(styles, (1, 0)):
+        parses.clear()
+        for rid in ("r1", "r2", "", "é 漢字 space", 0, 7, -12, 10**17):
+            assert _decoded(style(rid))[0] == str(rid)
+        assert len(parses) == 1 + escaped, parses  # the first request of each style
+    assert PLANS.distinct() == 1
+
+
+def test_an_id_that_is_not_a_plain_value_takes_the_parsed_path_with_its_errors(parses: list[bytes]) -> None:
+    assert _decoded(orjson.dumps({"id": "first", "inputs": [INPUT]}))[0] == "first"
+    parses.clear()
+    template = orjson.dumps({"id": "@", "inputs": [INPUT]})
+    for value in (b'"a\\"b"', b'"\\u00e9"', b"12.5", b"1e3", b"true", b"null", b"12345678901234567890", b'"\xff"'):
+        header = template.replace(b'"@"', value)
+        assert _decoded(header) == _fresh(header), header
+    assert len(parses) >= 6  # escapes, floats and the rest were parsed, not matched
+    assert _decoded(template.replace(b'"@"', b"12.5"))[0] == "refused"
+
+
+def test_an_id_nested_before_the_top_level_one_is_never_a_template(parses: list[bytes]) -> None:
+    # The cut finds the nested "id" first; a template made there would answer every later
+    # request with the nested value as its id, and the first request's parameters.
+    for n in range(4):
+        header = orjson.dumps({"parameters": {"id": f"p{n}"}, "id": "top", "inputs": [INPUT]})
+        req = decode_infer(header + b"\0" * 4, len(header))
+        assert req.id == "top" and req.parameters == {"id": f"p{n}"}
+    assert len(parses) == 4
+
+
+def test_a_second_top_level_id_wins_as_when_parsed(parses: list[bytes]) -> None:
+    # orjson keeps the last of two members of one name: so must every later request.
+    for first in ("a", "x", "m"):
+        header = b'{"id":"%s","inputs":[%s],"id":"last"}' % (first.encode(), orjson.dumps(INPUT))
+        assert _decoded(header)[0] == "last"
+    assert len(parses) == 3
+
+
+def test_ids_read_through_templates_match_the_parsed_path(parses: list[bytes]) -> None:
+    """Seeded: random ids in random headers of three clients, each decoded as a fresh cache
+    decodes it."""
+    rng = random.Random(20261207)
+    alphabet = 'ab"\\é \t\n0-9}{:,'
+    clients = [
+        (lambda rid: json.dumps({"id": rid, "inputs": [INPUT]}).encode(), lambda rid: json.dumps(rid).encode()),
+        (lambda rid: orjson.dumps({"inputs": [INPUT], "parameters": {"k": "id"}, "id": rid}), orjson.dumps),
+        (lambda rid: orjson.dumps({"inputs": [dict(INPUT, name="id")], "id": rid}), orjson.dumps),
+    ]
+    parsed = escaped = 0
+    for _ in range(600):
+        rid: object = (
+            rng.randrange(-(2**63) + 1, 2**63)
+            if rng.random() < 0.3
+            else "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 8)))
+        )
+        header_of, token_of = rng.choice(clients)
+        header = header_of(rid)
+        before = len(parses)
+        got = _decoded(header)
+        parsed += len(parses) - before
+        token = token_of(rid)
+        escaped += b"\\" in token or len(token.lstrip(b"-")) > 18  # no plain value: always parsed
+        assert got == _fresh(header), header
+    # Every request with a plain id but each client's first was matched, not parsed.
+    assert escaped <= parsed <= escaped + len(clients), (parsed, escaped)
+
+
+def test_template_keys_cannot_be_sent_as_headers() -> None:
+    header = orjson.dumps({"id": "r", "inputs": [INPUT]})
+    _decoded(header)
+    where = request_ids.cut(header)
+    assert where is not None and PLANS.get(where[0]) is not None
+    with pytest.raises(BadRequestError, match="malformed JSON"):
+        decode_infer(where[0] + b"\0" * 4, len(where[0]))
