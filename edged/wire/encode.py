@@ -108,9 +108,9 @@ def _output(model: str, out: OutputRequest, results: Mapping[str, np.ndarray]) -
     return arr
 
 
-# The JSON headers of answers whose outputs are all binary, of fixed-size types, with no id:
-# the same bytes for every answer of a model's outputs of the same shapes, so they are written
-# once. Past this many, all are forgotten.
+# The JSON headers of answers whose outputs are all binary, of fixed-size types: the same bytes
+# for every answer of a model's outputs of the same shapes, so they are written once, without an
+# id (the document's last member, added to a copy). Past this many, all are forgotten.
 _HEADERS_KEPT = 256
 _headers: dict[tuple[Any, ...], bytes] = {}
 
@@ -120,8 +120,6 @@ def _header_key(
 ) -> tuple[Any, ...] | None:
     """What an all-binary answer's header is known by (its model, version and each output's
     name, type and shape); None for any other answer, whose header depends on more."""
-    if req.id:
-        return None
     key: list[Any] = [model, version]
     for out in wanted:
         arr = results.get(out.name)
@@ -140,6 +138,8 @@ def _encode_small(
     key = _header_key(model, version, req, wanted, results)
     known = None if key is None else _headers.get(key)
     if known is not None:
+        if req.id:
+            known = _with_id(known, req.id)
         return b"".join([known, *(results[out.name].tobytes() for out in wanted)]), len(known)
     entries: list[dict[str, Any]] = []
     chunks: list[bytes] = []
@@ -155,7 +155,7 @@ def _encode_small(
             entry["data"] = _json_data(out.name, arr.reshape(-1))
         entries.append(entry)
     doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
-    if req.id:
+    if req.id and key is None:
         doc["id"] = req.id
     header = orjson.dumps(doc, option=_JSON_OPTS)
     if b"null" in header:  # orjson writes non-finite floats as null (rare: checked only then)
@@ -164,13 +164,20 @@ def _encode_small(
             if isinstance(data, np.ndarray) and data.dtype.kind == "f" and not np.isfinite(data).all():
                 entry["data"] = orjson.Fragment(_dumps_values(data))
         header = orjson.dumps(doc, option=_JSON_OPTS)
-    if not chunks:
-        return header, None
-    if key is not None:
+    if key is not None and chunks:
         if len(_headers) >= _HEADERS_KEPT:
             _headers.clear()
         _headers[key] = header
+    if key is not None and req.id:
+        header = _with_id(header, req.id)
+    if not chunks:
+        return header, None
     return b"".join([header, *chunks]), len(header)
+
+
+def _with_id(header: bytes, rid: str) -> bytes:
+    """An answer's JSON document written without its id, with it: last, as orjson writes it."""
+    return b"".join((header[:-1], b',"id":', orjson.dumps(rid), b"}"))
 
 
 def encode_infer_parts(

@@ -42,9 +42,12 @@ def test_answers_of_one_layout_share_a_header_and_others_get_their_own() -> None
         assert raw == arr.tobytes()
 
 
-def test_an_answer_with_an_id_is_never_kept() -> None:
+def test_an_answer_with_an_id_is_kept_without_it_and_each_gets_its_own() -> None:
     encoding._headers.clear()
     doc, _ = _answer("m", np.ones((1, 4), np.float32), rid="r-1")
-    assert doc["id"] == "r-1" and not encoding._headers
+    assert doc["id"] == "r-1"
+    assert [b'"id"' in h for h in encoding._headers.values()] == [False]
     doc, _ = _answer("m", np.ones((1, 4), np.float32), rid="r-2")
     assert doc["id"] == "r-2"
+    doc, _ = _answer("m", np.ones((1, 4), np.float32))
+    assert "id" not in doc

@@ -10,12 +10,15 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
 from edged.errors import BadRequestError
-from edged.wire import decode, request_ids
+from edged.wire import decode, encode, request_ids
 from edged.wire.decode import PLANS, decode_infer
+from edged.wire.encode import encode_infer
+from edged.wire.tensors import InferRequest, OutputRequest
 
 INPUT: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
 
@@ -142,3 +145,34 @@ def test_template_keys_cannot_be_sent_as_headers() -> None:
     assert where is not None and PLANS.get(where[0]) is not None
     with pytest.raises(BadRequestError, match="malformed JSON"):
         decode_infer(where[0] + b"\0" * 4, len(where[0]))
+
+
+def test_an_answers_id_is_written_as_orjson_writes_the_whole_document() -> None:
+    """Answer heads are kept without the id and given it last: the bytes must be orjson's for the
+    whole document, cached or not, whatever the id holds."""
+    results: dict[str, np.ndarray] = {
+        "probs": np.arange(4, dtype=np.float32).reshape(1, 4),
+        "n": np.array([[1, 2]], np.int64),
+    }
+    outputs = [OutputRequest("probs", True), OutputRequest("n", True)]
+    entries = [
+        {"name": "probs", "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 16}},
+        {"name": "n", "datatype": "INT64", "shape": [1, 2], "parameters": {"binary_data_size": 16}},
+    ]
+    raw = results["probs"].tobytes() + results["n"].tobytes()
+    encode._headers.clear()
+    for rid in ("r1", "", 'q"uote\\ \n\x01', "é漢字", "", "7", "r1"):
+        doc: dict[str, object] = {"model_name": "m", "model_version": "1", "outputs": entries}
+        if rid:
+            doc["id"] = rid
+        want = orjson.dumps(doc)
+        body, header_length = encode_infer("m", InferRequest(rid, {}, outputs, True, {}), results)
+        assert (body[:header_length], body[header_length:]) == (want, raw), rid
+    # No output asked for: a plain JSON answer, with its id.
+    body, header_length = encode_infer("m", InferRequest("r9", {}, [], True, {}), results)
+    assert header_length is None and orjson.loads(body) == {
+        "model_name": "m",
+        "model_version": "1",
+        "outputs": [],
+        "id": "r9",
+    }
