@@ -85,10 +85,11 @@ def without_id(header: bytes) -> tuple[bytes, str, dict[str, Any]] | None:
 
 
 class Templates:
-    """Which templates were probed and refused (bounded): each costs one more parse, once."""
+    """Which templates were probed and refused, by their keys' hashes (at most _REFUSED_KEPT):
+    each costs one more parse, once. A hash shared by two keys costs a template, never an answer."""
 
     def __init__(self) -> None:
-        self._refused: set[bytes] = set()
+        self._refused: set[int] = set()
 
     def template_of(self, header: bytes, where: tuple[bytes, str, int, int], rest: dict[str, Any]) -> bytes | None:
         """The template's key when ``where`` is the top-level id's value in ``header``, whose
@@ -96,7 +97,7 @@ class Templates:
         to ``rest`` plus the probe as its id. A cut that falls anywhere else (an "id" nested in
         parameters first, a second top-level "id" after it) changes something else or nothing."""
         key, _, start, end = where
-        if key in self._refused:
+        if hash(key) in self._refused:
             return None
         try:
             probed = orjson.loads(header[:start] + orjson.dumps(_PROBE) + header[end:])
@@ -106,7 +107,7 @@ class Templates:
             return key
         if len(self._refused) >= _REFUSED_KEPT:
             self._refused.clear()
-        self._refused.add(key)
+        self._refused.add(hash(key))
         return None
 
 
