@@ -16,7 +16,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -324,8 +324,8 @@ class PlanCache:
             return plan
 
     def put(self, key: bytes, plan: _RequestPlan) -> None:
-        if len(key) > self.max_header or any(p.kind == "json" for p in plan.inputs):
-            return
+        if len(key) > self.max_header or any(p.kind == "json" and p.data is not None for p in plan.inputs):
+            return  # a plan holding a request's values is that request's alone
         with self._lock:
             if key in self._plans:
                 return
@@ -373,7 +373,8 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
     if header_length is None:
         # Plain JSON is all header. One whose tensors are in shared memory (Triton's clients
         # send those without the binary extension) is the same bytes for every frame, so it is
-        # planned once like a binary header; one with its data inline is not looked up.
+        # planned once like a binary header; one with its values inline is planned once per
+        # form, its values read each time (_parse_values).
         header_length = len(view)
     elif header_length > len(view):
         raise BadRequestError(f"Inference-Header-Content-Length {header_length} exceeds the body ({len(view)} bytes)")
@@ -382,7 +383,7 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
     # reach the plans cached under keys made without their id (request_ids) by sending one.
     key = header.tobytes() if header_length <= PLANS.max_header and bytes(header[:1]) != b"\x00" else None
     if plain and key is not None and _DATA_MEMBER in key:
-        key = None
+        return _parse_values(view, key, limits)
     cached, rid, where = _cached(key)
     template = None
     within = cached is not None and cached.within[0] is limits  # the same header seen by this model
@@ -399,22 +400,81 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
             cached = PLANS.get(key)
             plan = cached if cached is not None else plan_document(doc, limits)
     if cached is not None:
-        if not within:  # planned under another model's limits, maybe
-            check_counts(len(cached.inputs), len(cached.outputs or ()), limits)
-            check_bytes_inputs(((p.name, is_bytes(p.dtype)) for p in cached.inputs), limits)
-            cached.within[0] = limits
+        check_within(cached, limits)  # planned under another model's limits, maybe
         plan, key = cached, None
     binary = view[header_length:]
     if plan.layout is not None:  # no JSON data, no BYTES: nothing to read here
         return ParsedBody(plan, key, binary, {}, rid, template)
+    return _with_values(plan, key, rid, binary, None, template)
+
+
+def _with_values(
+    plan: _RequestPlan,
+    key: bytes | None,
+    rid: str | None,
+    binary: memoryview,
+    values: list[Any] | None,
+    template: bytes | None = None,
+) -> ParsedBody:
+    """The request's JSON values as arrays (the plan's own, or ``values``, one per input in the
+    plan's order), and its BYTES read out of the binary part."""
     arrays = {
-        p.name: from_json_data(p.data, p.dtype, p.shape, f"input '{p.name}'") for p in plan.inputs if p.kind == "json"
+        p.name: from_json_data(p.data if values is None else values[i], p.dtype, p.shape, f"input '{p.name}'")
+        for i, p in enumerate(plan.inputs)
+        if p.kind == "json"
     }
     decode_binary_bytes(plan, binary, arrays)
     return ParsedBody(plan, key, binary, arrays, rid, template)
 
 
-_DATA_MEMBER = b'"data"'  # a plain JSON request with its values inline: planned each time
+_DATA_MEMBER = b'"data"'  # a plain JSON request with its values inline (_parse_values)
+_VALUES_FORM = b"\x00values form:"  # its document without its values and its id (_form)
+
+
+def _parse_values(view: memoryview, header: bytes, limits: Limits) -> ParsedBody:
+    """A plain JSON request with its values inline: parsed each time (the values are in it), and
+    planned once per form, its document without the values and the id (``_form``). Clients send
+    one form with new values (and ids) for every request: the plan is checked once, each
+    request's values are converted with its types and shapes."""
+    check_json_size(view, len(view), limits)
+    doc = load_json(header)
+    form = _form(doc, header)
+    end = view[len(view) :]  # no binary part
+    if form is None:
+        return _with_values(plan_document(doc, limits), None, None, end, None)
+    key, rid, values = form
+    plan = PLANS.get(key)
+    if plan is not None:
+        check_within(plan, limits)
+        return _with_values(plan, None, rid, end, values)
+    planned = plan_document(doc, limits)  # every field checked, the values' presence included
+    inputs = tuple(replace(p, data=None) if p.kind == "json" else p for p in planned.inputs)
+    return _with_values(replace(planned, id="", inputs=inputs, within=[limits]), key, rid, end, values)
+
+
+def _form(doc: Any, header: bytes) -> tuple[bytes, str, list[Any]] | None:
+    """(the key of a plain JSON request's form, its id, each input's values): the document with
+    each input's "data" marked present but not written, and without its id. None for one the
+    planner must see whole: not an object, inputs that are not a list of objects, an id that is
+    not one, NaN or Infinity (read by the standard library, not written back the same)."""
+    if b"NaN" in header or b"Infinity" in header or not isinstance(doc, dict):
+        return None
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list):
+        return None
+    values: list[Any] = []
+    shapes: list[Any] = []
+    for inp in inputs:
+        if not isinstance(inp, dict):
+            return None
+        values.append(inp.get("data"))
+        shapes.append({**inp, "data": True} if "data" in inp else inp)
+    try:
+        rid = request_id(doc.get("id", ""))
+        rest = orjson.dumps([{k: v for k, v in doc.items() if k not in ("inputs", "id")}, shapes])
+    except (BadRequestError, orjson.JSONEncodeError):
+        return None
+    return _VALUES_FORM + rest, rid, values
 
 
 def _cached(key: bytes | None) -> tuple[_RequestPlan | None, str | None, tuple[bytes, str, int, int] | None]:

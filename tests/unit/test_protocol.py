@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import numpy as np
 import orjson
@@ -504,19 +505,10 @@ def test_large_json_outputs_beside_a_shared_memory_output_are_encoded_off_the_lo
         asyncio.run(encode_infer_async("m", req, {"big": big, "small": small}, resolver))
 
 
-def test_a_plain_json_request_with_its_tensors_in_shared_memory_is_planned_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_plain_json_request_with_its_tensors_in_shared_memory_is_planned_once(calls_of: Any) -> None:
     import edged.wire.decode as protocol
 
-    planned: list[object] = []
-    real = protocol.plan_document
-
-    def counting(doc: object, limits: Limits) -> object:
-        planned.append(doc)
-        return real(doc, limits)
-
-    monkeypatch.setattr(protocol, "plan_document", counting)
+    planned = calls_of(protocol, "plan_document")
     PLANS.clear()
     shm = {"shared_memory_region": "r", "shared_memory_byte_size": 4}
     inp = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": shm}
@@ -528,12 +520,14 @@ def test_a_plain_json_request_with_its_tensors_in_shared_memory_is_planned_once(
         assert req.outputs is not None and req.outputs[0].shm_region == "r"
     assert len(planned) == 1
     assert len(PLANS) == 1
-    # With its values inline, a plain JSON request is planned each time and never remembered.
-    inline = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.5]}]})
-    for _ in range(2):
-        assert decode_infer(inline).inputs["x"][0] == 1.5
-    assert len(planned) == 3
-    assert len(PLANS) == 1
+    # With its values inline, a plain JSON request is planned once per form, its values (and
+    # its id) read from each request.
+    for i, value in enumerate((1.5, -3.0, 7.25)):
+        doc = {"id": f"r{i}", "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [value]}]}
+        req = decode_infer(orjson.dumps(doc))
+        assert req.inputs["x"][0] == value and req.id == f"r{i}"
+    assert len(planned) == 2
+    assert len(PLANS) == 2
     PLANS.clear()
 
 

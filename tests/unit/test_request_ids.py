@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,25 +22,13 @@ from edged.wire.tensors import InferRequest, OutputRequest
 INPUT: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
 
 
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    PLANS.clear()
-    yield
-    PLANS.clear()
+pytestmark = pytest.mark.usefixtures("empty_plans")
 
 
 @pytest.fixture
-def parses(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """The headers the parsed path read (request_ids.without_id, the real one, counted)."""
-    seen: list[bytes] = []
-    real = request_ids.without_id
-
-    def counted(header: bytes) -> Any:
-        seen.append(header)
-        return real(header)
-
-    monkeypatch.setattr(decode, "without_id", counted)
-    return seen
+def parses(calls_of: Any) -> list[tuple[Any, ...]]:
+    """The headers the parsed path read (request_ids.without_id, the real one)."""
+    return calls_of(decode, "without_id")  # type: ignore[no-any-return]
 
 
 def _decoded(header: bytes) -> tuple[str, Any]:
@@ -65,7 +52,7 @@ def _fresh(header: bytes) -> tuple[str, Any]:
             PLANS.put(key, plan)
 
 
-def test_a_numbered_client_is_parsed_once_then_read_through_its_template(parses: list[bytes]) -> None:
+def test_a_numbered_client_is_parsed_once_then_read_through_its_template(parses: list[tuple[Any, ...]]) -> None:
     # tritonclient writes json.dumps's ", " and ": " (and escapes what is not ASCII: such an id
     # is parsed each time), edged.client orjson's compact form.
     styles = [
@@ -80,7 +67,7 @@ def test_a_numbered_client_is_parsed_once_then_read_through_its_template(parses:
     assert PLANS.distinct() == 1
 
 
-def test_an_id_that_is_not_a_plain_value_takes_the_parsed_path_with_its_errors(parses: list[bytes]) -> None:
+def test_an_id_that_is_not_a_plain_value_takes_the_parsed_path_with_its_errors(parses: list[tuple[Any, ...]]) -> None:
     assert _decoded(orjson.dumps({"id": "first", "inputs": [INPUT]}))[0] == "first"
     parses.clear()
     template = orjson.dumps({"id": "@", "inputs": [INPUT]})
@@ -91,7 +78,7 @@ def test_an_id_that_is_not_a_plain_value_takes_the_parsed_path_with_its_errors(p
     assert _decoded(template.replace(b'"@"', b"12.5"))[0] == "refused"
 
 
-def test_an_id_nested_before_the_top_level_one_is_never_a_template(parses: list[bytes]) -> None:
+def test_an_id_nested_before_the_top_level_one_is_never_a_template(parses: list[tuple[Any, ...]]) -> None:
     # The cut finds the nested "id" first; a template made there would answer every later
     # request with the nested value as its id, and the first request's parameters.
     for n in range(4):
@@ -101,7 +88,7 @@ def test_an_id_nested_before_the_top_level_one_is_never_a_template(parses: list[
     assert len(parses) == 4
 
 
-def test_a_second_top_level_id_wins_as_when_parsed(parses: list[bytes]) -> None:
+def test_a_second_top_level_id_wins_as_when_parsed(parses: list[tuple[Any, ...]]) -> None:
     # orjson keeps the last of two members of one name: so must every later request.
     for first in ("a", "x", "m"):
         header = b'{"id":"%s","inputs":[%s],"id":"last"}' % (first.encode(), orjson.dumps(INPUT))
@@ -109,7 +96,7 @@ def test_a_second_top_level_id_wins_as_when_parsed(parses: list[bytes]) -> None:
     assert len(parses) == 3
 
 
-def test_ids_read_through_templates_match_the_parsed_path(parses: list[bytes]) -> None:
+def test_ids_read_through_templates_match_the_parsed_path(parses: list[tuple[Any, ...]]) -> None:
     """Seeded: random ids in random headers of three clients, each decoded as a fresh cache
     decodes it."""
     rng = random.Random(20261207)
