@@ -436,7 +436,7 @@ def _parse_values(view: memoryview, header: bytes, limits: Limits) -> ParsedBody
     planned once per form, its document without the values and the id (``_form``). Clients send
     one form with new values (and ids) for every request: the plan is checked once, each
     request's values are converted with its types and shapes."""
-    check_json_size(view, len(view), limits)
+    check_json_size(header, len(header), limits)  # the bytes: a view would be copied to be counted
     doc = load_json(header)
     form = _form(doc, header)
     end = view[len(view) :]  # no binary part
