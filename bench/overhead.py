@@ -41,7 +41,7 @@ with the answer written into the same region too (``answer in place``: only JSON
 the socket; the answer is checked against ONNX Runtime's once per connection, untimed).
 
     scripts/bench.sh overhead [--model tiny|conv640|ocr_det] [--rounds 8] [--restarts 4] [--lanes edged,twin,worker]
-                              [--base HEAD~1|FOLDER]
+                              [--base HEAD~1|FOLDER] [--form binary|numbered|json]
                               [--stages]   (the edged lane's daemon times its stages, or the posix lane's
                                             without it: medians per lane)
 """
@@ -90,7 +90,7 @@ from bench.servers import (
     check,
     get_status,
 )
-from bench.wire import closed_loop, connect, roundtrip
+from bench.wire import FORMS, closed_loop, connect, roundtrip
 from edged.backends.onnxruntime import SERVING_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
@@ -249,7 +249,15 @@ def main(argv: list[str] | None = None) -> None:
         help="the edged lane's daemon (the posix lane's without it) with stage timers (bench.stages): "
         "per lane, the median of each stage",
     )
+    ap.add_argument(
+        "--form",
+        choices=FORMS,
+        default="binary",
+        help="how the edged lanes' clients write a request in the body: binary tensors, the same with "
+        "a request id (numbered), or the values in JSON",
+    )
     args = ap.parse_args(argv)
+    EdgedServer.request_form = args.form
     lanes = [n for n in args.lanes.split(",") if n]
     unknown = set(lanes) - set(LANES)
     if unknown:

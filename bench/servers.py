@@ -230,6 +230,9 @@ class EdgedServer(Server):
     """edged itself; readiness is its sd_notify READY=1 (what systemd waits for)."""
 
     name = "edged"
+    # How the clients of every edged lane write a request in the body (bench.wire.FORMS): one
+    # choice per run (overhead's --form), so that a daemon and its base read the same bytes.
+    request_form = "binary"
 
     def __init__(
         self,
@@ -372,7 +375,7 @@ class EdgedServer(Server):
         raise RuntimeError(f"edged still building after {timeout} s: {self.log_tail()}")
 
     def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
-        return v2_request(spec.name, spec.input, x, spec.outputs)
+        return v2_request(spec.name, spec.input, x, spec.outputs, self.request_form)
 
     def decode(self, spec: ModelSpec, head: bytes, body: bytes) -> np.ndarray:
         return decode_v2(head, body)[spec.outputs[0]]

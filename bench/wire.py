@@ -22,6 +22,7 @@ import numpy as np
 
 from edged.client import encode_request
 from edged.client.shm import ShmTensor
+from edged.wire.tensors import datatype_of
 
 Address = str | tuple[str, int]  # a Unix socket path or (host, port)
 
@@ -32,10 +33,23 @@ def http_bytes(path: str, body: bytes, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-def v2_request(model: str, name: str, value: np.ndarray | ShmTensor, outputs: Sequence[str]) -> bytes:
-    """An Open Inference Protocol request, binary tensors in and out (edged and Triton alike)."""
-    body, headers = encode_request({name: value}, list(outputs))
-    return http_bytes(f"/v2/models/{model}/infer", body, headers)
+# How a client writes its requests (``v2_request``): tensors in the binary extension; the same with
+# a request id, as tritonclient's request_id and edged.client's; the values in the JSON document
+# with JSON answers, as curl and simple clients send them.
+FORMS = ("binary", "numbered", "json")
+
+
+def v2_request(
+    model: str, name: str, value: np.ndarray | ShmTensor, outputs: Sequence[str], form: str = "binary"
+) -> bytes:
+    """An Open Inference Protocol request (edged and Triton alike), written in ``form`` (FORMS)."""
+    path = f"/v2/models/{model}/infer"
+    if form == "json" and isinstance(value, np.ndarray):
+        tensor = {"name": name, "datatype": datatype_of(value.dtype), "shape": list(value.shape)}
+        doc = {"inputs": [dict(tensor, data=value.reshape(-1).tolist())], "outputs": [{"name": o} for o in outputs]}
+        return http_bytes(path, json.dumps(doc).encode(), {"Content-Type": "application/json"})
+    body, headers = encode_request({name: value}, list(outputs), "bench-7" if form == "numbered" else "")
+    return http_bytes(path, body, headers)
 
 
 def v2_request_in_place(model: str, name: str, value: ShmTensor, output: str, offset: int, nbytes: int) -> bytes:
