@@ -334,9 +334,7 @@ class Relay:
                 a.track.release()
                 if self._pipes.get(path) is a:
                     del self._pipes[path]
-                for side in (a, a.other):
-                    if side is not None and side.transport is not None:
-                        side.transport.abort()
+                a.drop()
             self._forget(path, client)
             with contextlib.suppress(OSError):  # a transport may own (and have closed) them already
                 inner.close()
