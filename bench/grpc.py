@@ -10,6 +10,10 @@ loopback port too. Lanes, every one in every round, the order rotating between r
   * the tiny MLP (1x16 FP32 in, 1x4 out) through Triton's generated stub
     (``service_pb2_grpc.GRPCInferenceServiceStub``, one channel, the same request message every
     call): the floor and edged, each on the Unix socket and on TCP;
+  * the same through the stub to the floor behind edged's relay (``grpc_floor.py --relay``, on
+    both listeners): what a grpcio server that knows its Unix peers and bounds grpcio's buffers
+    pays before any work of its own. The report splits edged's time over the floor into the
+    relay's share (relayed floor / floor) and the handler's (edged / relayed floor);
   * the same through ``tritonclient.grpc`` (the client users run), floor and edged, Unix socket;
   * the same over edged's HTTP on its Unix socket: a pre-encoded request with the binary tensor
     extension on one keep-alive connection (bench/wire.py, the client of every HTTP benchmark);
@@ -84,8 +88,11 @@ class FloorServer(Server):
     name = "grpc-floor"
     answers = False
 
-    def __init__(self, work: Path, response: bytes) -> None:
+    def __init__(self, work: Path, response: bytes, relayed: bool = False) -> None:
+        if relayed:
+            self.name = "grpc-floor-relayed"
         super().__init__(work, {})
+        self.relayed = relayed
         self.port = free_port()
         self.response_file = self.dir / "response.bin"
         self.response_file.write_bytes(response)
@@ -95,7 +102,8 @@ class FloorServer(Server):
         return str(self.dir / "floor.sock")
 
     def command(self) -> list[str]:
-        return [self.python, "-m", "bench.grpc_floor", str(self.response_file), self.addr, str(self.port)]
+        relay = ["--relay"] if self.relayed else []
+        return [self.python, "-m", "bench.grpc_floor", str(self.response_file), self.addr, str(self.port), *relay]
 
     def is_ready(self) -> bool:
         with grpc.insecure_channel(f"unix:{self.addr}") as ch:
@@ -145,9 +153,10 @@ class Lanes:
         got = self.stub(self.targets["edged_uds"]).ModelInfer(self.request, timeout=30)
         return bytes(got.SerializeToString())
 
-    def add_tiny(self, floor: FloorServer) -> None:
+    def add_tiny(self, floor: FloorServer, relayed: FloorServer) -> None:
         self.targets |= {"floor_uds": f"unix:{floor.addr}", "floor_tcp": f"127.0.0.1:{floor.port}"}
-        for lane in ("floor_uds", "edged_uds", "floor_tcp", "edged_tcp"):
+        self.targets |= {"relayed_uds": f"unix:{relayed.addr}", "relayed_tcp": f"127.0.0.1:{relayed.port}"}
+        for lane in ("floor_uds", "relayed_uds", "edged_uds", "floor_tcp", "relayed_tcp", "edged_tcp"):
             self.calls[f"tiny/stub/{lane}"] = self.stub_call(self.targets[lane])
         for lane in ("floor_uds", "edged_uds"):
             self.calls[f"tiny/tritonclient/{lane}"] = self.tritonclient_call(self.targets[lane])
@@ -277,7 +286,7 @@ def summary(per_round: list[list[float]]) -> dict[str, Any]:
     }
 
 
-def ratio(lanes: dict[str, dict[str, Any]], a: str, b: str, target: float) -> dict[str, Any]:
+def ratio(lanes: dict[str, dict[str, Any]], a: str, b: str, target: float | None) -> dict[str, Any]:
     """a's p50 over b's: pooled, and the median and worst of the rounds' ratios."""
     rounds = [x / y for x, y in zip(lanes[a]["round_p50_ms"], lanes[b]["round_p50_ms"]) if y]
     return {
@@ -290,7 +299,9 @@ def ratio(lanes: dict[str, dict[str, Any]], a: str, b: str, target: float) -> di
     }
 
 
-RATIOS = [
+# (lane, over lane, target: None for a share of another ratio, no target of its own)
+Pair = tuple[str, str, float | None]
+RATIOS: list[Pair] = [
     ("tiny/stub/edged_uds", "tiny/stub/floor_uds", TARGET_FLOOR),
     ("tiny/stub/edged_tcp", "tiny/stub/floor_tcp", TARGET_FLOOR),
     ("tiny/tritonclient/edged_uds", "tiny/tritonclient/floor_uds", TARGET_FLOOR),
@@ -300,7 +311,16 @@ RATIOS = [
 ]
 
 
-BASE_RATIOS = [
+# Where edged's time over the floor goes: no target, the split of the one above.
+SHARES: list[Pair] = [
+    ("tiny/stub/relayed_uds", "tiny/stub/floor_uds", None),
+    ("tiny/stub/edged_uds", "tiny/stub/relayed_uds", None),
+    ("tiny/stub/relayed_tcp", "tiny/stub/floor_tcp", None),
+    ("tiny/stub/edged_tcp", "tiny/stub/relayed_tcp", None),
+]
+
+
+BASE_RATIOS: list[Pair] = [
     ("tiny/stub/edged_uds", "tiny/stub/base_uds", 1.0),
     ("tiny/stub/edged_tcp", "tiny/stub/base_tcp", 1.0),
 ]
@@ -319,9 +339,10 @@ def run(work: Path, rounds: int, per: int, frame_per: int, base: str | None) -> 
         if base is not None:
             lanes.add_base(based, f"127.0.0.1:{base_port}")
         try:
-            floor = FloorServer(work, lanes.edged_response())
-            with running([floor]):
-                lanes.add_tiny(floor)
+            response = lanes.edged_response()
+            floor, relayed = FloorServer(work, response), FloorServer(work, response, relayed=True)
+            with running([floor, relayed]):
+                lanes.add_tiny(floor, relayed)
                 frame = lanes.add_frame()
                 lanes.check(frame)
                 counts = {k: frame_per if k.startswith("frame") else per for k in lanes.calls}
@@ -331,7 +352,7 @@ def run(work: Path, rounds: int, per: int, frame_per: int, base: str | None) -> 
             lanes.close()
             edged.close_frames()
     result = {k: summary(v) for k, v in raw.items()}
-    pairs = RATIOS + (BASE_RATIOS if base is not None else [])
+    pairs = RATIOS + SHARES + (BASE_RATIOS if base is not None else [])
     return {"lanes": result, "ratios": [ratio(result, a, b, t) for a, b, t in pairs], "base": base}
 
 
@@ -340,9 +361,12 @@ def report(r: dict[str, Any]) -> str:
     lines += [f"{k:<32} {v['p50_ms']:>9.3f} {v['p99_ms']:>9.3f} {v['n']:>7}" for k, v in r["lanes"].items()]
     lines += ["", f"{'ratio of p50s':<60} {'pooled':>7} {'rounds':>7} {'worst':>7}  target"]
     for q in r["ratios"]:
-        verdict = f"<= {q['target']} " + ("met" if q["p50_ratio"] <= q["target"] else "MISSED")
         if q["over"].startswith("tiny/stub/base"):
             verdict = "before/after"
+        elif q["target"] is None:
+            verdict = "share"
+        else:
+            verdict = f"<= {q['target']} " + ("met" if q["p50_ratio"] <= q["target"] else "MISSED")
         name = f"{q['of']} / {q['over']}"
         lines.append(f"{name:<60} {q['p50_ratio']:>7.3f} {q['round_median']:>7.3f} {q['round_worst']:>7.3f}  {verdict}")
     return "\n".join(lines)

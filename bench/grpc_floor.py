@@ -4,7 +4,13 @@
 benchmark writes edged's own answer to the same request there, so both answers have the same
 size). No edged code: what any Python gRPC server pays before it runs a model.
 
-    python -m bench.grpc_floor RESPONSE_FILE UNIX_PATH TCP_PORT
+With ``--relay``, the same server behind edged's own relay (edged.transports.grpc.peers, with
+the daemon's default bounds, on uvloop as in the daemon), as edged's grpcio is: what a grpcio
+server pays that must know its Unix peers and bound what grpcio buffers, before it does any work
+of its own. Each call tells the relay of itself, as edged's access check does (the relay closes a
+TCP connection that makes no authorised call).
+
+    python -m bench.grpc_floor RESPONSE_FILE UNIX_PATH TCP_PORT [--relay]
 
 Listens on ``unix:UNIX_PATH`` and ``127.0.0.1:TCP_PORT``; answers ``ServerReady`` for readiness;
 stops on SIGTERM.
@@ -14,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,33 +31,72 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 
 class Floor(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    def __init__(self, response: Any) -> None:
+    def __init__(self, response: Any, called: Callable[[str], None] | None = None) -> None:
         self.response = response
+        self.called = called
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
         return service_pb2.ServerReadyResponse(ready=True)
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
+        if self.called is not None:
+            self.called(context.peer())
         return self.response
 
 
-async def serve(response_file: Path, unix_path: str, port: int) -> None:
+async def serve(response_file: Path, unix_path: str, port: int, relayed: bool) -> None:
     response = service_pb2.ModelInferResponse.FromString(response_file.read_bytes())
     # The limits tritonclient sets on its side, so a frame-sized message passes either way.
     options = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
     server = grpc.aio.server(options=options)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(response), server)
-    server.add_insecure_port(f"unix:{unix_path}")
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    relay = _relay(unix_path, port) if relayed else None
+    floor = Floor(response, relay.called if relay is not None else None)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(floor, server)
+    if relay is not None:
+        server.add_insecure_port("unix:" + relay.inner)
+    else:
+        server.add_insecure_port(f"unix:{unix_path}")
+        server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    if relay is not None:
+        relay.start(asyncio.get_running_loop())
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
     await server.stop(grace=1)
+    if relay is not None:
+        relay.close()
+
+
+def _relay(unix_path: str, port: int) -> Any:
+    """edged's relay on both listeners, with the daemon's default bounds."""
+    from edged.config.server import ServerConfig
+    from edged.config.sizes import parse_size
+    from edged.transports.budget import BodyBudget
+    from edged.transports.grpc.peers import Relay
+    from edged.transports.peer import tcp_socket
+
+    s = ServerConfig()
+    relay = Relay(
+        s.max_connections, s.max_connections_per_peer, BodyBudget(parse_size(s.bodies_in_flight)), s.read_timeout_s
+    )
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(unix_path)
+    unix.listen(256)
+    unix.setblocking(False)
+    relay.listen(unix)
+    relay.listen(tcp_socket("127.0.0.1", port, f"127.0.0.1:{port}", "grpc_tcp"))
+    return relay
 
 
 def main(argv: list[str]) -> int:
-    asyncio.run(serve(Path(argv[0]), argv[1], int(argv[2])))
+    relayed = "--relay" in argv[3:]
+    if relayed:  # on the loop edged's relay runs on
+        import uvloop
+
+        uvloop.run(serve(Path(argv[0]), argv[1], int(argv[2]), relayed))
+    else:
+        asyncio.run(serve(Path(argv[0]), argv[1], int(argv[2]), relayed))
     return 0
 
 
