@@ -82,54 +82,90 @@ class Frames:
             i = min(self.skip, n)
             self.skip -= i
         while i < n:
-            if not self.left and not self.padded:
-                if self.head or n - i < 9:  # a header split across reads
-                    need = 9 - len(self.head)
-                    self.head += data[i : i + need]
-                    i += need
-                    if len(self.head) < 9:
-                        return
-                    hi, lo, kind, flags, sid = _HEADER.unpack(self.head)
-                    self.head = b""
-                else:
-                    hi, lo, kind, flags, sid = _HEADER.unpack_from(data, i)
-                    i += 9
-                self.left, self.kind, self.flags, self.sid = hi << 16 | lo, kind, flags, sid & 0x7FFFFFFF
+            if not self.left and not self.padded and not self.head and n - i >= 9:
+                # A frame that begins here: read whole in one step where its payload is here too
+                # (a unary call's frames come in one read each way), else begun as in _step.
+                hi, lo, kind, flags, sid = _HEADER.unpack_from(data, i)
+                length, sid = hi << 16 | lo, sid & 0x7FFFFFFF
+                end = i + 9 + length
+                if end > n or (kind == DATA and flags & PADDED and length):
+                    i = self._begin(data, i + 9, (length, kind, flags, sid), conn, inbound)
+                    continue
                 if inbound:
                     conn.stepped += 1
                 if kind == DATA:
-                    self.padded = bool(flags & PADDED) and self.left > 0
-                    self.data_left = 0 if self.padded else self.left
                     if inbound:
-                        conn.consumed(self.sid, self.left)  # padding counts against the windows too
+                        conn.consumed(sid, length)
+                        if length:
+                            conn.data(sid, data, i + 9, end)
+                        if flags & END_STREAM:
+                            conn.end(sid)  # the client's last message: whole, or never to be
+                        else:
+                            conn.check_blocked(sid)
                 elif not inbound and (kind == WINDOW_UPDATE or (kind == SETTINGS and not flags & 0x1)):
-                    self.payload = bytearray()  # grpcio's own frames: a few bytes each
+                    conn.granted(kind, sid, data[i + 9 : end])
                 elif kind == RST_STREAM or (kind == HEADERS and flags & END_STREAM and not inbound):
-                    conn.end(self.sid)  # reset by either side, or answered with its trailers
+                    conn.end(sid)
                 elif kind == HEADERS and inbound and not flags & END_STREAM:
-                    conn.opened(self.sid)
-                if not self.left:
-                    self._frame_done(conn, inbound)
+                    conn.opened(sid)
+                i = end
                 continue
-            if self.padded:  # the pad length: the payload's last bytes are padding
-                self.padded = False
-                self.left -= 1
-                self.data_left = max(self.left - data[i], 0)
-                i += 1
-                if not self.left:
-                    self._frame_done(conn, inbound)
-                continue
-            take = min(self.left, n - i)
-            if self.payload is not None:
-                self.payload += data[i : i + take]
-            if self.data_left and inbound:
-                d = min(self.data_left, take)
-                conn.data(self.sid, data, i, i + d)
-                self.data_left -= d
-            i += take
-            self.left -= take
+            i = self._step(data, i, n, conn, inbound)
+
+    def _step(self, data: bytes, i: int, n: int, conn: Unfinished, inbound: bool) -> int:
+        """One step of a frame split across reads: its header, its pad length, or a piece of its
+        payload. Returns where the next step begins."""
+        if not self.left and not self.padded:  # a header split across reads
+            need = 9 - len(self.head)
+            self.head += data[i : i + need]
+            i += need
+            if len(self.head) < 9:
+                return i
+            hi, lo, kind, flags, sid = _HEADER.unpack(self.head)
+            self.head = b""
+            return self._begin(data, i, (hi << 16 | lo, kind, flags, sid & 0x7FFFFFFF), conn, inbound)
+        if self.padded:  # the pad length: the payload's last bytes are padding
+            self.padded = False
+            self.left -= 1
+            self.data_left = max(self.left - data[i], 0)
+            i += 1
             if not self.left:
                 self._frame_done(conn, inbound)
+            return i
+        take = min(self.left, n - i)
+        if self.payload is not None:
+            self.payload += data[i : i + take]
+        if self.data_left and inbound:
+            d = min(self.data_left, take)
+            conn.data(self.sid, data, i, i + d)
+            self.data_left -= d
+        i += take
+        self.left -= take
+        if not self.left:
+            self._frame_done(conn, inbound)
+        return i
+
+    def _begin(self, data: bytes, i: int, frame: tuple[int, int, int, int], conn: Unfinished, inbound: bool) -> int:
+        """A frame whose header has been read (its length, type, flags and stream) and whose
+        payload begins at ``i``, taken a piece at a time by _step."""
+        self.left, self.kind, self.flags, self.sid = frame
+        kind, flags = self.kind, self.flags
+        if inbound:
+            conn.stepped += 1
+        if kind == DATA:
+            self.padded = bool(flags & PADDED) and self.left > 0
+            self.data_left = 0 if self.padded else self.left
+            if inbound:
+                conn.consumed(self.sid, self.left)  # padding counts against the windows too
+        elif not inbound and (kind == WINDOW_UPDATE or (kind == SETTINGS and not flags & 0x1)):
+            self.payload = bytearray()  # grpcio's own frames: a few bytes each
+        elif kind == RST_STREAM or (kind == HEADERS and flags & END_STREAM and not inbound):
+            conn.end(self.sid)  # reset by either side, or answered with its trailers
+        elif kind == HEADERS and inbound and not flags & END_STREAM:
+            conn.opened(self.sid)
+        if not self.left:
+            self._frame_done(conn, inbound)
+        return i
 
     def _frame_done(self, conn: Unfinished, inbound: bool) -> None:
         if self.payload is not None:
