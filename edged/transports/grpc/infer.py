@@ -41,7 +41,8 @@ from edged.errors import (
 )
 from edged.llm import generation as gen
 from edged.ratelog import RateLimitedLog
-from edged.serving.modelplan import outputs_checked
+from edged.serving.modelplan import ModelPlan, outputs_checked
+from edged.serving.runtime import ModelRuntime
 from edged.serving.service import Service
 from edged.transports.grpc.access import Access
 from edged.transports.peer import Peer
@@ -70,6 +71,8 @@ _TRANSPORT = "grpc"
 # Typed values and other fields beyond this many bytes are decoded on a thread (about a
 # millisecond of conversion on a small board).
 _FIELDS_ON_LOOP = 16 * 1024
+# The model a request names (its served name), its runtime and its plan.
+_LookedUp = tuple[str, ModelRuntime, ModelPlan]
 
 
 @dataclass(slots=True)
@@ -182,17 +185,18 @@ class Inference:
         shm = LazyShm(self.regions, peer)
         name = p.name
         try:
-            req, received = await self._decode(p, shm)
-            name = svc.resolve(p.name, p.version)
+            req, received, looked_up = await self._decode(p, shm)
             # At once where nothing was awaited since the lookup (as HTTP's route does): the
             # decoder's plan (req.shapes) then spares the model's check of the same shapes.
-            waited = shm.held is not None or bool(req.pending)
             outputs = None
-            if not waited:
-                rt = svc.model(name)
-                outputs = svc.infer_now(rt, svc.plan_for(rt), req.inputs, req.id, _TRANSPORT, received, req.shapes)
+            if looked_up is not None:
+                name, rt, plan = looked_up
+                outputs = svc.infer_now(rt, plan, req.inputs, req.id, _TRANSPORT, received, req.shapes)
+            else:
+                name = svc.resolve(p.name, p.version)  # again: the model may have gone meanwhile
             if outputs is None:
-                outputs = await svc.infer(name, req.inputs, req.id, _TRANSPORT, received, tried_now=not waited)
+                tried = looked_up is not None
+                outputs = await svc.infer(name, req.inputs, req.id, _TRANSPORT, received, tried_now=tried)
             ran = time.perf_counter_ns()
             model, version = svc.versions().served(name)
             try:
@@ -237,8 +241,10 @@ class Inference:
 
         return await asyncio.to_thread(made)
 
-    async def _decode(self, p: Parsed, shm: LazyShm) -> tuple[InferRequest, int]:
-        """The request's inputs, ready for the model, and when it was taken (perf_counter_ns)."""
+    async def _decode(self, p: Parsed, shm: LazyShm) -> tuple[InferRequest, int, _LookedUp | None]:
+        """The request's inputs, ready for the model, when it was taken (perf_counter_ns), and
+        the model it names with its plan where nothing was awaited since they were looked up
+        (None where something was: they are looked up again)."""
         svc = self.service
         name = p.name
         try:
@@ -246,7 +252,8 @@ class Inference:
                 raise ShuttingDownError("edged is shutting down")
             name = svc.resolve(p.name, p.version)
             received = time.perf_counter_ns()
-            plan = svc.plan_for(svc.model(name))
+            rt = svc.model(name)
+            plan = svc.plan_for(rt)
             _check_size(p, plan.limits.json_bytes)
             # Before anything walks the tensor lists (the plan's key, the document): a message of
             # a million empty input headers is 4 MiB, and walking it held the loop for 1.5 s.
@@ -254,19 +261,22 @@ class Inference:
             planned = None
             if p.wire is not None:
                 planned = wire_planned(p.wire, p.message, shm.input, plan.limits, _document, p.plan)
+            waited = False
             if planned is not None:
                 req = planned
             elif p.large:
                 req = await asyncio.to_thread(_decoded, p, shm.input, plan.limits)
+                waited = True
             else:
                 req = _decoded(p, shm.input, plan.limits)
             outputs_checked(plan, req)
             if shm.held is not None or req.pending:
                 await fill_inputs(req, shm)
+                waited = True
         except EdgedError as e:  # never reached the model: counted here (the service counts the rest)
             svc.metrics.reject(name, _TRANSPORT, e.code, known=name in svc.registry.models)
             raise
-        return req, received
+        return req, received, None if waited else (name, rt, plan)
 
     # --- streams ---
 
