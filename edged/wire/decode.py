@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -245,6 +246,10 @@ def load_object(raw: bytes | memoryview, not_object: str, malformed: str = "malf
     return doc
 
 
+# An escaped UTF-16 surrogate (\uD800-\uDFFF), paired or not.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def load_json(header: memoryview | bytes) -> Any:
     """orjson, strict JSON; a document that orjson refuses and that holds NaN or Infinity (which
     Python's json, NumPy and tritonclient write for non-finite values, and Triton accepts) is read
@@ -256,9 +261,17 @@ def load_json(header: memoryview | bytes) -> Any:
         if b"NaN" not in raw and b"Infinity" not in raw:
             raise BadRequestError(f"malformed JSON: {e}") from None
         try:
-            return json.loads(raw)
+            doc = json.loads(raw)
         except (ValueError, RecursionError) as e2:  # JSONDecodeError, bad UTF-8, too deep, huge ints
             raise BadRequestError(f"malformed JSON: {e2}") from None
+        if _SURROGATE_ESCAPE.search(raw) is not None:
+            # json takes an escaped lone surrogate, which no answer or error could carry (orjson
+            # refuses to write it): refused here, as orjson refuses it. A pair is one character.
+            try:
+                json.dumps(doc, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequestError("malformed JSON: a string holds a lone UTF-16 surrogate") from None
+        return doc
 
 
 # What other wire modules hold a plan as (kserve_wire.py keeps one found on a worker thread).
@@ -386,7 +399,9 @@ def parse_body(body: bytes | memoryview, header_length: int | None, limits: Limi
         return _parse_values(view, key, limits)
     cached, rid, where = _cached(key)
     template = None
-    within = cached is not None and cached.within[0] is limits  # the same header seen by this model
+    # The same header seen by this model: its size was checked then. One matched through its
+    # id's template differs in the id, which may make it longer or hold '{'s: checked again.
+    within = cached is not None and rid is None and cached.within[0] is limits
     if not within:  # before parsing: its object count is bounded by this model's limits
         check_json_size(body, header_length, limits)
     if cached is None:

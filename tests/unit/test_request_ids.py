@@ -13,11 +13,12 @@ import numpy as np
 import orjson
 import pytest
 
-from edged.errors import BadRequestError
+from edged.errors import BadRequestError, EdgedError
 from edged.wire import decode, encode, request_ids
 from edged.wire.decode import PLANS, decode_infer
 from edged.wire.encode import encode_infer
 from edged.wire.tensors import InferRequest, OutputRequest
+from edged.wire.validate import Limits
 
 INPUT: dict[str, object] = {"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
 
@@ -163,3 +164,40 @@ def test_an_answers_id_is_written_as_orjson_writes_the_whole_document() -> None:
         "outputs": [],
         "id": "r9",
     }
+
+
+def test_an_id_read_through_a_template_is_held_to_the_json_limits() -> None:
+    """A template compares every byte but the id's value, so a request matched through one is
+    held to server.max_json and to the model's object count as a fresh decode holds it."""
+
+    def request(rid: str, limits: Limits) -> str:
+        head = orjson.dumps({"id": rid, "inputs": [INPUT]})
+        try:
+            return decode_infer(head + b"\0" * 4, len(head), limits=limits).id
+        except EdgedError as e:
+            return type(e).__name__
+
+    for limits, long_id, refusal in [
+        (Limits(json_bytes=200, model="m"), "z" * 3000, "PayloadTooLargeError"),
+        (Limits(inputs=1, outputs=1, model="m"), "{" * 5000, "InvalidInputError"),
+    ]:
+        PLANS.clear()
+        assert request("a", limits) == "a" and request("b", limits) == "b"  # the template, then checked
+        assert request(long_id, limits) == refusal
+        PLANS.clear()
+        assert request(long_id, limits) == refusal  # as a fresh decode refuses it
+
+
+def test_a_string_holding_a_lone_surrogate_is_refused_where_nan_is_read() -> None:
+    """A document holding NaN is read by Python's json, which takes an escaped lone surrogate
+    that no answer could carry (orjson refuses to write it): refused as malformed, where a
+    proper pair is read as its character."""
+    doc = b'{"id":"%s","inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[NaN]}]}'
+    with pytest.raises(BadRequestError, match="surrogate"):
+        decode_infer(doc % b"\\ud800", None)
+    with pytest.raises(BadRequestError, match="surrogate"):
+        decode_infer(doc % b"a\\udc00", None)
+    req = decode_infer(doc % b"\\ud83d\\ude00", None)
+    assert req.id == "\U0001f600"
+    assert np.isnan(req.inputs["x"]).all()
+    assert orjson.loads(encode_infer("m", req, {"y": np.zeros(1, np.float32)})[0])["id"] == "\U0001f600"
