@@ -288,3 +288,20 @@ def test_frames_read_whole_and_frames_split_across_reads_count_the_same(clock: C
         assert whole.held == split.held == whole_budget.used == split_budget.used
         most = max(most, whole.held)
     assert most > 0  # the exchange held messages under way: the comparison saw some
+
+
+def test_a_flood_is_walked_no_further_than_the_step_past_the_bound() -> None:
+    """A read of 256 KiB (a socket read's most) of empty frames or 5-byte messages holds 29,000
+    or 52,000 steps: the walk stops at the one past the bound, whatever follows in the read."""
+    cap = unfinished.STEPS_PER_READ
+    frames = Unfinished(BodyBudget(1 << 30))
+    assert not frames.client_sent(opening() + headers(1) + data(1, b"") * (256 * 1024 // 9))
+    assert frames.reason == "frames_per_read" and frames.stepped == cap + 1
+    messages = Unfinished(BodyBudget(1 << 30))
+    flood = data(1, message(0) * (256 * 1024 // 5 - 8))
+    assert not messages.client_sent(opening() + headers(1) + flood)
+    assert messages.reason == "frames_per_read" and messages.stepped == cap + 1
+    held = Unfinished(BodyBudget(1 << 30))  # the flood behind a message under way on its stream
+    assert held.client_sent(opening() + headers(1) + data(1, message(10)[:3]))
+    assert not held.client_sent(data(1, message(10)[3:] + message(0) * 20_000))
+    assert held.stepped == cap + 1 and held.held == held.budget.used
