@@ -271,6 +271,8 @@ def load_json(header: memoryview | bytes) -> Any:
                 json.dumps(doc, ensure_ascii=False).encode("utf-8")
             except UnicodeEncodeError:
                 raise BadRequestError("malformed JSON: a string holds a lone UTF-16 surrogate") from None
+            except RecursionError:  # as deep as json.loads could go: no deeper is written
+                raise BadRequestError("malformed JSON: nested too deeply") from None
         return doc
 
 
