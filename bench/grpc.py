@@ -14,6 +14,10 @@ loopback port too. Lanes, every one in every round, the order rotating between r
     both listeners): what a grpcio server that knows its Unix peers and bounds grpcio's buffers
     pays before any work of its own. The report splits edged's time over the floor into the
     relay's share (relayed floor / floor) and the handler's (edged / relayed floor);
+  * the same through the stub to the relayed floor that also runs the model on each request's
+    input (``grpc_floor.py --relay --run``, the ``limit`` lanes): the least a grpcio server behind
+    the relay does for the model, the bound of the floor target (the report says whether that
+    bound is itself past it);
   * the same through ``tritonclient.grpc`` (the client users run), floor and edged, Unix socket;
   * the same over edged's HTTP on its Unix socket: a pre-encoded request with the binary tensor
     extension on one keep-alive connection (bench/wire.py, the client of every HTTP benchmark);
@@ -50,7 +54,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench.base_tree import BaseEdged
-from bench.models import ModelSpec, make_conv640, session
+from bench.models import ModelSpec, make_conv640, session, write_specs
 from bench.peers import REPO, log, machine, running
 from bench.servers import EdgedServer, Server
 from bench.wire import connect, decode_v2, roundtrip
@@ -88,14 +92,17 @@ class FloorServer(Server):
     name = "grpc-floor"
     answers = False
 
-    def __init__(self, work: Path, response: bytes, relayed: bool = False) -> None:
+    def __init__(self, work: Path, response: bytes, relayed: bool = False, run: ModelSpec | None = None) -> None:
         if relayed:
-            self.name = "grpc-floor-relayed"
+            self.name = "grpc-floor-relayed" if run is None else "grpc-limit"
         super().__init__(work, {})
         self.relayed = relayed
         self.port = free_port()
         self.response_file = self.dir / "response.bin"
         self.response_file.write_bytes(response)
+        self.run: list[str] = []
+        if run is not None:
+            self.run = ["--run", str(write_specs(self.dir / "specs.json", {run.name: run})), run.name]
 
     @property
     def addr(self) -> str:
@@ -103,7 +110,8 @@ class FloorServer(Server):
 
     def command(self) -> list[str]:
         relay = ["--relay"] if self.relayed else []
-        return [self.python, "-m", "bench.grpc_floor", str(self.response_file), self.addr, str(self.port), *relay]
+        argv = [str(self.response_file), self.addr, str(self.port), *relay, *self.run]
+        return [self.python, "-m", "bench.grpc_floor", *argv]
 
     def is_ready(self) -> bool:
         with grpc.insecure_channel(f"unix:{self.addr}") as ch:
@@ -153,11 +161,12 @@ class Lanes:
         got = self.stub(self.targets["edged_uds"]).ModelInfer(self.request, timeout=30)
         return bytes(got.SerializeToString())
 
-    def add_tiny(self, floor: FloorServer, relayed: FloorServer) -> None:
-        self.targets |= {"floor_uds": f"unix:{floor.addr}", "floor_tcp": f"127.0.0.1:{floor.port}"}
-        self.targets |= {"relayed_uds": f"unix:{relayed.addr}", "relayed_tcp": f"127.0.0.1:{relayed.port}"}
-        for lane in ("floor_uds", "relayed_uds", "edged_uds", "floor_tcp", "relayed_tcp", "edged_tcp"):
-            self.calls[f"tiny/stub/{lane}"] = self.stub_call(self.targets[lane])
+    def add_tiny(self, floor: FloorServer, relayed: FloorServer, limit: FloorServer) -> None:
+        for name, server in (("floor", floor), ("relayed", relayed), ("limit", limit)):
+            self.targets |= {f"{name}_uds": f"unix:{server.addr}", f"{name}_tcp": f"127.0.0.1:{server.port}"}
+        for kind in ("uds", "tcp"):
+            for name in ("floor", "relayed", "limit", "edged"):
+                self.calls[f"tiny/stub/{name}_{kind}"] = self.stub_call(self.targets[f"{name}_{kind}"])
         for lane in ("floor_uds", "edged_uds"):
             self.calls[f"tiny/tritonclient/{lane}"] = self.tritonclient_call(self.targets[lane])
         sock = connect(self.edged.addr)
@@ -311,12 +320,22 @@ RATIOS: list[Pair] = [
 ]
 
 
+# The floor target's bound: the relayed floor running the model, against the floor (the same
+# target; past it, no grpcio server behind the relay meets it on this machine).
+BOUNDS: list[Pair] = [
+    ("tiny/stub/limit_uds", "tiny/stub/floor_uds", TARGET_FLOOR),
+    ("tiny/stub/limit_tcp", "tiny/stub/floor_tcp", TARGET_FLOOR),
+]
+
+
 # Where edged's time over the floor goes: no target, the split of the one above.
 SHARES: list[Pair] = [
     ("tiny/stub/relayed_uds", "tiny/stub/floor_uds", None),
-    ("tiny/stub/edged_uds", "tiny/stub/relayed_uds", None),
+    ("tiny/stub/limit_uds", "tiny/stub/relayed_uds", None),
+    ("tiny/stub/edged_uds", "tiny/stub/limit_uds", None),
     ("tiny/stub/relayed_tcp", "tiny/stub/floor_tcp", None),
-    ("tiny/stub/edged_tcp", "tiny/stub/relayed_tcp", None),
+    ("tiny/stub/limit_tcp", "tiny/stub/relayed_tcp", None),
+    ("tiny/stub/edged_tcp", "tiny/stub/limit_tcp", None),
 ]
 
 
@@ -341,8 +360,9 @@ def run(work: Path, rounds: int, per: int, frame_per: int, base: str | None) -> 
         try:
             response = lanes.edged_response()
             floor, relayed = FloorServer(work, response), FloorServer(work, response, relayed=True)
-            with running([floor, relayed]):
-                lanes.add_tiny(floor, relayed)
+            limit = FloorServer(work, response, relayed=True, run=models["tiny"])
+            with running([floor, relayed, limit]):
+                lanes.add_tiny(floor, relayed, limit)
                 frame = lanes.add_frame()
                 lanes.check(frame)
                 counts = {k: frame_per if k.startswith("frame") else per for k in lanes.calls}
@@ -352,7 +372,7 @@ def run(work: Path, rounds: int, per: int, frame_per: int, base: str | None) -> 
             lanes.close()
             edged.close_frames()
     result = {k: summary(v) for k, v in raw.items()}
-    pairs = RATIOS + SHARES + (BASE_RATIOS if base is not None else [])
+    pairs = RATIOS + BOUNDS + SHARES + (BASE_RATIOS if base is not None else [])
     return {"lanes": result, "ratios": [ratio(result, a, b, t) for a, b, t in pairs], "base": base}
 
 
@@ -365,6 +385,8 @@ def report(r: dict[str, Any]) -> str:
             verdict = "before/after"
         elif q["target"] is None:
             verdict = "share"
+        elif q["of"].startswith("tiny/stub/limit"):
+            verdict = f"bound: {'within' if q['p50_ratio'] <= q['target'] else 'past'} {q['target']}"
         else:
             verdict = f"<= {q['target']} " + ("met" if q["p50_ratio"] <= q["target"] else "MISSED")
         name = f"{q['of']} / {q['over']}"
