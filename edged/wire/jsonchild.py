@@ -39,10 +39,10 @@ from edged.wire.decode import (
     decode_binary_bytes,
     decode_infer,
     finish_decode,
-    load_json,
     parse_body,
-    plan_document,
 )
+from edged.wire.jsondoc import load_json
+from edged.wire.plans import plan_document
 from edged.wire.tensors import deserialize_bytes, from_json_data, is_bytes, tensor_bytes
 
 _LEN = struct.Struct("<Q")

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edged.wire.decode import PlanCache, RequestPlan, check_within, decode_planned, plan_document
+from edged.wire.decode import decode_planned
+from edged.wire.plans import PlanCache, RequestPlan, check_within, plan_document
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, ShmResolver, datatype_of, is_bytes, tensor_bytes
 from edged.wire.validate import Limits

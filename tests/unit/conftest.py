@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from edged.wire.decode import PLANS
+from edged.wire.plans import PLANS
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The decode of a request whose inputs are all numeric tensors in the binary part, laid out once
-per plan (``_RequestPlan.layout``): the same tensors and errors as the per-input path."""
+per plan (``RequestPlan.layout``): the same tensors and errors as the per-input path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from edged.errors import BadRequestError
-from edged.wire.decode import decode_infer, plan_document
+from edged.wire.decode import decode_infer
+from edged.wire.plans import plan_document
 from edged.wire.validate import Limits
 
 LIMITS = Limits()

@@ -13,7 +13,8 @@ import pytest
 
 from edged.errors import EdgedError
 from edged.wire import decode
-from edged.wire.decode import PLANS, decode_infer
+from edged.wire.decode import decode_infer
+from edged.wire.plans import PLANS
 from edged.wire.validate import Limits
 
 pytestmark = pytest.mark.usefixtures("empty_plans")

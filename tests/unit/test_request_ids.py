@@ -15,8 +15,9 @@ import pytest
 
 from edged.errors import BadRequestError, EdgedError
 from edged.wire import decode, encode, request_ids
-from edged.wire.decode import PLANS, decode_infer
+from edged.wire.decode import decode_infer
 from edged.wire.encode import encode_infer
+from edged.wire.plans import PLANS
 from edged.wire.tensors import InferRequest, OutputRequest
 from edged.wire.validate import Limits
 

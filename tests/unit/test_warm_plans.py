@@ -12,7 +12,8 @@ import pytest
 
 from edged.client import encode_request
 from edged.lifecycle.path_warmup import _bodies, _warm_planning
-from edged.wire.decode import PLANS, InferRequest, decode_infer
+from edged.wire.decode import InferRequest, decode_infer
+from edged.wire.plans import PLANS
 
 INPUTS: dict[str, np.ndarray] = {"x": np.zeros((1, 16), np.float32), "mask": np.ones((1, 4), np.int64)}
 OUTPUTS = ["probs", "logits"]

@@ -48,7 +48,7 @@ from edged.transports.grpc.access import Access
 from edged.transports.peer import Peer
 from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry
-from edged.wire.decode import RequestPlan, decode_document
+from edged.wire.decode import decode_document
 from edged.wire.encode import OFFLOAD_BYTES
 from edged.wire.kserve import (
     request_document,
@@ -59,6 +59,7 @@ from edged.wire.kserve import (
 from edged.wire.kserve_wire import WIRE_PLANS, WireRequest, read_request
 from edged.wire.kserve_wire import answer as wire_answer
 from edged.wire.kserve_wire import planned as wire_planned
+from edged.wire.plans import RequestPlan
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, serialize_bytes
 from edged.wire.validate import DEFAULT_LIMITS, Limits, check_counts

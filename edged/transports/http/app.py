@@ -48,7 +48,8 @@ from edged.transports.peer import (
     token_matches,
 )
 from edged.transports.shm.regions import SharedMemoryRegistry
-from edged.wire.decode import Part, load_object
+from edged.wire.decode import Part
+from edged.wire.jsondoc import load_object
 
 log = logging.getLogger(__name__)
 

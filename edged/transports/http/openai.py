@@ -38,7 +38,7 @@ from edged.transports.budget import BodyBudget
 from edged.transports.http.body import read_body
 from edged.transports.http.methods import error_body, error_headers
 from edged.transports.http.methods import expect as _expect
-from edged.wire.decode import load_object
+from edged.wire.jsondoc import load_object
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from edged.errors import CudaSharedMemoryNotSupportedError
 from edged.serving import triton_docs
 from edged.serving.service import Service
 from edged.serving.triton_docs import log_settings as log_settings
-from edged.wire.decode import load_object
+from edged.wire.jsondoc import load_object
 
 
 def methods(parts: list[str]) -> tuple[str, ...]:

@@ -19,7 +19,8 @@ from paho.mqtt.properties import Properties
 from edged.errors import BadRequestError, EdgedError, PayloadTooLargeError
 from edged.transports.mqtt.props import PublishProps, parse
 from edged.wire import tensors
-from edged.wire.decode import NUMPY_TO_V2, OFFLOAD_BYTES, V2_TO_NUMPY, InferRequest, encode_infer, load_json
+from edged.wire.decode import NUMPY_TO_V2, OFFLOAD_BYTES, V2_TO_NUMPY, InferRequest, encode_infer
+from edged.wire.jsondoc import load_json
 from edged.wire.tensors import datatype_of
 
 JSON = "application/json"

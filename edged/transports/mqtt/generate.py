@@ -24,7 +24,7 @@ import orjson
 from edged.errors import BadRequestError, BusyError, EdgedError
 from edged.llm import generation as gen
 from edged.transports.mqtt import codec
-from edged.wire.decode import load_object
+from edged.wire.jsondoc import load_object
 
 if TYPE_CHECKING:
     from edged.serving.service import Service

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from edged.errors import BadRequestError, SharedMemoryError
 from edged.transports.shm.memfd import sealable
-from edged.wire.decode import load_object
+from edged.wire.jsondoc import load_object
 
 MAX_MESSAGE = 4096
 # Room for more descriptors than allowed, so that extra ones arrive (and are closed) instead of
