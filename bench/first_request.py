@@ -34,9 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.limit_servers import LimitServer, LimitWorkerServer
 from bench.measure import AFTER_GAPS, STEADY, _client_conns, _steady
 from bench.models import ModelSpec, prepare, write_specs
-from bench.servers import EdgedServer, LimitServer, LimitWorkerServer, Server
+from bench.servers import EdgedServer, Server
 from bench.stages import hops
 from bench.wire import Conn, connect, roundtrip
 

@@ -28,7 +28,14 @@ with the producer's copy into a region, 2-core machine).
 
     uvicorn bench.limit:app --uds PATH        (BENCH_SPECS names the model list, BENCH_MODELS those served)
     uvicorn bench.limit:worker_app --uds PATH (the same, the model on a worker thread)
+    uvicorn bench.limit:posix_app --uds PATH  (limitworker with the frame through a POSIX object)
     uvicorn bench.limit:echo_app --uds PATH   (the echo lane)
+
+A fourth, ``limitposix``, is ``limitworker`` with a frame through the client's POSIX shared memory
+object (``GET /MODEL/KEY``, the object ``/dev/shm/KEY``): on the worker thread the frame is copied
+out of the object (preadv into a buffer the server keeps), the model runs on it and its answer is
+copied into the object after the frame (pwrite), as a server must that may not map an object its
+client can shrink; then the echo's answer. The bound for edged's frames through POSIX objects.
 """
 
 from __future__ import annotations
@@ -41,7 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.models import read_specs, session
+import numpy as np
+
+from bench.models import ModelSpec, read_specs, session
 from edged.wire.decode import decode_infer
 from edged.wire.encode import encode_infer
 
@@ -77,8 +86,9 @@ def _run_for(scope: dict[str, Any]) -> Callable[[], Any] | None:
     return _runs.get(scope["path"].strip("/")) if scope["type"] == "http" else None
 
 
-def _models() -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
-    """Per served model, its run on the held input, and its session (for limitv2)."""
+def _models() -> tuple[dict[str, Callable[[], Any]], dict[str, Any], dict[str, ModelSpec]]:
+    """Per served model, its run on the held input, its session (for limitv2 and limitposix) and
+    its spec."""
     specs = read_specs(Path(os.environ["BENCH_SPECS"]))
     runs: dict[str, Callable[[], Any]] = {}
     sessions: dict[str, Any] = {}
@@ -90,11 +100,11 @@ def _models() -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
             sess.run(outs, feed)
         runs[name] = functools.partial(sess.run, outs, feed)
         sessions[name] = sess
-    return runs, sessions
+    return runs, sessions, specs
 
 
 # The echo lane imports this module too, without models.
-_runs, _sessions = _models() if "BENCH_MODELS" in os.environ else ({}, {})
+_runs, _sessions, _specs = _models() if "BENCH_MODELS" in os.environ else ({}, {}, {})
 
 
 async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
@@ -141,3 +151,28 @@ async def v2_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callab
         headers.append((b"inference-header-content-length", str(header_length).encode()))
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
+
+
+# limitposix: per client object (its key), the descriptor and the buffer its frames are copied into.
+_objects: dict[str, tuple[int, np.ndarray]] = {}
+
+
+def _posix_serve(name: str, key: str) -> None:
+    """On the worker: the frame out of the object, the run, the answer into the object after it."""
+    spec = _specs[name]
+    if key not in _objects:
+        fd = os.open(f"/dev/shm/{key}", os.O_RDWR | os.O_CLOEXEC)
+        _objects[key] = (fd, np.empty(spec.shape, np.float32))
+    fd, frame = _objects[key]
+    os.preadv(fd, [frame.data], 0)
+    out = _sessions[name].run([spec.outputs[0]], {spec.input: frame})[0]
+    os.pwrite(fd, np.ascontiguousarray(out).data, frame.nbytes)
+
+
+async def posix_app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+    """The limitposix lane's server: ``GET /MODEL/KEY`` served through the object ``KEY`` on the
+    worker thread, then the echo's answer; any other path gets the echo's answer (readiness)."""
+    name, _, key = scope["path"].strip("/").partition("/") if scope["type"] == "http" else ("", "", "")
+    if name in _sessions and key and "/" not in key:
+        await asyncio.get_running_loop().run_in_executor(_worker, _posix_serve, name, key)
+    await echo_app(scope, receive, send)

@@ -61,6 +61,7 @@ import numpy as np
 
 from bench.base_tree import BaseEdged
 from bench.first_request import StagedEdged
+from bench.limit_servers import EchoServer, LimitPosixServer, LimitServer, LimitV2Server, LimitWorkerServer
 from bench.measure import (
     FLOOR,
     FLOOR_COPIES,
@@ -79,24 +80,14 @@ from bench.measure import (
 )
 from bench.models import ModelSpec, prepare, session, write_specs
 from bench.overhead_report import lane_stages, report
-from bench.servers import (
-    EchoServer,
-    EdgedServer,
-    FastAPIServer,
-    LimitServer,
-    LimitV2Server,
-    LimitWorkerServer,
-    Server,
-    check,
-    get_status,
-)
+from bench.servers import EdgedServer, FastAPIServer, Server, check, get_status
 from bench.wire import FORMS, closed_loop, connect, roundtrip
 from edged.backends.onnxruntime import SERVING_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
 LANES = (
     *("edged", "posix", "posix-spin", "posix-t1", "twin", "inline", "worker", "auto"),
-    *("fastapi", "echo", "limit", "limitworker", "limitv2"),
+    *("fastapi", "echo", "limit", "limitworker", "limitv2", "limitposix"),
 )
 
 
@@ -147,6 +138,7 @@ def servers_for(
         "limit": lambda: LimitServer(work, {spec.name: spec}),
         "limitworker": lambda: LimitWorkerServer(work, {spec.name: spec}),
         "limitv2": lambda: LimitV2Server(work, {spec.name: spec}),
+        "limitposix": lambda: LimitPosixServer(work, {spec.name: spec}),
     }
     servers = [make[name]() for name in lanes]
     if base is not None:

@@ -31,18 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import measure, report
+from bench.limit_servers import LimitServer, LimitV2Server, LimitWorkerServer
 from bench.measure import Budget, Series
 from bench.models import ModelSpec, batchable, prepare, write_specs
 from bench.report import TWIN
-from bench.servers import (
-    EdgedServer,
-    FastAPIServer,
-    LimitServer,
-    LimitV2Server,
-    LimitWorkerServer,
-    PyTritonServer,
-    Server,
-)
+from bench.servers import EdgedServer, FastAPIServer, PyTritonServer, Server
 
 REPO = Path(__file__).resolve().parent.parent
 

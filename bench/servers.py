@@ -412,7 +412,7 @@ class EdgedServer(Server):
         return Conn(
             self.addr,
             v2_request(spec.name, spec.input, tensor, spec.outputs),
-            before=_copier(region, np.ascontiguousarray(x).reshape(-1).view(np.uint8)),
+            before=copier(region, np.ascontiguousarray(x)),
         )
 
     def close_frames(self) -> None:
@@ -423,7 +423,9 @@ class EdgedServer(Server):
         self.regions.clear()
 
 
-def _copier(region: ShmRegion | MemfdRegion, src: np.ndarray) -> Callable[[], None]:
+def copier(region: ShmRegion | MemfdRegion, x: np.ndarray) -> Callable[[], None]:
+    """The producer writing its frame ``x`` (contiguous) into the region, before each request."""
+    src = x.reshape(-1).view(np.uint8)
     n = src.nbytes
 
     def copy() -> None:  # the producer writing its frame into the region (no view outlives it)
@@ -586,77 +588,10 @@ __all__ = [
     "PyTritonServer",
     "Server",
     "check",
+    "copier",
     "get_status",
     "http_bytes",
     "placement",
     "tree",
     "tree_memory",
 ]
-
-
-class EchoServer(Server):
-    """A bare ASGI app on the same uvicorn stack as edged (uvloop, httptools, a Unix socket) that
-    reads the request and answers a fixed 100-byte body (bench/limit.py): the transport's own cost."""
-
-    name = "echo"
-    answers = False
-    app = "bench.limit:echo_app"
-
-    @property
-    def addr(self) -> str:
-        return str(self.dir / f"{self.name}.sock")
-
-    def command(self) -> list[str]:
-        server = ["--uds", self.addr, "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
-        return [self.python, "-m", "uvicorn", self.app, *server, "--log-level", "warning"]
-
-    def start(self) -> None:
-        Path(self.addr).unlink(missing_ok=True)
-        super().start()
-
-    def is_ready(self) -> bool:
-        with connect(self.addr, timeout=1.0) as sock:
-            roundtrip(sock, http_bytes("/", b"", {}))
-        return True
-
-    def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
-        return v2_request(spec.name, spec.input, x, spec.outputs)
-
-    def decode(self, spec: ModelSpec, head: bytes, body: bytes) -> np.ndarray:
-        """For a lane that answers the V2 request with the model's output (limitv2)."""
-        return decode_v2(head, body)[spec.outputs[0]]
-
-
-class LimitServer(EchoServer):
-    """The echo's stack running the model on its loop on an input it holds (bench/limit.py):
-    what any server on this stack can do, the limit a target is judged against."""
-
-    name = "limit"
-    app = "bench.limit:app"
-
-    def extra_env(self) -> dict[str, str]:
-        return {"BENCH_SPECS": str(self.dir.parent / "specs.json"), "BENCH_MODELS": ",".join(self.specs)}
-
-    def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
-        return http_bytes(f"/{spec.name}", b"", {})  # the server holds its input: only the request crosses
-
-    def frame_conn(self, spec: ModelSpec, x: np.ndarray, index: int) -> Conn:
-        return Conn(self.addr, self.request(spec, x))
-
-
-class LimitV2Server(LimitServer):
-    """The least an Open Inference Protocol server does on this stack (bench/limit.py: v2_app):
-    edged's client's request, decoded, run on the loop and encoded by edged's protocol code."""
-
-    name = "limitv2"
-    app = "bench.limit:v2_app"
-    answers = True
-    request = EchoServer.request  # the V2 request, not the limit's bare GET
-
-
-class LimitWorkerServer(LimitServer):
-    """The limit with the model run on a worker thread (bench/limit.py): what a server that keeps
-    its event loop free during a run can do, the bound for a model too slow to run on the loop."""
-
-    name = "limitworker"
-    app = "bench.limit:worker_app"
