@@ -5,7 +5,8 @@ Both transports decode with this module (MQTT carries the same JSON as the HTTP 
 same input is parsed the same way everywhere. It checks that a request is well formed and
 self-consistent, with the wire rules of edged/wire/tensors.py and the request bounds of
 edged/wire/validate.py; whether its tensors fit the model is validate.py's ``InputRules``, which the
-service runs once per request.
+service runs once per request. A header's fields are checked once, into its plan (plans.py), which
+every later request with the same header is decoded by; JSON is read by jsondoc.py.
 """
 
 from __future__ import annotations
