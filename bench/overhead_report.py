@@ -15,6 +15,30 @@ from bench.stages import hops
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The targets judged at c=1, each with the bound lanes that show whether any server on this stack
+# can meet it: (lane, over lane, target, whether the lane is edged's or a bound's).
+TARGETS: list[tuple[str, str, float, bool]] = [
+    ("edged-posix", FLOOR_COPIES, 1.10, True),
+    ("limitposix", FLOOR_COPIES, 1.10, False),
+    ("edged", "echo", 1.5, True),
+    ("limitv2", "echo", 1.5, False),
+    ("limit", "echo", 1.5, False),
+]
+
+
+def targets(lanes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target of TARGETS whose two lanes ran at c=1: the ratio of their p50s and its verdict."""
+    out = []
+    for name, over, target, edged in TARGETS:
+        a, b = lanes.get(name, {}).get("1"), lanes.get(over, {}).get("1")
+        if a is None or b is None or b["p50_ms"] <= 0:
+            continue
+        ratio = a["p50_ms"] / b["p50_ms"]
+        met = ratio <= target
+        verdict = ("met" if met else "MISSED") if edged else f"bound: {'within' if met else 'past'}"
+        out.append({"of": name, "over": over, "p50_ratio": ratio, "target": target, "verdict": verdict})
+    return out
+
 
 def report(
     spec: ModelSpec,
@@ -60,6 +84,9 @@ def report(
         print(line, flush=True)
     for lane, med in (stages or {}).items():
         print(f"{spec.name} {lane:27} stages, medians (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
+    judged = targets(lanes)
+    for t in judged:
+        print(f"{spec.name} {t['of']} / {t['over']}: {t['p50_ratio']:.3f}x, target <= {t['target']}: {t['verdict']}")
     out = out or REPO / "bench-results" / f"overhead_{spec.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -69,6 +96,7 @@ def report(
         "lanes": lanes,
         "placement": placements,
         "stages": stages,
+        "targets": judged,
     }
     out.write_text(json.dumps(doc, indent=2))
     print(f"written to {out}", flush=True)
