@@ -18,7 +18,8 @@ from edged.config import CalibrationConfig
 from edged.errors import BuildError
 from edged.quantize import qdq as quantize
 from edged.quantize.calibrate import CalibrationSet
-from edged.quantize.qdq import check_qdq, quantize_qdq
+from edged.quantize.qdq import quantize_qdq
+from edged.quantize.qdq_graph import check_qdq
 
 C1, C2, HID, CLASSES = 8, 6, 12, 5
 SPEC = TensorSpec("x", "float32", (-1, 3, 16, 16))
