@@ -63,6 +63,7 @@ from edged.client.shm import ShmRegion
 Call = Callable[[], object]
 OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
 TARGET_FLOOR, TARGET_HTTP = 1.3, 1.5
+LISTENERS = ("uds", "tcp")  # the lanes' suffixes: edged's and each floor's Unix socket and TCP port
 
 
 def free_port() -> int:
@@ -164,7 +165,7 @@ class Lanes:
     def add_tiny(self, floor: FloorServer, relayed: FloorServer, limit: FloorServer) -> None:
         for name, server in (("floor", floor), ("relayed", relayed), ("limit", limit)):
             self.targets |= {f"{name}_uds": f"unix:{server.addr}", f"{name}_tcp": f"127.0.0.1:{server.port}"}
-        for kind in ("uds", "tcp"):
+        for kind in LISTENERS:
             for name in ("floor", "relayed", "limit", "edged"):
                 self.calls[f"tiny/stub/{name}_{kind}"] = self.stub_call(self.targets[f"{name}_{kind}"])
         for lane in ("floor_uds", "edged_uds"):
@@ -322,27 +323,16 @@ RATIOS: list[Pair] = [
 
 # The floor target's bound: the relayed floor running the model, against the floor (the same
 # target; past it, no grpcio server behind the relay meets it on this machine).
-BOUNDS: list[Pair] = [
-    ("tiny/stub/limit_uds", "tiny/stub/floor_uds", TARGET_FLOOR),
-    ("tiny/stub/limit_tcp", "tiny/stub/floor_tcp", TARGET_FLOOR),
-]
+BOUNDS: list[Pair] = [(f"tiny/stub/limit_{k}", f"tiny/stub/floor_{k}", TARGET_FLOOR) for k in LISTENERS]
 
 
-# Where edged's time over the floor goes: no target, the split of the one above.
-SHARES: list[Pair] = [
-    ("tiny/stub/relayed_uds", "tiny/stub/floor_uds", None),
-    ("tiny/stub/limit_uds", "tiny/stub/relayed_uds", None),
-    ("tiny/stub/edged_uds", "tiny/stub/limit_uds", None),
-    ("tiny/stub/relayed_tcp", "tiny/stub/floor_tcp", None),
-    ("tiny/stub/limit_tcp", "tiny/stub/relayed_tcp", None),
-    ("tiny/stub/edged_tcp", "tiny/stub/limit_tcp", None),
-]
+# Where edged's time over the floor goes, per listener: each lane over the one below it (the
+# relay's share, the run's, edged's own). No target: the split of the one above.
+_STEPS = (("relayed", "floor"), ("limit", "relayed"), ("edged", "limit"))
+SHARES: list[Pair] = [(f"tiny/stub/{a}_{k}", f"tiny/stub/{b}_{k}", None) for k in LISTENERS for a, b in _STEPS]
 
 
-BASE_RATIOS: list[Pair] = [
-    ("tiny/stub/edged_uds", "tiny/stub/base_uds", 1.0),
-    ("tiny/stub/edged_tcp", "tiny/stub/base_tcp", 1.0),
-]
+BASE_RATIOS: list[Pair] = [(f"tiny/stub/edged_{k}", f"tiny/stub/base_{k}", 1.0) for k in LISTENERS]
 
 
 def run(work: Path, rounds: int, per: int, frame_per: int, base: str | None) -> dict[str, Any]:
