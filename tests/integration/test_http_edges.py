@@ -292,7 +292,7 @@ def test_control_routes_take_small_bodies_only(served: DaemonProcess) -> None:
     """Log settings, shared memory registration and unload are parsed on the loop: their bodies
     are bounded far below max_body, as sent and as inflated. A load may bring a model's files:
     its body may be as large as max_body, and a large one is parsed off the loop."""
-    from edged.transports.http.app import CONTROL_BODY
+    from edged.transports.http.control import CONTROL_BODY
 
     big = b"[" + b"0," * CONTROL_BODY + b"0]"
     routes = ["/v2/logging", "/v2/systemsharedmemory/region/r/register", "/v2/repository/models/tiny/unload"]

@@ -7,49 +7,28 @@ is a split of the path, not a framework, because the infer route is on every req
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
 import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeGuard
+from typing import Any
 
 import orjson
 
 from edged.config import parse_size
-from edged.errors import (
-    BadRequestError,
-    ConfigError,
-    EdgedError,
-    ForbiddenError,
-    NotFoundError,
-    UnauthorizedError,
-)
-from edged.repository.load_request import PLAIN, LoadRequest, from_parameters
+from edged.errors import ConfigError, EdgedError, NotFoundError, UnauthorizedError
 from edged.serving.metrics import uncounted
 from edged.serving.service import Service
-from edged.serving.states import ModelState
 from edged.transports.budget import BodyBudget
-from edged.transports.http import openai, triton
-from edged.transports.http.body import accepted_encoding, compress, read_body
+from edged.transports.http import openai
+from edged.transports.http.body import accepted_encoding, compress
+from edged.transports.http.control import ControlRoutes
 from edged.transports.http.infer import ADMITTED, InferRoute, Rest, infer_target
 from edged.transports.http.infer import JSON_HEADERS as _JSON
 from edged.transports.http.methods import error_body, error_headers
-from edged.transports.http.methods import expect as _expect
-from edged.transports.peer import (
-    ACCESS_KEY,
-    PEER_KEY,
-    ListenerAccess,
-    Peer,
-    health_or_metrics,
-    in_group,
-    token_matches,
-)
+from edged.transports.peer import ACCESS_KEY, PEER_KEY, ListenerAccess, Peer, health_or_metrics, token_matches
 from edged.transports.shm.regions import SharedMemoryRegistry
 from edged.wire.decode import Part
-from edged.wire.jsondoc import load_object
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +39,6 @@ Body = bytes | list[Part]
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, Body, Headers]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-# The largest body a control route takes (log settings, shared memory registration, load/unload).
-CONTROL_BODY = 64 * 1024
 
 
 class App:
@@ -75,6 +51,7 @@ class App:
         self.bodies = BodyBudget(max(parse_size(server.bodies_in_flight), max_body))
         self.infer = InferRoute(service, shm, max_body, self.bodies)
         self.admin_gid = _group_id(server.admin_group) if server.admin_group else None
+        self.control = ControlRoutes(service, shm, max_body, self.bodies, self.infer, self.admin_gid)
         self.generation = openai.GenerationRoutes(service, max_body, self.bodies)
         # Answers at least this large are compressed for clients that accept gzip or deflate.
         self.compress_min = parse_size(server.compress_min_size)
@@ -113,7 +90,7 @@ class App:
         if openai.handles(path):  # language models: they stream, so they own send
             await self.generation(scope, receive, send)  # answers its own errors
             return None
-        return await self._dispatch(scope, receive)
+        return await self.control(scope, receive)
 
     async def _answered(self, scope: Scope, work: Awaitable[Answer | None]) -> Answer | None:
         """``work``'s answer, compressed where the client asks for it, or the answer of its error."""
@@ -203,184 +180,6 @@ class App:
         out: list[Part] = [*packed]
         return out, [*headers, (b"content-encoding", encoding.encode()), vary]
 
-    async def _read_small(self, scope: Scope, receive: Receive) -> bytes | memoryview:
-        """The body of a control route (settings, registrations): a few hundred bytes, parsed on
-        the loop, so bounded far below max_body (64 MiB of JSON took the loop for 1.25 s)."""
-        return await read_body(scope, receive, CONTROL_BODY)
-
-    async def _dispatch(self, scope: Scope, receive: Receive) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
-        path = scope["path"]
-        method = scope["method"]
-        parts = path.strip("/").split("/")
-        if parts[0] == "metrics" and len(parts) == 1:
-            _expect(method, "GET")
-            # Off the loop: formatting a few hundred samples takes milliseconds.
-            body = await asyncio.to_thread(self.service.metrics.render)
-            return 200, body, [(b"content-type", b"text/plain; version=0.0.4")]
-        if parts[0] != "v2":
-            raise NotFoundError(f"no route for {path}")
-        if parts[1:] == ["models", "stats"]:  # every model's statistics (Triton's reading, not a model "stats")
-            _expect(method, "GET")
-            return 200, triton.statistics(self.service, None), _JSON
-        if len(parts) >= 3 and parts[1] == "models":
-            return await self._models(method, parts[2], parts[3:], scope, receive)
-        return await self._other(method, parts[1:], scope, receive)
-
-    async def _models(
-        self, method: str, name: str, rest: list[str], scope: Scope, receive: Receive
-    ) -> tuple[int, Body, list[tuple[bytes, bytes]]]:
-        if len(rest) >= 2 and rest[0] == "versions":
-            name = self.service.resolve(name, rest[1])
-            rest = rest[2:]
-        if rest == ["infer"]:
-            _expect(method, "POST")
-            return await self.infer(name, scope, receive)
-        _expect(method, "GET")
-        if not rest:
-            return 200, orjson.dumps(self.service.model_metadata(name)), _JSON
-        if rest == ["stats"]:
-            return 200, triton.statistics(self.service, name), _JSON
-        if rest == ["config"]:
-            return 200, triton.model_config(self.service, name), _JSON
-        if rest == ["ready"]:
-            rt = self.service.model(name)
-            ready = rt.state == ModelState.READY and not self.service.stopping
-            doc = {"name": name, "ready": ready, "state": rt.state, "reason": rt.reason}
-            return (200 if ready else 503), orjson.dumps(doc), _JSON
-        raise NotFoundError(f"no route for {scope['path']}")
-
-    async def _other(
-        self, method: str, parts: list[str], scope: Scope, receive: Receive
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        svc = self.service
-        if not parts or parts == [""]:
-            _expect(method, "GET")
-            return 200, orjson.dumps(svc.server_metadata()), _JSON
-        if parts[0] == "health" and len(parts) == 2 and parts[1] in ("live", "ready"):
-            _expect(method, "GET")
-            if parts[1] == "live":
-                return 200, orjson.dumps({"live": True}), _JSON
-            ready = svc.is_ready()
-            return (200 if ready else 503), orjson.dumps({"ready": ready, "status": svc.status_line}), _JSON
-        if parts[0] == "repository":
-            return await self._repository(method, parts[1:], scope, receive)
-        if parts[0] == "systemsharedmemory":
-            return await self._shm(method, parts[1:], scope, receive)
-        allowed = triton.methods(parts)  # logging, CUDA shared memory
-        if allowed:
-            _expect(method, *allowed)
-            if parts == ["logging"] and method == "POST":
-                await self._check_admin(scope, "change the log settings")
-            body = await self._read_small(scope, receive) if method == "POST" else b""
-            verb = "GET" if method == "HEAD" else method  # HEAD answers what GET would, without the body
-            return 200, triton.answer(verb, parts, body), _JSON
-        if parts == ["edged", "status"]:
-            _expect(method, "GET")
-            return 200, orjson.dumps(svc.status()), _JSON
-        raise NotFoundError(f"no route for {scope['path']}")
-
-    async def _repository(
-        self, method: str, parts: list[str], scope: Scope, receive: Receive
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        _expect(method, "POST")
-        if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
-            await self._check_admin(scope, f"{parts[2]} models")
-            if parts[2] == "load":
-                await self.service.load(parts[1], await self._load_request(parts[1], scope, receive))
-            else:
-                await self._read_small(scope, receive)
-                await self.service.unload(parts[1])
-            return 200, b"{}", _JSON
-        await self._read_small(scope, receive)
-        if parts == ["index"]:
-            return 200, orjson.dumps(self.service.repository_index()), _JSON
-        raise NotFoundError(f"no route for {scope['path']}")
-
-    async def _load_request(self, name: str, scope: Scope, receive: Receive) -> LoadRequest:
-        """A load's body: its config and files (base64 in the JSON, as Triton's HTTP API has
-        them), read up to max_body within the bodies' budget and decoded off the loop when large
-        (files are refused by the service where server.model_uploads takes none, as on gRPC)."""
-        body = await read_body(scope, receive, self.max_body, budget=self.bodies)
-        if len(body) <= CONTROL_BODY:
-            return _load_parameters(name, body)
-        return await asyncio.to_thread(_load_parameters, name, body)
-
-    async def _check_admin(self, scope: Scope, what: str) -> None:
-        gid = self.admin_gid
-        if gid is None:
-            return
-        peer: Peer | None = scope.get(PEER_KEY)
-        if peer is not None and (peer.uid == 0 or peer.gid == gid):
-            return
-        # Supplementary groups come from the user and group databases, which NSS may answer
-        # over the network (LDAP, sssd): looked up off the event loop.
-        if peer is None or not await asyncio.to_thread(in_group, peer, gid):
-            raise ForbiddenError(f"only root and members of server.admin_group may {what}")
-
-    async def _shm(
-        self, method: str, parts: list[str], scope: Scope, receive: Receive
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        peer: Peer | None = scope.get(PEER_KEY)
-        # Over TCP (no peer credentials) no region can be registered, so there is none to list or
-        # to release: Triton's clients ask for both before they start, as for CUDA shared memory.
-        if parts == ["status"]:
-            _expect(method, "GET")
-            return 200, orjson.dumps(self.shm.status_for(peer) if peer is not None else []), _JSON
-        if parts == ["unregister"]:
-            _expect(method, "POST")
-            await self._read_small(scope, receive)
-            if peer is not None:
-                self.shm.unregister_for(peer)
-            return 200, b"{}", _JSON
-        if len(parts) == 3 and parts[0] == "region":
-            name, action = parts[1], parts[2]
-            if action == "status":
-                _expect(method, "GET")
-                return 200, orjson.dumps(self.shm.status_for(peer, name)), _JSON
-            _expect(method, "POST")
-            body = await self._read_small(scope, receive)
-            if action == "register":
-                self._register(peer, name, body)
-                return 200, b"{}", _JSON
-            if action == "unregister":
-                if peer is not None:
-                    self.shm.unregister_for(peer, name)
-                return 200, b"{}", _JSON
-        raise NotFoundError(f"no route for {scope['path']}")
-
-    def _register(self, peer: Peer | None, name: str, body: bytes | memoryview) -> None:
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as e:
-            raise BadRequestError(f"malformed JSON: {e}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("key"), str):
-            raise BadRequestError('register needs {"key": str, "offset": int, "byte_size": int}')
-        offset, size = doc.get("offset", 0), doc.get("byte_size")
-        if not _is_int(offset) or not _is_int(size):
-            raise BadRequestError("'offset' and 'byte_size' must be integers")
-        self.shm.register(peer, name, doc["key"], offset, size)
-
-
-def _load_parameters(name: str, body: bytes | memoryview) -> LoadRequest:
-    """A load request's body: empty, or ``{"parameters": {...}}`` with the config a JSON string
-    and each ``file:PATH`` its contents in base64."""
-    if not bytes(body).strip():
-        return PLAIN
-    doc = load_object(body, f"failed to load '{name}': the body must be a JSON object", f"failed to load '{name}'")
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise BadRequestError(f"failed to load '{name}': 'parameters' must be an object")
-    values: dict[str, object] = {}
-    for key, value in params.items():
-        if key.startswith("file:") and isinstance(value, str):
-            try:
-                values[key] = base64.b64decode(value, validate=True)
-            except binascii.Error as e:
-                raise BadRequestError(f"failed to load '{name}': {key[:80]}: not base64: {e}") from None
-        else:
-            values[key] = value
-    return from_parameters(name, values)
-
 
 def _check_access(access: ListenerAccess, scope: Scope) -> None:
     """What the listener the request came through lets in (listener.py)."""
@@ -388,10 +187,6 @@ def _check_access(access: ListenerAccess, scope: Scope) -> None:
         raise UnauthorizedError("this listener needs 'Authorization: Bearer <token>' (server.tcp_token_file)")
     if access.metrics_only and not health_or_metrics(scope["path"]):
         raise NotFoundError(f"{access.label} serves only /metrics and /v2/health")
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _group_id(name: str) -> int:

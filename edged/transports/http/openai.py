@@ -36,8 +36,9 @@ from edged.llm import generation as gen
 from edged.serving.service import Service
 from edged.transports.budget import BodyBudget
 from edged.transports.http.body import read_body
-from edged.transports.http.methods import error_body, error_headers
+from edged.transports.http.methods import error_headers
 from edged.transports.http.methods import expect as _expect
+from edged.transports.http.streaming import error_body_for, respond, sse, stream, until_disconnect
 from edged.wire.jsondoc import load_object
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
 _JSON: Headers = [(b"content-type", b"application/json")]
-_SSE: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 # A generation request is a prompt and a few parameters; the context bounds the prompt anyway.
 MAX_BODY = 4 << 20
 
@@ -72,10 +72,10 @@ class GenerationRoutes:
         try:
             await self._dispatch(scope, receive, send)
         except EdgedError as e:
-            await _respond(send, e.http_status, _error_body(e, openai), error_headers(e, _JSON))
+            await respond(send, e.http_status, error_body_for(e, openai), error_headers(e, _JSON))
         except Exception as e:  # a bug answers 500, never drops the connection silently
             log.exception("unhandled error on %s", scope.get("path"))
-            await _respond(send, 500, _error_body(EdgedError(f"internal error: {e}"), openai))
+            await respond(send, 500, error_body_for(EdgedError(f"internal error: {e}"), openai))
 
     async def warm(self, name: str) -> None:
         """Before READY=1: requests through these routes (chat and completions, streamed and
@@ -100,11 +100,11 @@ class GenerationRoutes:
         method, parts = scope["method"], scope["path"].strip("/").split("/")
         if parts == ["v1", "models"]:
             _expect(method, "GET")
-            await _respond(send, 200, orjson.dumps(self._models()))
+            await respond(send, 200, orjson.dumps(self._models()))
             return
         if len(parts) == 3 and parts[:2] == ["v1", "models"]:
             _expect(method, "GET")
-            await _respond(send, 200, orjson.dumps(self._model_card(parts[2])))
+            await respond(send, 200, orjson.dumps(self._model_card(parts[2])))
             return
         routes = {("v1", "chat", "completions"): self._chat, ("v1", "completions"): self._completions}
         handler = routes.get(tuple(parts))
@@ -183,7 +183,7 @@ class GenerationRoutes:
         head = {"id": rid, "created": int(time.time()), "model": name}
         logprobs = LogprobsOut(job, chat, offset)
         if not _flag(body, "stream"):
-            text = await _until_disconnect(gen.complete(self.service, name, job, rid), receive)
+            text = await until_disconnect(gen.complete(self.service, name, job, rid), receive)
             if text is None:
                 return
             choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": logprobs.take(True)}
@@ -191,7 +191,7 @@ class GenerationRoutes:
             doc = dict(
                 head, object="chat.completion" if chat else "text_completion", choices=[choice], usage=_usage(job)
             )
-            await _respond(send, 200, orjson.dumps(doc))
+            await respond(send, 200, orjson.dumps(doc))
             return
         kind = "chat.completion.chunk" if chat else "text_completion"
         options = body.get("stream_options")
@@ -215,15 +215,15 @@ class GenerationRoutes:
                     "logprobs": None,
                     "delta": {"role": "assistant", "content": ""},
                 }
-                yield _sse(dict(head, object=kind, choices=[first]))
+                yield sse(dict(head, object=kind, choices=[first]))
             async for piece in gen.stream(self.service, name, job, rid):
-                yield _sse(chunk(piece, None))
-            yield _sse(chunk(None, job.finish_reason))
+                yield sse(chunk(piece, None))
+            yield sse(chunk(None, job.finish_reason))
             if usage:
-                yield _sse(dict(head, object=kind, choices=[], usage=_usage(job)))
+                yield sse(dict(head, object=kind, choices=[], usage=_usage(job)))
             yield b"data: [DONE]\n\n"
 
-        await _stream(send, receive, events(), openai=True)
+        await stream(send, receive, events(), openai=True)
 
     # --- Triton's generate extension ---
 
@@ -245,17 +245,17 @@ class GenerationRoutes:
         rid = str(body.get("id", "")) or uuid.uuid4().hex
         head = {"model_name": name, "model_version": "1", "id": rid}
         if route == "generate":
-            out = await _until_disconnect(gen.complete(self.service, name, job, rid), receive)
+            out = await until_disconnect(gen.complete(self.service, name, job, rid), receive)
             if out is not None:
-                await _respond(send, 200, orjson.dumps(dict(head, text_output=out, **_triton_tail(job))))
+                await respond(send, 200, orjson.dumps(dict(head, text_output=out, **_triton_tail(job))))
             return
 
         async def events() -> AsyncIterator[bytes]:
             async for piece in gen.stream(self.service, name, job, rid):
-                yield _sse(dict(head, text_output=piece))
-            yield _sse(dict(head, text_output="", **_triton_tail(job)))
+                yield sse(dict(head, text_output=piece))
+            yield sse(dict(head, text_output="", **_triton_tail(job)))
 
-        await _stream(send, receive, events(), openai=False)
+        await stream(send, receive, events(), openai=False)
 
 
 async def _call(app: GenerationRoutes, path: str, body: bytes) -> int:
@@ -336,78 +336,6 @@ class LogprobsOut:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
-
-
-def _sse(doc: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(doc) + b"\n\n"
-
-
-def _error_body(e: EdgedError, openai: bool) -> bytes:
-    return error_body(e.code, e.message, "/v1/" if openai else "")
-
-
-async def _respond(send: Send, status: int, body: bytes, headers: Headers = _JSON) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*headers, (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _until_disconnect(work: Awaitable[str], receive: Receive) -> str | None:
-    """``work``'s result, or None once the client has gone (the generation is then cancelled)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        return None
-    return task.result()
-
-
-async def _stream(send: Send, receive: Receive, events: AsyncIterator[bytes], openai: bool) -> None:
-    """Send ``events`` as Server-Sent Events. Errors before the first event are a plain HTTP
-    error; after it, one last ``error`` event. A disconnect stops the generation."""
-    started = False
-
-    async def pump() -> None:
-        nonlocal started
-        try:
-            async for event in events:
-                if not started:
-                    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
-                    started = True
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-        except EdgedError as e:
-            if not started:
-                raise
-            await send({"type": "http.response.body", "body": b"data: " + _error_body(e, openai) + b"\n\n"})
-            return
-        await send({"type": "http.response.body", "body": b""})
-
-    task = asyncio.ensure_future(pump())
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()  # the client left: closing the stream cancels the generation
-            await asyncio.gather(task, return_exceptions=True)
-    if task.done() and not task.cancelled():
-        task.result()
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:

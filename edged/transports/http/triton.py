@@ -4,7 +4,7 @@ memory routes (answered, not offered).
 
 The shapes are Triton's own (server docs/protocol/extension_*.md), so ``tritonclient``'s
 ``get_inference_statistics``, ``get_model_config``, ``get_log_settings``/``update_log_settings``
-and its example programs read them unchanged. http.py routes here; these handlers only read the
+and its example programs read them unchanged. control.py routes here; these handlers only read the
 service and the ``edged`` logger, so none of them blocks the loop.
 """
 
