@@ -26,8 +26,8 @@ import uvicorn
 
 from edged.cache.collect import collect
 from edged.cache.store import EngineCache
-from edged.config import Config, format_size, max_body_bytes, parse_size
-from edged.errors import ConfigError, EdgedError, SocketInUseError
+from edged.config import Config, max_body_bytes, parse_size
+from edged.errors import ConfigError, EdgedError
 from edged.fleet.hook import fleet_agent
 from edged.host import malloc, systemd
 from edged.host.memory import MemoryInfo, budget_bytes, probe
@@ -36,10 +36,13 @@ from edged.lifecycle.boot import Boot
 from edged.lifecycle.faults import wedge_switch_from_env
 from edged.lifecycle.grpc_serving import GrpcListeners
 from edged.lifecycle.loopwatch import LoopWatch
+from edged.lifecycle.memory_budget import log_budget, probe_memory
 from edged.lifecycle.model_loads import ModelLoads
 from edged.lifecycle.path_warmup import warm_request_path
 from edged.lifecycle.readiness import summary, unready
 from edged.lifecycle.reload import Reloader
+from edged.lifecycle.unix_sockets import bind_socket
+from edged.lifecycle.watchdog import watchdog
 from edged.paths import isolate_library_files
 from edged.quantize.runner import BuildRunner
 from edged.repository import uploads
@@ -56,45 +59,6 @@ from edged.transports.shm.regions import SharedMemoryRegistry, ShmLimits
 log = logging.getLogger(__name__)
 
 EX_CONFIG = 78  # sysexits.h: the unit's RestartPreventExitStatus= stops a restart loop on it
-
-
-def bind_socket(path: str, mode: int, group: str = "", kind: int = socket.SOCK_STREAM) -> socket.socket:
-    """Bind a Unix socket: replace a stale file from a crashed run, never steal a live one."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if p.exists() or p.is_symlink():
-        probe_sock = socket.socket(socket.AF_UNIX, kind)
-        try:
-            probe_sock.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            log.info("removing stale socket %s", path)
-            p.unlink(missing_ok=True)
-        except OSError as e:
-            raise SocketInUseError(f"{path} exists and is not a usable socket: {e}") from None
-        else:
-            raise SocketInUseError(f"another edged is already serving on {path}; refusing to start")
-        finally:
-            probe_sock.close()
-    sock = socket.socket(socket.AF_UNIX, kind)
-    old = os.umask(0o777 & ~mode)  # the file is never visible with looser permissions
-    try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    os.chmod(path, mode)
-    if group:
-        import grp
-
-        try:
-            gid = grp.getgrnam(group).gr_gid
-        except KeyError:
-            sock.close()
-            p.unlink(missing_ok=True)
-            raise ConfigError(f"server.socket_group: there is no group named {group!r}") from None
-        os.chown(path, -1, gid)
-    sock.listen(256)
-    sock.setblocking(False)
-    return sock
 
 
 class Daemon:
@@ -169,30 +133,11 @@ class Daemon:
     async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         cfg = self.cfg
         systemd.status("starting: probing memory")
-        self.memory = await self._probe_memory()
+        self.memory = await probe_memory(cfg.memory)
         budget = budget_bytes(cfg.memory, self.memory)
-        log.info(
-            "memory from %s: %s total, %s available, budget %s%s",
-            self.memory.source,
-            format_size(self.memory.total),
-            format_size(self.memory.available),
-            format_size(budget),
-            f" ({self.memory.detail})" if self.memory.detail else "",
-        )
+        log_budget(self.memory, budget)
         self.metrics.budget.set(budget)
-        await asyncio.to_thread(self.cache.prepare)
-        await asyncio.to_thread(uploads.clear, Path(cfg.cache.dir) / uploads.AREA)
-        runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
-        self.fleet = await fleet_agent(cfg)
-        self.registry = Registry(
-            self.fleet.overlay_config(cfg) if self.fleet is not None else cfg,
-            self.cache,
-            runner,
-            self.metrics,
-            budget,
-            self._on_state,
-            wrap_instance=self._wedge.wrap if self._wedge else None,
-        )
+        self.registry = await self._open_registry(budget)
         grpc = ("grpc",) if cfg.server.grpc_socket != "none" or cfg.server.grpc_tcp else ()
         self.metrics.watch(self._queue_depths, ("http", *grpc, *(("mqtt",) if cfg.mqtt.enabled else ())))
         self.background = BackgroundBuilds(self.registry, loop, self._refresh_status, self._after_swap)
@@ -208,39 +153,52 @@ class Daemon:
             await self.mqtt.start()
         boot = Boot(self.registry, self.background, loop)
         self.service.plan = await boot.boot()
-        self.service.warming = True
-        largest_body = 0
-        try:
-            largest_body = await warm_request_path(app, self.registry, self._api_sockets)
-        finally:
-            self.service.warming = False
-        self.service.status_line = self._summary()
-        malloc.settle(largest_body)
-        self.service.ready.set()
-        systemd.ready(self.service.status_line)
-        if self._wedge is not None:
-            self._wedge.armed.set()
-        log.info("ready: %s", self.service.status_line)
+        await self._warm_and_announce(app, self.service, self.registry)
         self.reloader = Reloader(self.registry, loop, self._summary, self._set_status, self.background)
         self.service.configured = ModelLoads(self.reloader, self.background, self.registry, cfg)
         boot.start_later()
         if self.fleet is not None:
             await self.fleet.start(self.service, self.background, self.reloader)
-        self._spawn(self._watchdog())
+        self._spawn(watchdog(self.registry, self.stop_event, cfg.lifecycle.stall_timeout_s))
         self._spawn(self._collect())
         if cfg.lifecycle.watch_files:
             self._spawn(self.reloader.watch(self.stop_event))
         if self._reload_asked:  # a SIGHUP during the start-up: the config may have changed since
             self._on_reload_signal()
 
-    async def _probe_memory(self) -> MemoryInfo:
-        kind = self.cfg.memory.probe
+    async def _open_registry(self, budget: int) -> Registry:
+        """Make the cache ready, open the fleet agent where [fleet] follows one (its bundles lay their
+        model tables over the config's), then return the registry of the models."""
+        cfg = self.cfg
+        await asyncio.to_thread(self.cache.prepare)
+        await asyncio.to_thread(uploads.clear, Path(cfg.cache.dir) / uploads.AREA)
+        runner = BuildRunner(cfg.build, lambda: probe(cfg.memory.probe))
+        self.fleet = await fleet_agent(cfg)
+        return Registry(
+            self.fleet.overlay_config(cfg) if self.fleet is not None else cfg,
+            self.cache,
+            runner,
+            self.metrics,
+            budget,
+            self._on_state,
+            wrap_instance=self._wedge.wrap if self._wedge else None,
+        )
+
+    async def _warm_and_announce(self, app: App, service: Service, registry: Registry) -> None:
+        """Warm the request path, then say READY=1 with the status line."""
+        service.warming = True
+        largest_body = 0
         try:
-            return await asyncio.to_thread(probe, kind)  # jtop can block about a second
-        except Exception as e:
-            if kind != "auto":
-                raise ConfigError(f"memory.probe = {kind!r} does not work here: {e.__class__.__name__}: {e}") from e
-            raise
+            largest_body = await warm_request_path(app, registry, self._api_sockets)
+        finally:
+            service.warming = False
+        service.status_line = self._summary()
+        malloc.settle(largest_body)
+        service.ready.set()
+        systemd.ready(service.status_line)
+        if self._wedge is not None:
+            self._wedge.armed.set()
+        log.info("ready: %s", service.status_line)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -336,24 +294,6 @@ class Daemon:
         self.metrics.loop_lag.set(self.loopwatch.max_recent())
         if stalled:
             self.metrics.loop_stalls.inc()
-
-    # --- watchdog ---
-
-    async def _watchdog(self) -> None:
-        interval = systemd.watchdog_interval()
-        if not interval:
-            return
-        stall = self.cfg.lifecycle.stall_timeout_s
-        while not self.stop_event.is_set():
-            if self._healthy(stall):
-                systemd.watchdog_ping()
-            else:
-                log.error("an inference worker is stuck for over %.0f s; withholding watchdog pings", stall)
-            await asyncio.sleep(interval / 2)
-
-    def _healthy(self, stall: float) -> bool:
-        assert self.registry is not None
-        return all(rt.queue is None or rt.queue.healthy(stall) for rt in self.registry.models.values())
 
     # --- signals and stop ---
 
