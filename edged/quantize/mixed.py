@@ -73,7 +73,7 @@ def _search(
     build_and_judge: BuildAndJudge,
 ) -> Found:
     from edged.quantize import search
-    from edged.quantize.qdq import prepare, quantize_qdq
+    from edged.quantize.qdq import prepare
 
     cfg = GateConfig(**job.gate)
     assert job.calibration is not None
@@ -92,27 +92,7 @@ def _search(
             gate = dict(first, reason=f"{first['reason']}; mixed precision: no weighted node to keep in float")
             return Found(gate, {"mixed_precision": {"passed": False, "trials": []}})
         best: dict[str, Any] = {}
-
-        def trial(excluded: list[str]) -> dict[str, Any]:
-            progress(f"mixed precision: {len(excluded)} nodes in float", None)
-            tag = hashlib.sha256("\0".join(sorted(excluded)).encode()).hexdigest()[:12]
-            qdq = work / f"mixed-{tag}.onnx"
-            summary = quantize_qdq(
-                Path(job.source),
-                qdq,
-                calib,
-                method,
-                percentile,
-                ranges,
-                nodes_to_exclude=excluded,
-                model_digest=job.source_digest,
-            )
-            artefact = work / f"artefact-{tag}{cls.artifact_suffix}"
-            built, gate = build_and_judge(qdq, artefact, excluded)
-            if gate["passed"]:  # the search tries fewer nodes only after a pass: the last pass is the best
-                best.update(excluded=excluded, qdq=qdq, artefact=artefact, extra=dict(summary, **built))
-            return gate
-
+        trial = _trial(job, cls, calib, method, percentile, ranges, work, progress, build_and_judge, best)
         result = search.search(infos, trial, cfg.max_trials, first)
         record = result.to_dict()
         if not result.passed or result.gate is None:
@@ -135,3 +115,43 @@ def _search(
     extra = dict(best["extra"], qdq_model=kept.name, mixed_precision=record)
     extra[FLOAT_NODES_OPTION] = result.excluded
     return Found(gate, extra)
+
+
+def _trial(
+    job: BuildJob,
+    cls: type[Backend],
+    calib: Any,
+    method: str,
+    percentile: float,
+    ranges: Path,
+    work: Path,
+    progress: Progress,
+    build_and_judge: BuildAndJudge,
+    best: dict[str, Any],
+) -> Callable[[list[str]], dict[str, Any]]:
+    """The search's trial: a Q/DQ model with the given nodes kept in float, written under
+    ``work``, built and judged; it returns the gate's figures and records a passing trial's files
+    and build summary in ``best``."""
+    from edged.quantize.qdq import quantize_qdq
+
+    def trial(excluded: list[str]) -> dict[str, Any]:
+        progress(f"mixed precision: {len(excluded)} nodes in float", None)
+        tag = hashlib.sha256("\0".join(sorted(excluded)).encode()).hexdigest()[:12]
+        qdq = work / f"mixed-{tag}.onnx"
+        summary = quantize_qdq(
+            Path(job.source),
+            qdq,
+            calib,
+            method,
+            percentile,
+            ranges,
+            nodes_to_exclude=excluded,
+            model_digest=job.source_digest,
+        )
+        artefact = work / f"artefact-{tag}{cls.artifact_suffix}"
+        built, gate = build_and_judge(qdq, artefact, excluded)
+        if gate["passed"]:  # the search tries fewer nodes only after a pass: the last pass is the best
+            best.update(excluded=excluded, qdq=qdq, artefact=artefact, extra=dict(summary, **built))
+        return gate
+
+    return trial

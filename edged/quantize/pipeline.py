@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from edged.cache.store import EngineCache, Entry
 from edged.config import CalibrationConfig, GateConfig
 from edged.errors import BuildError
 from edged.quantize.job import FLOAT_NODES_OPTION, PIPELINE_RECIPE, BuildJob, job_key, key_fields
+
+if TYPE_CHECKING:
+    from edged.quantize.mixed import Found
 
 log = logging.getLogger(__name__)
 
@@ -192,16 +195,8 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
             # TensorRT build refuses a Q/DQ model, so every trial would fail.
             searchable = job.precision == "int8" and legacy is None and GateConfig(**job.gate).search == "auto"
             if not gate["passed"] and searchable:
-                from edged.quantize.mixed import mixed_precision
-
-                def build_and_judge(
-                    qdq: Path, artefact: Path, excluded: list[str]
-                ) -> tuple[dict[str, Any], dict[str, Any]]:
-                    built = _build_artifact(job, cls, str(qdq), artefact, progress, excluded)
-                    return built, _gate(job, cls, artefact, held, reference, progress)
-
                 all_int8 = Path(source)  # the all-INT8 Q/DQ model just judged
-                found = mixed_precision(job, cls, cache, calib, gate, tmp, progress, all_int8, build_and_judge)
+                found = _mixed(job, cls, cache, calib, held, reference, gate, tmp, progress, all_int8)
                 gate, extra = found.gate, dict(found.extra)
                 manifest.update(extra)
             manifest["gate"] = gate
@@ -212,6 +207,29 @@ def _build_locked(job: BuildJob, cls: type[Backend], cache: EngineCache, key: st
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _mixed(
+    job: BuildJob,
+    cls: type[Backend],
+    cache: EngineCache,
+    calib: Any,
+    held: Any,
+    reference: RunFn,
+    gate: dict[str, Any],
+    tmp: Path,
+    progress: Progress,
+    all_int8: Path,
+) -> Found:
+    """The mixed-precision search for an all-INT8 artefact that failed its gate, each trial built
+    and judged by this pipeline's own build and gate against the same held-out samples."""
+    from edged.quantize.mixed import mixed_precision
+
+    def build_and_judge(qdq: Path, artefact: Path, excluded: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+        built = _build_artifact(job, cls, str(qdq), artefact, progress, excluded)
+        return built, _gate(job, cls, artefact, held, reference, progress)
+
+    return mixed_precision(job, cls, cache, calib, gate, tmp, progress, all_int8, build_and_judge)
 
 
 def _reject(

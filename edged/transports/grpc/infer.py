@@ -10,10 +10,10 @@ any other model answers each request once. A response the peer does not take wit
 ``server.grpc_write_timeout_s`` ends the stream.
 
 Nothing whose cost grows with a message runs on the event loop. A request is read at the wire
-where it can be (wire/kserve_wire.py: its raw contents are views of the bytes grpcio handed over,
-and a request whose input and output records were planned before is decoded without protobuf);
-any other is parsed by protobuf, which copies a bytes field on every access, so its raw contents
-are taken from the message once. Either happens on a thread for a large message, and a message's
+where it can be (request.py, wire/kserve_wire.py: its raw contents are views of the bytes grpcio
+handed over, and a request whose input and output records were planned before is decoded without
+protobuf); any other is parsed by protobuf, which copies a bytes field on every access, so its raw
+contents are taken from the message once. Either happens on a thread for a large message, and a message's
 size is the length of its bytes. A large message that is not decoded by its client's plan (typed
 contents, a language model's prompt) is decoded on a thread too, and a large answer is encoded
 and serialized on one: the inference RPCs hand grpcio their answers as bytes (server.py).
@@ -25,11 +25,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from edged.errors import (
     BadRequestError,
@@ -45,6 +43,7 @@ from edged.serving.modelplan import ModelPlan, outputs_checked
 from edged.serving.runtime import ModelRuntime
 from edged.serving.service import Service
 from edged.transports.grpc.access import Access
+from edged.transports.grpc.request import Parsed
 from edged.transports.peer import Peer
 from edged.transports.shm.lazy import LazyShm, fill_inputs
 from edged.transports.shm.regions import SharedMemoryRegistry
@@ -56,10 +55,8 @@ from edged.wire.kserve import (
     serialized_answer,
     set_parameter,
 )
-from edged.wire.kserve_wire import WIRE_PLANS, WireRequest, read_request
 from edged.wire.kserve_wire import answer as wire_answer
 from edged.wire.kserve_wire import planned as wire_planned
-from edged.wire.plans import RequestPlan
 from edged.wire.proto import grpc_service_pb2 as pb
 from edged.wire.tensors import InferRequest, serialize_bytes
 from edged.wire.validate import DEFAULT_LIMITS, Limits, check_counts
@@ -69,76 +66,8 @@ _stalls = RateLimitedLog(log)  # a client can cause them: one line per interval,
 
 Ctx = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
 _TRANSPORT = "grpc"
-# Typed values and other fields beyond this many bytes are decoded on a thread (about a
-# millisecond of conversion on a small board).
-_FIELDS_ON_LOOP = 16 * 1024
 # The model a request names (its served name), its runtime and its plan.
 _LookedUp = tuple[str, ModelRuntime, ModelPlan]
-
-
-@dataclass(slots=True)
-class Parsed:
-    """A ModelInferRequest as received: its names and counts, its raw contents taken out once,
-    its size on the wire; read at the wire (``wire``) or parsed by protobuf (``msg``), and
-    parsed by protobuf on demand (``message``) where it was read at the wire."""
-
-    data: bytes
-    name: str
-    version: str
-    id: str
-    inputs: int
-    outputs: int
-    raws: Sequence[bytes | memoryview]
-    size: int
-    fields: int  # the bytes of everything but the raw contents: typed values, names, parameters
-    wire: WireRequest | None = None
-    msg: pb.ModelInferRequest | None = None
-    plan: RequestPlan | None = None  # its records' plan, where it was looked up on the reading thread
-
-    @classmethod
-    def read(cls, data: bytes) -> Parsed:
-        """Read at the wire where it can be, else parsed; a large message whose records have no
-        plan yet is parsed here too (this runs on a thread for a large one)."""
-        wire = read_request(data)
-        if wire is None:
-            return cls.of(data, _parse(data))
-        fields = len(data) - sum(len(r) for r in wire.raws)
-        p = cls(data, wire.name, wire.version, wire.id, wire.inputs, wire.outputs, wire.raws, len(data), fields, wire)
-        if p.large:  # on a thread: the plan kept for the loop, or the message parsed here
-            p.plan = WIRE_PLANS.get(wire.key)
-            if p.plan is None:
-                p.msg = _parse(data)
-        return p
-
-    @classmethod
-    def of(cls, data: bytes, msg: pb.ModelInferRequest) -> Parsed:
-        raws = list(msg.raw_input_contents)
-        fields = len(data) - sum(map(len, raws))
-        return cls(
-            data,
-            msg.model_name,
-            msg.model_version,
-            msg.id,
-            len(msg.inputs),
-            len(msg.outputs),
-            raws,
-            len(data),
-            fields,
-            None,
-            msg,
-        )
-
-    def message(self) -> pb.ModelInferRequest:
-        if self.msg is None:
-            self.msg = _parse(self.data)
-        return self.msg
-
-    @property
-    def large(self) -> bool:
-        """Whether decoding it belongs on a thread: a message past OFFLOAD_BYTES (BYTES elements
-        are read one by one), or typed values past _FIELDS_ON_LOOP (a packed INT8 value is one
-        byte on the wire and a Python object to convert)."""
-        return self.size > OFFLOAD_BYTES or self.fields > _FIELDS_ON_LOOP
 
 
 class Inference:
@@ -376,13 +305,6 @@ def _decoded(p: Parsed, shm: Any, limits: Limits = DEFAULT_LIMITS) -> InferReque
 
 def _document(msg: pb.ModelInferRequest, raws: Sequence[bytes | memoryview]) -> dict[str, Any]:
     return request_document(msg, raws)[0]
-
-
-def _parse(data: bytes) -> pb.ModelInferRequest:
-    try:
-        return pb.ModelInferRequest.FromString(data)
-    except DecodeError as e:
-        raise BadRequestError(f"the message is not a ModelInferRequest: {e}") from None
 
 
 def _streamed_error(message: str) -> bytes:
