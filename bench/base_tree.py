@@ -11,8 +11,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from bench.edged_server import EdgedServer
 from bench.models import ModelSpec
-from bench.servers import EdgedServer
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from bench.base_tree import BaseEdged
+from bench.edged_server import EdgedServer, get_status
 from bench.measure import Budget, server_runner
 from bench.models import ModelSpec, batchable, make_conv640, session
 from bench.peers import REPO, log, machine, running
-from bench.servers import EdgedServer, check, get_status
+from bench.servers import check
 
 # model -> batched settings (the peers benchmark's scheduler phase)
 BATCHED = {

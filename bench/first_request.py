@@ -34,10 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.edged_server import EdgedServer
 from bench.limit_servers import LimitServer, LimitWorkerServer
 from bench.measure import AFTER_GAPS, STEADY, _client_conns, _steady
 from bench.models import ModelSpec, prepare, write_specs
-from bench.servers import EdgedServer, Server
+from bench.servers import Server
 from bench.stages import hops
 from bench.wire import Conn, connect, roundtrip
 
@@ -185,6 +186,28 @@ def _hops(at: dict[str, list[float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    wanted = args.models.split(",")
+    specs = {m: s for m, s in prepare(REPO / "data", REPO / "data" / "bench").items() if m in wanted}
+    work = Path(tempfile.mkdtemp(prefix="edged-first-"))
+    variants = args.variants.split(",")
+    starts: list[dict[str, Any]] = []
+    try:
+        _measure_starts(args, work, specs, variants, starts)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratios = {
+        v: {m: [s["first"][m]["total_ms"] / after_ms(s, m) for s in starts if s["variant"] == v] for m in specs}
+        for v in variants
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"starts": starts, "ratios": ratios, "stages": args.stages}, indent=2))
+    _print_ratios(args, specs, starts, ratios)
+    sys.stdout.flush()
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``--gaps`` checked."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--starts", type=int, default=7)
     ap.add_argument("--gaps", type=int, default=AFTER_GAPS, help="requests after the same idle gap per model and start")
@@ -199,38 +222,45 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.gaps < 1:
         ap.error("--gaps: at least one request after the gap is the reference")
-    wanted = args.models.split(",")
-    specs = {m: s for m, s in prepare(REPO / "data", REPO / "data" / "bench").items() if m in wanted}
-    work = Path(tempfile.mkdtemp(prefix="edged-first-"))
-    variants = args.variants.split(",")
-    starts: list[dict[str, Any]] = []
-    try:
-        write_specs(work / "specs.json", specs)
-        warm = EdgedServer(work, specs)  # builds the cache: every measured start is a cache hit
-        warm.start()
-        warm.wait_ready()
-        warm.wait_built()
-        warm.stop()
-        for i in range(args.starts * len(variants)):
-            variant = variants[i % len(variants)]
-            stages = work / f"stages-{i}.jsonl"
-            r = one_start(variant_server(variant, work, specs, stages if args.stages else None), specs, args.gaps)
-            r["variant"] = variant
-            starts.append(r)
-            print(
-                f"start {i} {variant} (ready {r['ready_s']:.2f} s): "
-                + "; ".join(_describe(m, r) for m in specs)
-                + ("\n" + "\n".join(_stage_lines(stages, list(specs), args.gaps)) if args.stages else ""),
-                flush=True,
-            )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    ratios = {
-        v: {m: [s["first"][m]["total_ms"] / after_ms(s, m) for s in starts if s["variant"] == v] for m in specs}
-        for v in variants
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"starts": starts, "ratios": ratios, "stages": args.stages}, indent=2))
+    return args
+
+
+def _measure_starts(
+    args: argparse.Namespace,
+    work: Path,
+    specs: dict[str, ModelSpec],
+    variants: list[str],
+    starts: list[dict[str, Any]],
+) -> None:
+    """Build the engine cache once, then ``--starts`` fresh starts of each variant, alternated,
+    each appended to ``starts`` and printed as it ends."""
+    write_specs(work / "specs.json", specs)
+    warm = EdgedServer(work, specs)  # builds the cache: every measured start is a cache hit
+    warm.start()
+    warm.wait_ready()
+    warm.wait_built()
+    warm.stop()
+    for i in range(args.starts * len(variants)):
+        variant = variants[i % len(variants)]
+        stages = work / f"stages-{i}.jsonl"
+        r = one_start(variant_server(variant, work, specs, stages if args.stages else None), specs, args.gaps)
+        r["variant"] = variant
+        starts.append(r)
+        print(
+            f"start {i} {variant} (ready {r['ready_s']:.2f} s): "
+            + "; ".join(_describe(m, r) for m in specs)
+            + ("\n" + "\n".join(_stage_lines(stages, list(specs), args.gaps)) if args.stages else ""),
+            flush=True,
+        )
+
+
+def _print_ratios(
+    args: argparse.Namespace,
+    specs: dict[str, ModelSpec],
+    starts: list[dict[str, Any]],
+    ratios: dict[str, dict[str, list[float]]],
+) -> None:
+    """Per variant, first / after-gap ratios and steady latency per model, then each model's spread."""
     for v, by_model in ratios.items():
         mine = [s for s in starts if s["variant"] == v]
         steady = {m: statistics.median(s["steady_ms"][m] for s in mine) for m in specs}
@@ -244,7 +274,6 @@ def main(argv: list[str] | None = None) -> None:
         )
         for m in specs:
             print("  " + _spread(m, mine))
-    sys.stdout.flush()
 
 
 def _spread(m: str, starts: list[dict[str, Any]]) -> str:

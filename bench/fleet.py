@@ -38,7 +38,7 @@ from edged.fleet import desired, protocol  # noqa: E402
 from edged.fleet.controller import Plan, Rollout  # noqa: E402
 from edged.fleet.view import BrokerAddress, FleetView  # noqa: E402
 from edged.tools.demo import make_tiny_mlp  # noqa: E402
-from tests.fleet_keys import make_key  # noqa: E402
+from tests.fleet_keys import KeyPair, make_key  # noqa: E402
 from tests.integration import fleet_net  # noqa: E402
 from tests.integration.mosquitto import Broker  # noqa: E402
 
@@ -77,25 +77,7 @@ def real_fleet(
             view.wait_connected(30)
             view.client.subscribe(protocol.heartbeat("edged", fleet_net.GROUP, "+"), qos=0)
             view.wait(lambda: len(view.states) == count, 60)
-            names = sorted(devices)
-            one, staged, stage_times = [], [], []
-            for r in range(rounds):  # alternating, so that neither gets the warm-up alone
-                v1, v2 = f"{2 * r + 1}.0.0", f"{2 * r + 2}.0.0"
-                rel = fleet_net.release(root / "rel", v1, key.private, hidden=40 + 2 * r)
-                t0 = time.monotonic()
-                view.publish(protocol.group_desired("edged", fleet_net.GROUP), desired.encode({"m": rel.target()}))
-                view.wait(lambda v=v1: serving(view, v, names), 300)
-                one.append(round(time.monotonic() - t0, 3))
-                rel = fleet_net.release(root / "rel", v2, key.private, hidden=41 + 2 * r)
-                plan = Plan("m", rel.target(), (1.0, 10.0, 100.0), 0.02, 300.0, discover_s=0.5)
-                t0 = time.monotonic()
-                res = Rollout(view, plan, lambda line: None).run()
-                staged.append(round(time.monotonic() - t0, 3))
-                stage_times.append(res.stage_times)
-                assert res.done, res.reason
-            out.update(one_publish_s=one, staged_s=staged, stage_times_s=stage_times)
-            out["one_publish_median_s"] = statistics.median(one)
-            out["staged_median_s"] = statistics.median(staged)
+            _release_rounds(root, view, key, sorted(devices), rounds, out)
             out["build_s"] = sorted(float(s["models"]["m"]["build_s"] or 0) for s in view.snapshot().values())
             out["state_bytes"] = max(len(json.dumps(s)) for s in view.snapshot().values())
             view.wait(lambda: len(beats) >= 2 * count, heartbeat_s * 4)
@@ -110,6 +92,31 @@ def real_fleet(
         round(statistics.median(wire) * 60 / DEFAULT_HEARTBEAT_S, 1) if wire else None
     )
     return out
+
+
+def _release_rounds(
+    root: Path, view: FleetView, key: KeyPair, names: list[str], rounds: int, out: dict[str, Any]
+) -> None:
+    """Each round a release published to the whole group at once, then the next one through a
+    staged rollout; their times (and the medians) into ``out``."""
+    one, staged, stage_times = [], [], []
+    for r in range(rounds):  # alternating, so that neither gets the warm-up alone
+        v1, v2 = f"{2 * r + 1}.0.0", f"{2 * r + 2}.0.0"
+        rel = fleet_net.release(root / "rel", v1, key.private, hidden=40 + 2 * r)
+        t0 = time.monotonic()
+        view.publish(protocol.group_desired("edged", fleet_net.GROUP), desired.encode({"m": rel.target()}))
+        view.wait(lambda v=v1: serving(view, v, names), 300)
+        one.append(round(time.monotonic() - t0, 3))
+        rel = fleet_net.release(root / "rel", v2, key.private, hidden=41 + 2 * r)
+        plan = Plan("m", rel.target(), (1.0, 10.0, 100.0), 0.02, 300.0, discover_s=0.5)
+        t0 = time.monotonic()
+        res = Rollout(view, plan, lambda line: None).run()
+        staged.append(round(time.monotonic() - t0, 3))
+        stage_times.append(res.stage_times)
+        assert res.done, res.reason
+    out.update(one_publish_s=one, staged_s=staged, stage_times_s=stage_times)
+    out["one_publish_median_s"] = statistics.median(one)
+    out["staged_median_s"] = statistics.median(staged)
 
 
 def simulated(central: Broker, edge: Broker, count: int, failing: float) -> dict[str, Any]:

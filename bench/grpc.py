@@ -54,9 +54,10 @@ import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench.base_tree import BaseEdged
+from bench.edged_server import EdgedServer
 from bench.models import ModelSpec, make_conv640, session, write_specs
 from bench.peers import REPO, log, machine, running
-from bench.servers import EdgedServer, Server
+from bench.servers import Server
 from bench.wire import connect, decode_v2, roundtrip
 from edged.client.shm import ShmRegion
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from bench.edged_server import EdgedServer, get_status
 from bench.models import ModelSpec, session
-from bench.servers import EdgedServer, Server, check, get_status, placement
+from bench.servers import Server, check, placement
 from bench.wire import Conn, closed_loop, connect, roundtrip
 
 Runner = Callable[[int, float], tuple[list[float], float]]

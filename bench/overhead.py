@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from bench.base_tree import BaseEdged
+from bench.edged_server import EdgedServer, get_status
 from bench.first_request import StagedEdged
 from bench.limit_servers import EchoServer, LimitPosixServer, LimitServer, LimitV2Server, LimitWorkerServer
 from bench.measure import (
@@ -80,7 +81,8 @@ from bench.measure import (
 )
 from bench.models import ModelSpec, prepare, session, write_specs
 from bench.overhead_report import lane_stages, report
-from bench.servers import EdgedServer, FastAPIServer, Server, check, get_status
+from bench.peer_servers import FastAPIServer
+from bench.servers import Server, check
 from bench.wire import FORMS, closed_loop, connect, roundtrip
 from edged.backends.onnxruntime import SERVING_CONFIG
 
@@ -210,6 +212,30 @@ def _in_place(server: EdgedServer, spec: ModelSpec, x: np.ndarray, want: np.ndar
 
 
 def main(argv: list[str] | None = None) -> None:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    EdgedServer.request_form = args.form
+    lanes = [n for n in args.lanes.split(",") if n]
+    unknown = set(lanes) - set(LANES)
+    if unknown:
+        ap.error(f"unknown lanes {sorted(unknown)}; pick from {', '.join(LANES)}")
+    if args.stages and "twin" in lanes:
+        ap.error("--stages times the edged lane's daemon only: its twin would not be the same daemon")
+    specs = prepare(REPO / "data", REPO / "data" / "bench")
+    spec = specs[args.model]
+    work = Path(tempfile.mkdtemp(prefix="edged-overhead-"))
+    if args.starts:
+        beside = {m: specs[m] for m in args.beside.split(",") if m and m != spec.name}
+        starts(work, spec, lanes, args.base, args.starts, beside)
+        return
+    stages = work / "stages.jsonl" if args.stages else None
+    results, placements, by_lane = _measure(args, spec, specs, lanes, work, stages)
+    restarts = len(rounds_per_start(args.rounds, args.restarts))
+    report(spec, results, placements, args.out, by_lane, {"rounds": args.rounds, "restarts": restarts})
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line; ``main`` checks the lanes it names."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--model", default="tiny")
@@ -248,25 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         help="how the edged lanes' clients write a request in the body: binary tensors, the same with "
         "a request id (numbered), or the values in JSON",
     )
-    args = ap.parse_args(argv)
-    EdgedServer.request_form = args.form
-    lanes = [n for n in args.lanes.split(",") if n]
-    unknown = set(lanes) - set(LANES)
-    if unknown:
-        ap.error(f"unknown lanes {sorted(unknown)}; pick from {', '.join(LANES)}")
-    if args.stages and "twin" in lanes:
-        ap.error("--stages times the edged lane's daemon only: its twin would not be the same daemon")
-    specs = prepare(REPO / "data", REPO / "data" / "bench")
-    spec = specs[args.model]
-    work = Path(tempfile.mkdtemp(prefix="edged-overhead-"))
-    if args.starts:
-        beside = {m: specs[m] for m in args.beside.split(",") if m and m != spec.name}
-        starts(work, spec, lanes, args.base, args.starts, beside)
-        return
-    stages = work / "stages.jsonl" if args.stages else None
-    results, placements, by_lane = _measure(args, spec, specs, lanes, work, stages)
-    restarts = len(rounds_per_start(args.rounds, args.restarts))
-    report(spec, results, placements, args.out, by_lane, {"rounds": args.rounds, "restarts": restarts})
+    return ap
 
 
 def _measure(

@@ -30,12 +30,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench import measure, report
+from bench import measure, report, report_markdown, report_plots
+from bench.edged_server import EdgedServer
 from bench.limit_servers import LimitServer, LimitV2Server, LimitWorkerServer
 from bench.measure import Budget, Series
 from bench.models import ModelSpec, batchable, prepare, write_specs
+from bench.peer_servers import FastAPIServer, PyTritonServer
 from bench.report import TWIN
-from bench.servers import EdgedServer, FastAPIServer, PyTritonServer, Server
+from bench.servers import Server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -241,8 +243,8 @@ def write_report(raw: dict[str, Any], out: Path, publish: str) -> None:
     results["scheduler"] = report.summarize_scheduler(raw["sched"])
     results["targets"] = report.targets(results)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
-    pngs = report.plots(series, results, out)
-    (out / "bench.md").write_text(report.markdown(results, [p.name for p in pngs]))
+    pngs = report_plots.plots(series, results, out)
+    (out / "bench.md").write_text(report_markdown.markdown(results, [p.name for p in pngs]))
     if publish:
         Path(publish).mkdir(parents=True, exist_ok=True)
         for p in pngs:
