@@ -3,7 +3,7 @@
 Runs in the build child process with the device's primary context active. Every choice that
 depends on the TensorRT version was made by ``versions.plan_build``; this module applies it, and
 each name only some releases have sits under the version check of ``versions`` that admits it
-(tests/unit/test_tensorrt_api.py holds every name to every release it can run on). The timing
+(tests/unit/test_tensorrt_release_names.py holds every name to every release it can run on). The timing
 cache is the device's one (``timing.py``), shared by every build and every trial.
 
 A build whose recipe converts the Q/DQ model's float parts to FP16 (strongly typed int8) and then

@@ -78,7 +78,7 @@ def unsupported_reason(version: Version) -> str:
 #
 # A TensorRT name the backend uses where only some releases have it sits under one of these (an
 # ``if``, a conditional expression, or an early ``raise`` that leaves the rest of a function to
-# the releases it admits). tests/unit/test_tensorrt_api.py evaluates them on every release's
+# the releases it admits). tests/unit/test_tensorrt_release_names.py evaluates them on every release's
 # version to know which names each release must have (scripts/data/tensorrt_api.json).
 
 

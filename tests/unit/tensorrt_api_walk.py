@@ -1,7 +1,10 @@
-"""Every TensorRT name the backend touches exists in every release it can run on.
+"""The means to hold every TensorRT name the backend touches to every release it can run on: the
+manifest of each release's names, the member types the stubs declare, and the walk of the backend
+that finds each name it uses and the releases each use can run on. The tests are
+test_tensorrt_release_names.py and test_tensorrt_api_manifest.py.
 
 The strict mypy run (test_tensorrt_backend.py) checks the backend against one release's stubs
-(10.13). This test checks it against all of them: ``scripts/data/tensorrt_api.json`` lists the
+(10.13). This check holds it to all of them: ``scripts/data/tensorrt_api.json`` lists the
 ``tensorrt`` module's names per release (8.5, 8.6, 10.3, 10.13, 11.0, 11.1), read by
 ``scripts/trt_api_manifest.py`` from the pybind11 sources of NVIDIA's TensorRT repository at each
 release's commit. An AST walk of ``edged/backends/tensorrt/`` finds each attribute read or set on
@@ -20,13 +23,10 @@ import ast
 import importlib.metadata
 import json
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-
-import pytest
 
 from edged.backends.tensorrt.versions import VERSION_CHECKS, Version, parse_version
 from tests.helpers import unavailable
@@ -296,21 +296,26 @@ class Walker:
                 elif isinstance(stmt.target, ast.Name) and found:
                     env[stmt.target.id] = found
                 continue
-            for field_name, value in ast.iter_fields(stmt):
-                if isinstance(value, ast.expr):
-                    self.expr(value, releases, env, checks)
-                elif isinstance(value, list):
-                    stmts = [v for v in value if isinstance(v, ast.stmt)]
-                    if stmts:
-                        self.block(stmts, releases, env, checks)
-                    for v in value:
-                        if isinstance(v, ast.expr):
-                            self.expr(v, releases, env, checks)
-                        elif isinstance(v, ast.withitem):
-                            self.expr(v.context_expr, releases, env, checks)
-                        elif isinstance(v, ast.ExceptHandler):
-                            self.block(v.body, releases, env, checks)
-                del field_name
+            self._statement_fields(stmt, releases, env, checks)
+
+    def _statement_fields(self, stmt: ast.stmt, releases: frozenset[str], env: dict[str, str], checks: _Check) -> None:
+        """Any other statement: the expressions in its fields, and the statements nested there (the
+        bodies of a loop, a ``with``, a ``try`` and its handlers)."""
+        for field_name, value in ast.iter_fields(stmt):
+            if isinstance(value, ast.expr):
+                self.expr(value, releases, env, checks)
+            elif isinstance(value, list):
+                stmts = [v for v in value if isinstance(v, ast.stmt)]
+                if stmts:
+                    self.block(stmts, releases, env, checks)
+                for v in value:
+                    if isinstance(v, ast.expr):
+                        self.expr(v, releases, env, checks)
+                    elif isinstance(v, ast.withitem):
+                        self.expr(v.context_expr, releases, env, checks)
+                    elif isinstance(v, ast.ExceptHandler):
+                        self.block(v.body, releases, env, checks)
+            del field_name
 
     def function(
         self, node: ast.FunctionDef | ast.AsyncFunctionDef, releases: frozenset[str], outer: dict[str, str]
@@ -364,149 +369,3 @@ def missing(uses: Sequence[Use]) -> list[str]:
             what = f"{use.owner}.{use.name}" if use.owner else f"trt.{use.name}"
             found.append(f"{use.where}: {what} is not in TensorRT {', '.join(lacking)}")
     return found
-
-
-# --- the tests ------------------------------------------------------------------------------------
-
-
-def test_every_module_of_the_package_postpones_its_annotations() -> None:
-    for path in PACKAGE.glob("*.py"):
-        tree = ast.parse(path.read_text())
-        future = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"]
-        if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(tree)):
-            assert any(a.name == "annotations" for n in future for a in n.names), path.name
-
-
-def test_the_manifest_covers_every_release_edged_runs_on() -> None:
-    versions = release_versions()
-    assert sorted(versions, key=parse_version) == ["8.5", "8.6", "10.3", "10.13", "11.0", "11.1"]
-    assert versions["8.5"] == (8, 5, 2)  # JetPack 5.1's TensorRT
-    for info in manifest().values():
-        assert len(str(info["commit"])) == 40 and info["classes"] and info["module"]
-
-
-def test_the_manifest_agrees_with_the_stubs_of_its_release() -> None:
-    """The extraction's own check: every name the 10.13 stubs declare (generated from the
-    compiled module) is in the manifest read from 10.13's sources, but for a few dynamic ones."""
-    tree = ast.parse(_stub_source())
-    dynamic = {"Logger", "NodeIndices", "PluginFieldCollection", "SubGraphCollection"}  # setattr loops, vectors
-    absent = []
-    for node in tree.body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        if not exists("10.13", MODULE, node.name):
-            absent.append(node.name)
-            continue
-        for item in node.body:
-            name = item.name if isinstance(item, (ast.FunctionDef, ast.ClassDef)) else None
-            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                name = item.target.id
-            if name and not name.startswith("__") and node.name not in dynamic and not exists("10.13", node.name, name):
-                absent.append(f"{node.name}.{name}")
-    assert absent == []
-
-
-def test_every_tensorrt_name_edged_touches_exists_where_it_can_run() -> None:
-    uses = package_uses(PACKAGE)
-    assert missing(uses) == []
-    seen = {(u.owner, u.name) for u in uses}
-    # The walk sees what it is meant to: the inference path, the build, the guarded names.
-    for owner, name in [
-        ("IExecutionContext", "execute_async_v3"),
-        ("IExecutionContext", "set_tensor_address"),
-        ("IExecutionContext", "set_optimization_profile_async"),
-        ("ICudaEngine", "device_memory_size_v2"),
-        ("ICudaEngine", "device_memory_size"),
-        ("ICudaEngine", "get_tensor_profile_shape"),
-        ("Builder", "num_DLA_cores"),
-        ("IBuilderConfig", "builder_optimization_level"),
-        ("IBuilderConfig", "int8_calibrator"),
-        ("IBuilderConfig", "set_timing_cache"),
-        ("ITimingCache", "serialize"),
-        ("IOptimizationProfile", "set_shape"),
-        ("OnnxParser", "parse_from_file"),
-        ("BuilderFlag", "INT8"),
-        ("NetworkDefinitionCreationFlag", "EXPLICIT_BATCH"),
-        ("PreviewFeature", "PROFILE_SHARING_0806"),
-        ("DataType", "name"),
-        (MODULE, "IInt8EntropyCalibrator2"),
-        (MODULE, "__version__"),
-    ]:
-        assert (owner, name) in seen, (owner, name)
-    guarded = {(u.owner, u.name): u.releases for u in uses}
-    assert guarded[("ICudaEngine", "device_memory_size")] == {"8.5", "8.6"}
-    assert guarded[("BuilderFlag", "INT8")] == {"8.5", "8.6", "10.3", "10.13"}
-    assert guarded[("IBuilderConfig", "builder_optimization_level")] == {"8.6", "10.3", "10.13", "11.0", "11.1"}
-
-
-def _copy_with(tmp_path: Path, file: str, anchor: str, lines: str) -> Path:
-    """The package copied, with ``lines`` (indented as ``anchor``) after ``anchor`` in ``file``."""
-    copy = tmp_path / "tensorrt"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    source = (copy / file).read_text()
-    assert anchor in source
-    indent = anchor[: len(anchor) - len(anchor.lstrip())]
-    added = "".join(f"{indent}{line}\n" for line in lines.splitlines())
-    (copy / file).write_text(source.replace(anchor + "\n", anchor + "\n" + added, 1))
-    return copy
-
-
-CONFIGURE = "    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, opts.workspace)"
-PARSER = "    parser = trt.OnnxParser(network, get_logger())"
-
-
-@pytest.mark.parametrize(
-    "anchor, lines, lacking",
-    [
-        # 11.x only: OnnxParser.set_builder_config arrived in 11.0
-        (
-            PARSER,
-            "parser.set_builder_config(None)",
-            "OnnxParser.set_builder_config is not in TensorRT 8.5, 8.6, 10.3, 10.13",
-        ),
-        # 11.1 only, through the config a function is handed
-        (
-            CONFIGURE,
-            "config.build_route = None",
-            "IBuilderConfig.build_route is not in TensorRT 8.5, 8.6, 10.3, 10.13, 11.0",
-        ),
-        # removed in 11: the implicit INT8 calibrator
-        (CONFIGURE, "config.int8_calibrator = None", "IBuilderConfig.int8_calibrator is not in TensorRT 11.0, 11.1"),
-        # missing in 8.5: the optimisation level arrived in 8.6
-        (CONFIGURE, "config.builder_optimization_level = 3", "builder_optimization_level is not in TensorRT 8.5"),
-        # a module name, through a chain: trt.BuilderFlag.FP16 is gone in 11
-        (CONFIGURE, "config.set_flag(trt.BuilderFlag.FP16)", "BuilderFlag.FP16 is not in TensorRT 11.0, 11.1"),
-        # inside a comprehension, on a value a stub's return type names
-        (
-            PARSER,
-            "ranges = [r for r in network.get_input(0).dynamic_range]",
-            "ITensor.dynamic_range is not in TensorRT 11.0, 11.1",
-        ),
-    ],
-)
-def test_an_unguarded_name_a_release_lacks_fails_the_check(
-    tmp_path: Path, anchor: str, lines: str, lacking: str
-) -> None:
-    copy = _copy_with(tmp_path, "build.py", anchor, lines)
-    found = missing(package_uses(copy))
-    assert len(found) == 1 and found[0].endswith(lacking), found
-
-
-@pytest.mark.parametrize(
-    "anchor, lines",
-    [
-        (PARSER, "if not has_weak_typing(plan.version):\n    parser.set_builder_config(None)"),
-        (PARSER, "route = parser.set_builder_config(None) if not has_weak_typing(plan.version) else None"),
-        (CONFIGURE, "if has_weak_typing(plan.version) and plan.calibrator:\n    config.int8_calibrator = None"),
-        (CONFIGURE, "if not has_optimization_level(plan.version):\n    return\nconfig.builder_optimization_level = 3"),
-    ],
-)
-def test_a_name_under_its_version_check_passes(tmp_path: Path, anchor: str, lines: str) -> None:
-    copy = _copy_with(tmp_path, "build.py", anchor, lines)
-    assert missing(package_uses(copy)) == []
-
-
-def test_a_guard_for_the_wrong_releases_does_not_count(tmp_path: Path) -> None:
-    lines = "if has_weak_typing(plan.version):\n    parser.set_builder_config(None)"
-    found = missing(package_uses(_copy_with(tmp_path, "build.py", PARSER, lines)))
-    assert len(found) == 1 and "set_builder_config is not in TensorRT 8.5, 8.6, 10.3, 10.13" in found[0]
