@@ -19,7 +19,7 @@ from edged import errors
 from edged.client import AsyncClient
 from tests.helpers import DaemonProcess, while_held
 from tests.integration.mosquitto import Peer, module_broker
-from tests.integration.test_mqtt import Edged
+from tests.integration.mqtt_daemon import Edged
 
 pytestmark = pytest.mark.integration
 

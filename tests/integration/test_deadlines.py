@@ -20,7 +20,7 @@ from edged.client import Client
 from edged.tools.demo import make_tiny_mlp
 from tests.helpers import DaemonProcess, wait_for
 from tests.integration.mosquitto import Broker, Peer, broker
-from tests.integration.test_mqtt import Edged, code_of, json_request
+from tests.integration.mqtt_daemon import Edged, code_of, json_request
 
 __all__ = ["broker"]  # a fixture: imported so that pytest finds it
 

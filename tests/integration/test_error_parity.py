@@ -24,7 +24,7 @@ from edged import errors
 from edged.tools.demo import make_tiny_mlp
 from edged.wire.proto import grpc_service_pb2 as pb
 from tests.integration.mosquitto import Broker, Peer, module_broker
-from tests.integration.test_mqtt import Edged
+from tests.integration.mqtt_daemon import Edged
 from tests.string_model import make_string_model
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers import DaemonProcess, raw_http, write_config
 from tests.integration.mosquitto import Broker, Peer, broker
-from tests.integration.test_mqtt import Edged, code_of, json_request
+from tests.integration.mqtt_daemon import Edged, code_of, json_request
 
 pytestmark = pytest.mark.integration
 

@@ -4,197 +4,25 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from edged import errors
-from edged.tools.demo import make_tiny_mlp, save_graph
-from tests.helpers import DaemonProcess, wait_for, write_config
-from tests.integration.mosquitto import Broker, Peer, Received, module_broker, need
+from tests.helpers import wait_for
+from tests.integration.mosquitto import Broker, Peer, module_broker, need
+from tests.integration.mqtt_daemon import Edged, code_of, json_request, probs
+from tests.integration.mqtt_edge import DEV, edge, mqtt_models, peer, socket_probs
 
 pytestmark = pytest.mark.integration
 
-__all__ = ["module_broker"]  # a fixture: imported so that pytest finds it
+__all__ = ["edge", "module_broker", "mqtt_models", "peer"]  # fixtures: imported so that pytest finds them
 
-
-# --- models ------------------------------------------------------------------------------------
-
-
-def make_slow_model(path: Path, size: int = 384, rounds: int = 40) -> Path:
-    """Input 'x' FP32 [1,16], output 'probs' [1,4], tens of milliseconds of MatMuls on one
-    thread: long enough to fill a queue or outlive a message expiry, from 600 KB of weights."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(3)
-    a = numpy_helper.from_array((rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32), "a")
-    b = numpy_helper.from_array(rng.standard_normal((size, 4)).astype(np.float32), "b")
-    reps = numpy_helper.from_array(np.array([size, size // 16], np.int64), "reps")
-    nodes = [helper.make_node("Tile", ["x", "reps"], ["m0"])]
-    for i in range(rounds):
-        nodes += [
-            helper.make_node("MatMul", [f"m{i}", "a"], [f"p{i}"]),
-            helper.make_node("Tanh", [f"p{i}"], [f"m{i + 1}"]),
-        ]
-    nodes += [
-        helper.make_node("ReduceMean", [f"m{rounds}"], ["r"], axes=[0], keepdims=1),
-        helper.make_node("MatMul", ["r", "b"], ["logits"]),
-        helper.make_node("Softmax", ["logits"], ["probs"], axis=1),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "slow",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
-        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 4])],
-        [a, b, reps],
-    )
-    save_graph(graph, path, opset=13)
-    return path
-
-
-# --- the daemon --------------------------------------------------------------------------------
-
-
-class Edged(DaemonProcess):
-    """``python -m edged serve`` with an [mqtt] table pointing at the test broker."""
-
-    def __init__(
-        self,
-        directory: Path,
-        port: int,
-        device: str,
-        models: Mapping[str, Mapping[str, Any]],
-        cache: Path,
-        extra: Mapping[str, Mapping[str, Any]] | None = None,
-        env: dict[str, str] | None = None,
-        **mqtt_keys: Any,
-    ) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.device = device
-        mqtt = {
-            "enabled": True,
-            "host": "127.0.0.1",
-            "port": port,
-            "device_id": device,
-            "reconnect_min_s": 0.05,
-            "reconnect_max_s": 0.5,
-            **mqtt_keys,
-        }
-        tables: dict[str, dict[str, Any]] = {
-            "server": {"socket": str(directory / "edged.sock"), "log_level": "debug"},
-            "cache": {"dir": str(cache)},
-            "build": {"block_ready": True},  # engines built before READY=1
-            "mqtt": {k: v for k, v in mqtt.items() if not isinstance(v, dict)},
-        }
-        tables.update({f"mqtt.{k}": v for k, v in mqtt.items() if isinstance(v, dict)})
-        for key, values in (extra or {}).items():
-            tables[key] = {**tables.get(key, {}), **values}
-        self.tables = tables
-        self.models = dict(models)
-        self.directory = directory
-        self.write_models(models)
-        super().__init__(directory / "edged.toml", directory / "edged.sock", directory / "edged.log", env=env)
-
-    def write_models(self, models: Mapping[str, Mapping[str, Any]]) -> None:
-        """(Re)write the config with these models; the rest stays as constructed."""
-        tables = {k: v for k, v in self.tables.items() if not k.startswith("models.")}
-        for name, m in models.items():
-            key = f'"{name}"' if "." in name else name  # a TOML key with a dot is quoted
-            tables[f"models.{key}"] = {k: v for k, v in m.items() if not isinstance(v, dict)}
-            for sub, values in m.items():
-                if isinstance(values, dict):
-                    tables[f"models.{key}.{sub}"] = values
-        self.tables = tables
-        write_config(self.directory / "edged.toml", tables)
-
-    def metric(self, name: str, **labels: str) -> float:
-        """One sample of /metrics, 0 when the series does not exist yet."""
-        with self.client() as c:
-            status, body, _ = c.request("GET", "/metrics")
-        assert status == 200
-        want = sorted(f'{k}="{v}"' for k, v in labels.items())
-        for line in body.decode().splitlines():
-            m = re.match(r"^(\w+)\{(.*)\} (\S+)$", line)
-            if m and m.group(1) == name and sorted(m.group(2).split(",")) == want:
-                return float(m.group(3))
-        return 0.0
-
-
-def json_request(x: np.ndarray, rid: str = "", **extra: Any) -> bytes:
-    doc: dict[str, Any] = {
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.reshape(-1).tolist()}],
-        **extra,
-    }
-    if rid:
-        doc["id"] = rid
-    return json.dumps(doc).encode()
-
-
-def probs(reply: Received) -> np.ndarray:
-    out = reply.json()["outputs"][0]
-    assert out["name"] == "probs" and out["datatype"] == "FP32"
-    arr: np.ndarray = np.asarray(out["data"], np.float32).reshape(out["shape"])
-    return arr
-
-
-# --- fixtures ----------------------------------------------------------------------------------
-
-DEV = "dev-a"
 MODELS = f"edged/{DEV}/models"
 OCTET = "application/octet-stream"
-
-
-@pytest.fixture(scope="module")
-def mqtt_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("models")
-    make_tiny_mlp(d / "tiny.onnx")
-    make_slow_model(d / "slow.onnx")
-    return d
-
-
-def model_table(mqtt_models: Path) -> dict[str, dict[str, Any]]:
-    slow = {"path": str(mqtt_models / "slow.onnx"), "threads": 1, "warmup": {"iterations": 1}}
-    return {
-        "tiny": {"path": str(mqtt_models / "tiny.onnx")},
-        "lazy": {"path": str(mqtt_models / "tiny.onnx"), "preload": "lazy"},
-        # One request at a time and no queue: the second concurrent request is 'busy'.
-        "slow": dict(slow, queue_depth=1),
-        # A deep queue on one thread: a backlog that outlives a message expiry.
-        "slowq": dict(slow, queue_depth=64),
-    }
-
-
-@pytest.fixture(scope="module")
-def edge(module_broker: Broker, mqtt_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edged]:
-    d = tmp_path_factory.mktemp("edge")
-    daemon = Edged(
-        d, module_broker.port, DEV, model_table(mqtt_models), d / "cache", telemetry_interval_s=1, fleet_group="g"
-    )
-    daemon.start()
-    yield daemon
-    assert daemon.stop() == 0
-
-
-@pytest.fixture
-def peer(module_broker: Broker, edge: Edged) -> Iterator[Peer]:
-    with Peer(module_broker.port) as p:
-        yield p
-
-
-def socket_probs(edge: Edged, x: np.ndarray) -> np.ndarray:
-    with edge.client() as c:
-        out: np.ndarray = c.infer("tiny", {"x": x})["probs"]
-        return out
-
-
-def code_of(r: Received) -> str:
-    return str(r.json().get("code", "ok")) if r.content_type == "application/json" else "ok"
 
 
 # --- availability and state --------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from edged.tools.demo import make_tiny_mlp
 from edged.transports.mqtt.transport import FIRST_CONNECT_WAIT_S
 from tests.integration.mosquitto import Broker, Peer, make_tls
-from tests.integration.test_mqtt import Edged, code_of, json_request, probs
+from tests.integration.mqtt_daemon import Edged, code_of, json_request, probs
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from paho.mqtt.properties import Properties
 from edged.tools.demo import make_tiny_mlp
 from tests.helpers import wait_for
 from tests.integration.mosquitto import Broker, Peer, broker, module_broker
-from tests.integration.test_mqtt import Edged, code_of, json_request, probs
+from tests.integration.mqtt_daemon import Edged, code_of, json_request, probs
 
 pytestmark = pytest.mark.integration
 __all__ = ["broker", "module_broker"]  # fixtures: imported so that pytest finds them

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import HealthProber
 from tests.integration.mosquitto import Broker, Peer, broker
-from tests.integration.test_mqtt import Edged, code_of
+from tests.integration.mqtt_daemon import Edged, code_of
 from tests.integration.test_mqtt_poison import TOPIC, tiny
 
 pytestmark = pytest.mark.integration

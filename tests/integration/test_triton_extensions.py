@@ -16,8 +16,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.helpers import DaemonProcess, wait_for
 from tests.integration.mosquitto import Broker, Peer, module_broker
+from tests.integration.mqtt_daemon import Edged, json_request
 from tests.integration.test_listeners import free_port, tcp
-from tests.integration.test_mqtt import Edged, json_request
 
 pytestmark = pytest.mark.integration
 __all__ = ["module_broker"]  # a fixture: imported so that pytest finds it

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import pytest
-from systemd_ns import Boot, BootError, BootOptions, SystemdNamespace, missing_prerequisite
+from ns_host import BootError, missing_prerequisite
+from systemd_ns import Boot, BootOptions, SystemdNamespace
 
 from tests.helpers import unavailable
 

@@ -10,7 +10,7 @@ line) is the shipped unit; a test adds its own lines in a second drop-in.
 Paths: the unit keeps ProtectHome=yes and PrivateTmp=yes, so neither the venv's interpreter (a
 symlink into /root/.pyenv) nor pytest's tmp_path (under /tmp) is visible to the daemon. The unit
 therefore runs /usr/bin/python3 with this checkout and the venv's site-packages on PYTHONPATH
-(systemd_ns.python_for_units, same CPython minor version, so the same C extensions), and the
+(unit_python.python_for_units, same CPython minor version, so the same C extensions), and the
 test puts what the daemon reads where the shipped config expects it: the config in
 /etc/edged (a private copy of /etc), models and calibration images under /var/lib/edged (a
 tmpfs of the namespace), engines in /var/cache/edged (another tmpfs).
@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from systemd_ns import REPO, Boot, BootOptions, SystemdNamespace, python_for_units
+from ns_host import REPO
+from systemd_ns import Boot, BootOptions, SystemdNamespace
+from unit_python import python_for_units
 
 from edged.client import Client
 from tests.helpers import write_config

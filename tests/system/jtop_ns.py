@@ -34,7 +34,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from systemd_ns import REPO, children_of, wait_until
+from ns_host import REPO, children_of
+from ns_waits import wait_until
 
 JTOP_SOCKET = "/run/jtop.sock"
 START_TIMEOUT = 20.0

@@ -18,7 +18,6 @@ synchronise: every wait polls a condition against a deadline.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -26,82 +25,23 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import threading
-import time
-import tty
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+
+from ns_console import ConsoleCapture
+from ns_host import SYSTEMD, BootError, children_of, own_cgroup2_dir, remove_cgroup
+from ns_waits import wait_until
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-REPO = Path(__file__).resolve().parents[2]
-SYSTEMD = Path("/lib/systemd/systemd")
 TARGET = "edged-test.target"
 JOURNALD_UNITS = ("systemd-journald.socket", "systemd-journald.service")
 # Default dependencies of services and sockets Require= sysinit.target: without it `systemctl
 # start` after boot fails with "Unit sysinit.target not found" (the boot transaction tolerates it).
 STUB_TARGETS = ("sysinit.target",)
 BOOT_TIMEOUT = 30.0
-
-
-class BootError(RuntimeError):
-    """systemd could not be started in the namespace; the message says why."""
-
-
-# --- waiting ----------------------------------------------------------------------------------
-
-
-def wait_until(check: Callable[[], T | None], timeout: float, what: str, poll: float = 0.02) -> T:
-    """Poll ``check`` until it returns something other than None/False, or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result is not None and result is not False:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(poll)  # the poll interval of a deadline loop, not a synchronisation
-
-
-# --- prerequisites ------------------------------------------------------------------------------
-
-
-def own_cgroup2_dir() -> Path:
-    """This process's cgroup in the cgroup2 hierarchy, as a directory of the host's mount."""
-    own = next(
-        line.split("::", 1)[1] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")
-    )
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields, _, fs = line.partition(" - ")
-        if fs.split()[0] != "cgroup2":
-            continue
-        root, mountpoint = fields.split()[3:5]
-        if own == root or own.startswith(root.rstrip("/") + "/"):
-            return Path(mountpoint) / own[len(root) :].lstrip("/")
-    raise BootError("no cgroup2 hierarchy is mounted (systemd 252 needs one)")
-
-
-def missing_prerequisite() -> str | None:
-    """Why system tests cannot run here, or None."""
-    if os.geteuid() != 0:
-        return "system tests boot systemd in private namespaces and need root"
-    for tool in ("unshare", "nsenter", "systemctl", "journalctl"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (util-linux / systemd)"
-    if not SYSTEMD.exists():
-        return f"{SYSTEMD} is missing: systemd is not installed"
-    try:
-        probe = own_cgroup2_dir() / f"edged-probe-{uuid.uuid4().hex[:8]}"
-        probe.mkdir()
-        probe.rmdir()
-    except (OSError, BootError) as e:
-        return f"cannot create a cgroup2 cgroup for systemd ({e}): cgroup2 not writable"
-    return None
 
 
 # --- the namespace --------------------------------------------------------------------------------
@@ -148,38 +88,6 @@ mount -n --bind "$CONSOLE" /dev/console
 exec env -i container=edged-test SYSTEMD_UNIT_PATH="$WORK/units$UNIT_PATH_EXTRA" \
     "$SYSTEMD" --system --unit=edged-test.target --log-target=console --show-status=no
 """
-
-
-class ConsoleCapture:
-    """A pseudo-terminal bind-mounted over the namespace's /dev/console, copied to a file.
-
-    PID 1 runs with --log-target=console so its messages do not depend on journald, and systemd
-    writes only to a terminal there (it checks isatty), so a plain file cannot stand in.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.master, self._slave = os.openpty()
-        tty.setraw(self._slave)
-        self.tty = os.ttyname(self._slave)
-        self._out = path.open("wb", buffering=0)
-        self._thread = threading.Thread(target=self._copy, name="console", daemon=True)
-        self._thread.start()
-
-    def _copy(self) -> None:
-        while True:
-            try:
-                data = os.read(self.master, 65536)
-            except OSError:  # EIO: every slave end is closed
-                return
-            if not data:
-                return
-            self._out.write(data)
-
-    def close(self) -> None:
-        os.close(self._slave)
-        self._thread.join(timeout=10)
-        os.close(self.master)
-        self._out.close()
 
 
 @dataclass
@@ -391,67 +299,5 @@ class SystemdNamespace:
         return sock
 
 
-def children_of(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:  # kernel without CONFIG_PROC_CHILDREN: scan
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(stat.parent.name))
-        return found
-
-
 Boot = Callable[..., SystemdNamespace]
 """The boot_systemd fixture: ``boot(units, options=None) -> SystemdNamespace``."""
-
-
-def open_fifo_writer(path: Path, timeout: float = 20) -> int:
-    """Open a FIFO for writing once a reader has it open; never blocks past the deadline."""
-
-    def opened() -> int | None:
-        try:
-            return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # no reader yet
-                return None
-            raise
-
-    return wait_until(opened, timeout, f"a reader on {path}")
-
-
-def remove_cgroup(path: Path) -> None:
-    """Remove the namespace's cgroup subtree once it is empty (leaf first)."""
-
-    def empty() -> bool:
-        events = path / "cgroup.events"
-        return not events.exists() or "populated 0" in events.read_text()
-
-    try:
-        wait_until(empty, 30, f"{path} to empty")
-    except TimeoutError:
-        (path / "cgroup.kill").write_text("1")  # kernel 5.14+: the last resort
-        wait_until(empty, 30, f"{path} to empty after cgroup.kill")
-    for dirpath, _, _ in sorted(os.walk(path), key=lambda w: -w[0].count("/")):
-        os.rmdir(dirpath)
-
-
-SYSTEM_PYTHON = Path("/usr/bin/python3")
-
-
-def python_for_units() -> tuple[str, str]:
-    """An interpreter that a hardened unit can run (ProtectHome= hides a venv whose python lives
-    under /root) and a PYTHONPATH that lets it import edged, plus this venv's site-packages when
-    the versions match (C extensions such as systemd-python are built for one ABI)."""
-    if not SYSTEM_PYTHON.exists():
-        return sys.executable, str(REPO)
-    probe = [str(SYSTEM_PYTHON), "-c", "import sys; print(sys.version_info[:2])"]
-    version = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
-    paths = [str(REPO)]
-    if version == str(sys.version_info[:2]):
-        paths.extend(p for p in sys.path if p.endswith("site-packages"))
-    return str(SYSTEM_PYTHON), ":".join(paths)

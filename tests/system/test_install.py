@@ -15,7 +15,8 @@ import stat
 from pathlib import Path
 
 import pytest
-from systemd_ns import REPO, Boot, BootOptions, SystemdNamespace
+from ns_host import REPO
+from systemd_ns import Boot, BootOptions, SystemdNamespace
 
 SOCKET = "/run/edged/edged.sock"
 TOP_LEVEL_SKIP = {

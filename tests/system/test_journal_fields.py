@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 
 import pytest
-from systemd_ns import REPO, Boot, wait_until
+from ns_host import REPO
+from ns_waits import wait_until
+from systemd_ns import Boot
 
 from edged.host import systemd as sd
 from tests.helpers import unavailable

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from systemd_ns import REPO, Boot, SystemdNamespace, open_fifo_writer
+from ns_host import REPO
+from ns_waits import open_fifo_writer
+from systemd_ns import Boot, SystemdNamespace
 
 ONE_LINER = (
     "import edged.host.systemd as s, signal; "

@@ -14,7 +14,10 @@ import stat
 from typing import Any
 
 import pytest
-from systemd_ns import REPO, Boot, BootOptions, SystemdNamespace, open_fifo_writer, python_for_units
+from ns_host import REPO
+from ns_waits import open_fifo_writer
+from systemd_ns import Boot, BootOptions, SystemdNamespace
+from unit_python import python_for_units
 
 UNITS = REPO / "systemd"
 SOCKET = "/run/edged/edged.sock"

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemon_units import SERVICE, boot_edged
-from systemd_ns import Boot, python_for_units
+from systemd_ns import Boot
+from unit_python import python_for_units
 
 from edged.tools.demo import make_tiny_mlp
 from tests.helpers import wait_for

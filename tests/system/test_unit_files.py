@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from systemd_ns import REPO
+from ns_host import REPO
 
 from tests.helpers import unavailable
 
