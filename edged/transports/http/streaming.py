@@ -54,9 +54,10 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def until_disconnect(work: Awaitable[str], receive: Receive) -> str | None:
-    """``work``'s result, or None once the client has gone (the generation is then cancelled)."""
-    task = asyncio.ensure_future(work)
+async def _until_done_or_gone(task: asyncio.Future[Any], receive: Receive, settle: bool) -> None:
+    """Wait until ``task`` is done or the client has gone; a task still running then is cancelled
+    and, with ``settle``, awaited until its cancellation has run (a stream's pump: closing its
+    events there cancels the generation)."""
     watch = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -64,6 +65,14 @@ async def until_disconnect(work: Awaitable[str], receive: Receive) -> str | None
         watch.cancel()
         if not task.done():
             task.cancel()
+            if settle:
+                await asyncio.gather(task, return_exceptions=True)
+
+
+async def until_disconnect(work: Awaitable[str], receive: Receive) -> str | None:
+    """``work``'s result, or None once the client has gone (the generation is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    await _until_done_or_gone(task, receive, settle=False)
     if not task.done() or task.cancelled():
         return None
     return task.result()
@@ -90,13 +99,6 @@ async def stream(send: Send, receive: Receive, events: AsyncIterator[bytes], ope
         await send({"type": "http.response.body", "body": b""})
 
     task = asyncio.ensure_future(pump())
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()  # the client left: closing the stream cancels the generation
-            await asyncio.gather(task, return_exceptions=True)
+    await _until_done_or_gone(task, receive, settle=True)
     if task.done() and not task.cancelled():
         task.result()
