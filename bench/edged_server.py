@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from bench.models import ModelSpec
-from bench.servers import Server, _get, copier
+from bench.servers import Server, copier, status_of
 from bench.wire import Conn, decode_v2, v2_request, v2_request_in_place
 from edged.client import Client
 from edged.client.shm import MemfdRegion, ShmRegion
@@ -160,7 +160,7 @@ class EdgedServer(Server):
         self._close_notify()
 
     def is_ready(self) -> bool:
-        return _get(self.addr, "/v2/health/ready") == 200
+        return status_of(self.addr, "/v2/health/ready") == 200
 
     def wait_built(self, timeout: float = 600.0) -> None:
         """Until no build is queued or running: the engine cache is complete, so the next start

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from bench.models import ModelSpec
-from bench.servers import REPO, Server, _get
+from bench.servers import REPO, Server, status_of
 from bench.wire import Conn, decode_raw, decode_v2, raw_request, v2_request
 from edged.client.shm import ShmTensor
 
@@ -56,7 +56,7 @@ class FastAPIServer(Server):
         super().start()
 
     def is_ready(self) -> bool:
-        return _get(self.addr, "/health") == 200
+        return status_of(self.addr, "/health") == 200
 
     def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
         return raw_request(spec.name, x)
@@ -99,7 +99,7 @@ class PyTritonServer(Server):
         return {"LD_LIBRARY_PATH": f"{base}:{os.environ.get('LD_LIBRARY_PATH', '')}", "BENCH_TRITON_TOKEN": self.token}
 
     def is_ready(self) -> bool:
-        return all(_get(self.addr, f"/v2/models/{m}/ready") == 200 for m in self.specs)
+        return all(status_of(self.addr, f"/v2/models/{m}/ready") == 200 for m in self.specs)
 
     def request(self, spec: ModelSpec, x: np.ndarray) -> bytes:
         return v2_request(spec.name, spec.input, x, spec.outputs)

@@ -148,14 +148,14 @@ def _add(
     A/A spread and the limits the machine allows."""
     met = value >= bound if higher else value <= bound
     if twin is not None:  # the A/A spread: the same figure from a second daemon of the same code
-        peers = f"a second edged daemon {_f(twin)} {unit}; " + peers
+        peers = f"a second edged daemon {fmt(twin)} {unit}; " + peers
     if limit is not None:  # what the machine allows: a bound past it cannot be met by any server
-        peers += f"; limit {_f(limit)} {unit}" + (" (the bound is past it)" if (limit < bound) == higher else "")
+        peers += f"; limit {fmt(limit)} {unit}" + (" (the bound is past it)" if (limit < bound) == higher else "")
     if worker_limit is not None:  # the same for a server that keeps its loop free during a run
-        peers += f", with the run on a worker thread {_f(worker_limit)} {unit}"
+        peers += f", with the run on a worker thread {fmt(worker_limit)} {unit}"
     if v2_limit is not None:  # the least a server that speaks the protocol does
         past = " (the bound is past it)" if (v2_limit < bound) == higher else ""
-        peers += f", with the protocol's decode and encode {_f(v2_limit)} {unit}{past}"
+        peers += f", with the protocol's decode and encode {fmt(v2_limit)} {unit}{past}"
     rows.append(
         {
             "target": what,
@@ -249,7 +249,8 @@ def _batching_targets(rows: list[dict[str, Any]], cases: dict[str, Any]) -> None
         )
 
 
-def _f(v: float, digits: int = 3) -> str:
+def fmt(v: float, digits: int = 3) -> str:
+    """A figure for the report's tables: whole from 100, one decimal from 10, else ``digits``."""
     if v >= 100:
         return f"{v:.0f}"
     if v >= 10:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.measure import FLOOR
-from bench.report import LABEL, LIMIT, LIMIT_V2, LIMIT_WORKER, LIMITS, TRANSPORT, TWIN, _f, peers_of
+from bench.report import LABEL, LIMIT, LIMIT_V2, LIMIT_WORKER, LIMITS, TRANSPORT, TWIN, fmt, peers_of
 
 
 def markdown(r: dict[str, Any], pngs: Sequence[str], img_prefix: str = "") -> str:
@@ -40,7 +40,7 @@ def markdown(r: dict[str, Any], pngs: Sequence[str], img_prefix: str = "") -> st
     for t in r["targets"]:
         bound = f"{'>=' if t['higher_is_better'] else '<='} {t['bound']} {t['unit']}"
         lines.append(
-            f"| {t['target']} | {_f(t['value'])} {t['unit']} | {bound} | {'yes' if t['met'] else '**no**'} "
+            f"| {t['target']} | {fmt(t['value'])} {t['unit']} | {bound} | {'yes' if t['met'] else '**no**'} "
             f"| {t['peers']} |"
         )
     lines += [""] + [f"![{p}]({img_prefix}{p})" for p in pngs] + [""]
@@ -116,7 +116,7 @@ def _serving_table(sv: dict[str, Any]) -> list[str]:
         ):
             d = targets[name]
             lat = [
-                f"{_f(d[c][k])} ({d[c][k.replace('_ms', '_ratio')]:.2f})" if name != FLOOR else _f(d[c][k])
+                f"{fmt(d[c][k])} ({d[c][k.replace('_ms', '_ratio')]:.2f})" if name != FLOOR else fmt(d[c][k])
                 for c in ("1", "4")
                 for k in ("p50_ms", "p99_ms")
             ]
@@ -147,7 +147,7 @@ def _cold_table(cold: dict[str, Any]) -> list[str]:
     ]
     for name in ("edged", *peers_of(cold)):
         c = cold[name]
-        cells = [f"{_f(c['first_ms'][m])} / {_f(c['steady_ms'][m])} / {_f(c['after_gap_ms'][m])}" for m in models]
+        cells = [f"{fmt(c['first_ms'][m])} / {fmt(c['steady_ms'][m])} / {fmt(c['after_gap_ms'][m])}" for m in models]
         ready = f"{c['ready_s']:.2f}" + (f" (warm-up {c['warmup_s']:.2f})" if "warmup_s" in c else "")
         lines.append(
             f"| {LABEL[name]} | {ready} | "
@@ -167,5 +167,5 @@ def _sched_table(sched: dict[str, Any]) -> list[str]:
     for case, d in sched["cases"].items():
         name = case.split("@")[0]
         opts = ", ".join(f"{k}={v}" for k, v in sched["variants"][name].items()) or "defaults"
-        lines.append(f"| {case} | {opts} | {_f(d['p50_ms'])} | {_f(d['p99_ms'])} | {d['throughput_rps']:.0f} |")
+        lines.append(f"| {case} | {opts} | {fmt(d['p50_ms'])} | {fmt(d['p99_ms'])} | {d['throughput_rps']:.0f} |")
     return [*lines, ""]

@@ -207,7 +207,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _get(addr: Address, path: str) -> int:
+def status_of(addr: Address, path: str) -> int:
+    """The HTTP status of ``GET path`` on a server (a readiness probe)."""
     with connect(addr, timeout=2) as s:
         s.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
         return int(s.recv(4096).split(b" ", 2)[1])
@@ -239,6 +240,7 @@ __all__ = [
     "copier",
     "http_bytes",
     "placement",
+    "status_of",
     "tree",
     "tree_memory",
 ]
