@@ -16,14 +16,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-try:  # the HTTP client that the openai package itself uses (httpx2 from openai 3 on)
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover - older openai releases
-    import httpx  # type: ignore[no-redef]
-
 from bench.llm_floor import Floor
 from bench.llm_servers import EdgedLlm, LlmTarget
-from bench.llm_stream import Stream, aggregate_tps, concurrent, stream_chat
+from bench.llm_stream import (
+    Stream,
+    aggregate_tps,
+    concurrent,
+    httpx,  # the one HTTP client the benchmark uses (see there)
+    stream_chat,
+)
 from bench.llm_workload import (
     DECODE_TOKENS,
     LOAD_PER_CLIENT,

@@ -10,11 +10,7 @@ import json
 import socket
 from pathlib import Path
 
-try:  # the HTTP client that the openai package itself uses (httpx2 from openai 3 on)
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover - older openai releases
-    import httpx  # type: ignore[no-redef]
-
+from bench.llm_stream import httpx  # the one HTTP client the benchmark uses (see there)
 from bench.llm_workload import CONTEXT, CORES, MODEL, SLOTS, SYSTEM
 from bench.servers import Server
 from bench.wire import Address, connect
