@@ -1,8 +1,8 @@
 """Shared memory regions and helpers for the tests of outputs the model's worker writes into
 shared memory: two real memfd regions (one written with the kernel's pwrite, one mapped), a
 lookup of them by name, the bytes a region holds, and a thread standing for the model's worker.
-Test modules bind ``regions`` and the autouse ``_memfd_create`` under their own names, since
-pytest finds fixtures in the test module."""
+Test modules import ``regions`` and the autouse ``memfd_create_available`` and list them in
+``__all__``, since pytest finds fixtures in the test module."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.helpers import unavailable
 
 
 @pytest.fixture(autouse=True)
-def _memfd_create() -> None:
+def memfd_create_available() -> None:
     if not hasattr(os, "memfd_create"):
         unavailable("no memfd_create on this platform")
 

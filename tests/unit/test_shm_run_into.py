@@ -29,12 +29,9 @@ from edged.transports.shm.regions import Region
 from edged.transports.shm.worker_writes import EarlyWrites
 from edged.wire.encode import encode_infer_parts
 from edged.wire.tensors import InferRequest
-from tests.unit import early_writes_fixtures
-from tests.unit.early_writes_fixtures import SIZE, contents, lookup, outputs
+from tests.unit.early_writes_fixtures import SIZE, contents, lookup, memfd_create_available, outputs, regions
 
-# pytest finds fixtures by name in a test module: the shared ones, under their own names.
-_memfd_create = early_writes_fixtures._memfd_create
-regions = early_writes_fixtures.regions
+__all__ = ["memfd_create_available", "regions"]  # fixtures: imported so that pytest finds them
 
 
 def test_a_large_output_is_run_straight_into_its_mapped_region(regions: dict[str, Region], model_dir: Path) -> None:

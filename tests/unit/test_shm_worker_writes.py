@@ -19,12 +19,18 @@ from edged.transports.shm.regions import Region
 from edged.wire import encode as encoding
 from edged.wire.encode import encode_infer_parts
 from edged.wire.tensors import InferRequest, OutputRequest
-from tests.unit import early_writes_fixtures
-from tests.unit.early_writes_fixtures import SIZE, contents, lookup, on_a_thread, outputs, until
+from tests.unit.early_writes_fixtures import (
+    SIZE,
+    contents,
+    lookup,
+    memfd_create_available,
+    on_a_thread,
+    outputs,
+    regions,
+    until,
+)
 
-# pytest finds fixtures by name in a test module: the shared ones, under their own names.
-_memfd_create = early_writes_fixtures._memfd_create
-regions = early_writes_fixtures.regions
+__all__ = ["memfd_create_available", "regions"]  # fixtures: imported so that pytest finds them
 
 
 def test_the_worker_writes_both_kinds_and_the_encoder_copies_nothing(regions: dict[str, Region]) -> None:
